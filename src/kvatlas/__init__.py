@@ -1,0 +1,15 @@
+"""kvatlas: the DeepSeek-V4 KV cache, planned, allocated and accounted to the byte."""
+
+from __future__ import annotations
+
+from .errors import BudgetError, ConfigError, KvatlasError, PoolExhaustedError, RequestStateError
+from .model import LayerKind, ModelSpec, load_model, preset_names
+from .options import ServeOptions
+from .plan import Plan, budget_for, max_concurrency, plan
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BudgetError", "ConfigError", "KvatlasError", "LayerKind", "ModelSpec", "Plan", "PoolExhaustedError",
+    "RequestStateError", "ServeOptions", "budget_for", "load_model", "max_concurrency", "plan", "preset_names",
+]

@@ -1,0 +1,184 @@
+"""DeepSeek-V4 family model specs, loaded from a HF config.json or a bundled preset."""
+
+from __future__ import annotations
+
+import enum
+import json
+from dataclasses import dataclass
+import os
+
+from .errors import ConfigError
+
+
+class LayerKind(str, enum.Enum):
+    """What one attention layer caches (SPEC §1)."""
+
+    SWA = "swa"        # ratio 0: sliding window only
+    C4 = "c4"          # ratio 4: overlapped compression + lightning indexer
+    C128 = "c128"      # ratio 128: plain compression
+    R2 = "r2"          # V4.1 CSA2 encoder, ratio 2
+    R1 = "r1"          # V4.1 CSA2 decoder, ratio 1
+
+    @property
+    def ratio(self) -> int:
+        return _RATIO[self]
+
+    @property
+    def has_indexer(self) -> bool:
+        """C4 and the V4.1 low-ratio layers keep lightning-indexer keys beside their compressed KV."""
+        return self in (LayerKind.C4, LayerKind.R2, LayerKind.R1)
+
+
+_RATIO = {LayerKind.SWA: 0, LayerKind.C4: 4, LayerKind.C128: 128, LayerKind.R2: 2, LayerKind.R1: 1}
+_KIND_OF_RATIO = {0: LayerKind.SWA, 4: LayerKind.C4, 128: LayerKind.C128}
+_V41_KIND_OF_RATIO = {0: LayerKind.SWA, 2: LayerKind.R2, 1: LayerKind.R1}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LayerSpec:
+    index: int
+    kind: LayerKind
+    is_draft: bool
+    stores_compressed: bool  # V4.1: only kv_source layers hold compressed KV + indexer K
+
+    @property
+    def ratio(self) -> int:
+        return self.kind.ratio
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModelSpec:
+    name: str
+    family: str                       # "v4" or "v4.1"
+    num_hidden_layers: int
+    compress_ratios: tuple[int, ...]  # main layers then draft (MTP) layers
+    hidden_size: int
+    num_attention_heads: int
+    head_dim: int
+    rope_head_dim: int
+    index_n_heads: int
+    index_head_dim: int
+    index_topk: int
+    sliding_window: int
+    max_position_embeddings: int
+    num_nextn_predict_layers: int
+    kv_source_layer_ids: tuple[int, ...] = ()
+    index_source_layer_ids: tuple[int, ...] = ()
+
+    @property
+    def nope_head_dim(self) -> int:
+        return self.head_dim - self.rope_head_dim
+
+    @property
+    def num_draft_layers(self) -> int:
+        return len(self.compress_ratios) - self.num_hidden_layers
+
+    def layers(self, *, draft: bool = False) -> tuple[LayerSpec, ...]:
+        """The attention layers, main ones first; draft layers only when asked."""
+        table = _V41_KIND_OF_RATIO if self.family == "v4.1" else _KIND_OF_RATIO
+        sources = set(self.kv_source_layer_ids)
+        out = []
+        for i, ratio in enumerate(self.compress_ratios):
+            is_draft = i >= self.num_hidden_layers
+            if is_draft and not draft:
+                continue
+            kind = table[ratio]
+            stores = kind is not LayerKind.SWA and (self.family != "v4.1" or i in sources)
+            out.append(LayerSpec(index=i, kind=kind, is_draft=is_draft, stores_compressed=stores))
+        return tuple(out)
+
+    def count(self, kind: LayerKind, *, draft: bool = False) -> int:
+        return sum(1 for layer in self.layers(draft=draft) if layer.kind is kind)
+
+
+def _need(cfg: dict, key: str, where: str):
+    if key not in cfg:
+        raise ConfigError(f"{where}.{key}", "is missing", "use a DeepSeek-V4 family config.json")
+    value = cfg[key]
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ConfigError(f"{where}.{key}", f"{value!r} is not a non-negative integer",
+                          "fix the value in config.json")
+    return value
+
+
+def _ints(cfg: dict, key: str, where: str) -> tuple[int, ...]:
+    value = cfg.get(key, [])
+    if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        raise ConfigError(f"{where}.{key}", f"{value!r} is not a list of integers", "fix the list in config.json")
+    return tuple(value)
+
+
+def model_from_config(cfg: dict, name: str = "custom") -> ModelSpec:
+    """Build a ModelSpec from a parsed HF config (V4.1 nests the text model under text_config)."""
+    if not isinstance(cfg, dict):
+        raise ConfigError("config", "is not a JSON object", "give a HF config.json")
+    where = "config"
+    if isinstance(cfg.get("text_config"), dict):
+        cfg, where = cfg["text_config"], "config.text_config"
+    if "compress_ratios" not in cfg:
+        raise ConfigError(f"{where}.compress_ratios", "is missing",
+                          "this is not a DeepSeek-V4 family config (it needs compress_ratios)")
+    ratios = _ints(cfg, "compress_ratios", where)
+    layers = _need(cfg, "num_hidden_layers", where)
+    v41 = any(r in (1, 2) for r in ratios) or "kv_source_layer_ids" in cfg
+    family = "v4.1" if v41 else "v4"
+    allowed = set(_V41_KIND_OF_RATIO if v41 else _KIND_OF_RATIO)
+    bad = sorted(set(ratios) - allowed)
+    if bad:
+        raise ConfigError(f"{where}.compress_ratios", f"has ratios {bad} not used by {family} models",
+                          f"use only {sorted(allowed)}")
+    if len(ratios) < layers or layers == 0:
+        raise ConfigError(f"{where}.compress_ratios", f"has {len(ratios)} entries for {layers} layers",
+                          "give one entry per layer (draft layers appended)")
+    if any(r != 0 for r in ratios[layers:]):
+        raise ConfigError(f"{where}.compress_ratios", "draft (MTP) layers beyond num_hidden_layers must be 0",
+                          "draft layers are SWA-only")
+    sources = _ints(cfg, "kv_source_layer_ids", where)
+    if v41 and not sources:
+        raise ConfigError(f"{where}.kv_source_layer_ids", "is missing", "V4.1 configs name the layers that store compressed KV")
+    if any(not 0 <= s < layers or ratios[s] == 0 for s in sources):
+        raise ConfigError(f"{where}.kv_source_layer_ids", f"{list(sources)} names layers without compression",
+                          "list only compressed layers")
+    head_dim = _need(cfg, "head_dim", where)
+    rope = _need(cfg, "qk_rope_head_dim", where)
+    window = _need(cfg, "sliding_window", where)
+    if rope >= head_dim or window == 0:
+        raise ConfigError(f"{where}.head_dim", f"head_dim {head_dim}, rope {rope}, window {window} are inconsistent",
+                          "head_dim must exceed qk_rope_head_dim and sliding_window must be positive")
+    return ModelSpec(
+        name=name, family=family, num_hidden_layers=layers, compress_ratios=ratios,
+        hidden_size=_need(cfg, "hidden_size", where), num_attention_heads=_need(cfg, "num_attention_heads", where),
+        head_dim=head_dim, rope_head_dim=rope, index_n_heads=cfg.get("index_n_heads", 0),
+        index_head_dim=cfg.get("index_head_dim", 128), index_topk=cfg.get("index_topk", 0),
+        sliding_window=window, max_position_embeddings=_need(cfg, "max_position_embeddings", where),
+        num_nextn_predict_layers=cfg.get("num_nextn_predict_layers", 0),
+        kv_source_layer_ids=sources, index_source_layer_ids=_ints(cfg, "index_source_layer_ids", where),
+    )
+
+
+# plain os.path: importlib.resources and pathlib cost 15 ms of a 60 ms `kvatlas plan`
+PRESET_DIR = os.path.join(os.path.dirname(__file__), "presets")
+
+
+def preset_names() -> list[str]:
+    return sorted(f[:-5] for f in os.listdir(PRESET_DIR) if f.endswith(".json"))
+
+
+def load_model(name_or_path) -> ModelSpec:
+    """A preset name, a config.json file, or a model directory holding one."""
+    text = os.fspath(name_or_path)
+    if text in preset_names():
+        with open(os.path.join(PRESET_DIR, f"{text}.json")) as f:
+            return model_from_config(json.load(f), name=text)
+    path = os.path.join(text, "config.json") if os.path.isdir(text) else text
+    if not os.path.isfile(path):
+        raise ConfigError("model", f"{text!r} is neither a preset nor a config.json",
+                          f"use one of {', '.join(preset_names())}, a config.json or a model directory")
+    try:
+        with open(path, "rb") as f:
+            cfg = json.loads(f.read().decode())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError("model", f"{path} is not valid JSON ({exc})", "give a HF config.json") from None
+    base = os.path.basename(path)
+    name = os.path.basename(os.path.dirname(os.path.abspath(path))) if base == "config.json" else base.rsplit(".", 1)[0]
+    return model_from_config(cfg, name=name)

@@ -1,0 +1,118 @@
+"""Serving options: the deployment a plan is made for, validated in one place."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+
+from . import formats
+from .errors import ConfigError
+from .units import parse_bytes
+
+# Total memory CUDA reports for each GPU (nvidia-smi's MiB figure).
+GPU_MEMORY_BYTES = {"h200": 143771 * 2**20, "h100": 81559 * 2**20, "h20": 97871 * 2**20}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ServeOptions:
+    memory_bytes: int | None = None       # KV budget per rank; None: gpu × mem_fraction − weights
+    gpu: str = "h200"
+    mem_fraction: float = 0.9
+    weights_bytes: int = 0                # the weights' share of one rank's memory
+    page_tokens: int = 256
+    swa_page_tokens: int = 64             # SWA pages are smaller: a 128-token window in 256-token
+                                          # pages holds 2 pages (512 tokens) per request
+    kv_layout: str | None = None          # None: the model family's native layout
+    indexer: str | None = None            # None: the layout's default
+    state_dtype: str = "fp32"
+    online_c128: bool = False
+    max_running_requests: int = 256
+    draft_tokens: int = 0
+    chunked_prefill_tokens: int = 8192
+    draft_layers: bool | None = None      # None: cached iff draft_tokens > 0
+    max_model_len: int | None = None      # None: the model's max_position_embeddings
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    pp_rank: int = 0
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> "ServeOptions":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ConfigError(unknown[0], "is not a serving option", f"use one of {', '.join(sorted(known))}")
+        if isinstance(kwargs.get("memory_bytes"), str):
+            kwargs["memory_bytes"] = parse_bytes(kwargs["memory_bytes"], "memory")
+        if isinstance(kwargs.get("weights_bytes"), str):
+            kwargs["weights_bytes"] = parse_bytes(kwargs["weights_bytes"], "weights")
+        return cls(**kwargs).validated()
+
+    def validated(self) -> "ServeOptions":
+        _positive_int(self, "page_tokens", "swa_page_tokens", "max_running_requests", "chunked_prefill_tokens", "tp", "pp", "dp")
+        _non_negative_int(self, "draft_tokens", "weights_bytes", "pp_rank")
+        if self.memory_bytes is not None:
+            _positive_int(self, "memory_bytes")
+        if self.max_model_len is not None:
+            _positive_int(self, "max_model_len")
+        if self.page_tokens % 128:
+            raise ConfigError("page_tokens", f"{self.page_tokens} is not a multiple of 128",
+                              "use 256 (the C128 pool needs whole entries per page)")
+        if self.swa_page_tokens % 64:
+            raise ConfigError("swa_page_tokens", f"{self.swa_page_tokens} is not a multiple of 64",
+                              "use 64 (the attention kernels read 64-entry blocks)")
+        if self.pp_rank >= self.pp:
+            raise ConfigError("pp_rank", f"{self.pp_rank} is not below pp={self.pp}", "pick a rank in 0..pp-1")
+        if self.gpu not in GPU_MEMORY_BYTES:
+            raise ConfigError("gpu", f"{self.gpu!r} is not known", f"use one of {', '.join(GPU_MEMORY_BYTES)} or give memory")
+        if not (isinstance(self.mem_fraction, (int, float)) and 0 < self.mem_fraction <= 1):
+            raise ConfigError("mem_fraction", f"{self.mem_fraction!r} is not in (0, 1]", "use e.g. 0.9")
+        if self.kv_layout is not None:
+            formats.layout(self.kv_layout)
+        if self.indexer is not None:
+            formats.indexer_format(self.indexer)
+        formats.state_itemsize(self.state_dtype)
+        if self.online_c128 and self.state_dtype != "fp32":
+            raise ConfigError("online_c128", "online C128 state needs fp32 (running max and sum)",
+                              "use state_dtype fp32 or turn online_c128 off")
+        return self
+
+    def resolve(self, model) -> "ServeOptions":
+        """Fill the defaults that depend on the model and check the pairing."""
+        native = "v4.1" if model.family == "v4.1" else "v4"
+        kv_layout = self.kv_layout or native
+        lay = formats.layout(kv_layout)
+        if lay.family != model.family:
+            choices = [n for n, l in formats.LAYOUTS.items() if l.family == model.family]
+            raise ConfigError("kv_layout", f"{kv_layout!r} does not fit a {model.family} model",
+                              f"use one of {', '.join(choices)}")
+        max_len = self.max_model_len or model.max_position_embeddings
+        draft_layers = self.draft_tokens > 0 if self.draft_layers is None else self.draft_layers
+        return replace(self, kv_layout=kv_layout, indexer=self.indexer or lay.default_indexer,
+                       max_model_len=max_len, draft_layers=draft_layers)
+
+    def budget_bytes(self) -> int:
+        if self.memory_bytes is not None:
+            return self.memory_bytes
+        usable = int(GPU_MEMORY_BYTES[self.gpu] * self.mem_fraction) - self.weights_bytes
+        if usable <= 0:
+            raise ConfigError("weights_bytes", f"weights ({self.weights_bytes} B) leave nothing of the {self.gpu}",
+                              "raise tp/pp, lower the weights share, or give memory")
+        return usable
+
+    @property
+    def running_requests_per_rank(self) -> int:
+        return -(-self.max_running_requests // self.dp)
+
+
+def _positive_int(opts, *names):
+    for name in names:
+        value = getattr(opts, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ConfigError(name, f"{value!r} is not a positive integer", "give a whole number above 0")
+
+
+def _non_negative_int(opts, *names):
+    for name in names:
+        value = getattr(opts, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ConfigError(name, f"{value!r} is not a non-negative integer", "give 0 or a whole number above 0")

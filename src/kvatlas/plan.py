@@ -1,0 +1,289 @@
+"""The planner: a model, options and a budget in; pool sizes, a buffer map and capacity out.
+
+Cost structure (SPEC §3): every running request has a fixed cost (SWA pages or window rows
+covering the window plus what one step writes, compressor-state rings, a block-table row); every
+cached token costs its compressed KV and indexer entries at their page-padded price; once per rank
+there is the null unit of each index space and the in-flight SWA of one prefill chunk.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from . import buffers as bufmod
+from . import formats
+from .buffers import FULL_PAGES, REQUEST_SLOTS, SWA_PAGES, WORKSPACE, BufferSpec
+from .errors import BudgetError, ConfigError
+from .model import LayerSpec, ModelSpec, load_model
+from .options import ServeOptions
+from .units import cdiv, fmt_bytes, round_up
+
+PLAN_SCHEMA_VERSION = 1
+CONTEXTS = (4096, 32768, 131072, 1048576)
+
+
+def rank_layers(model: ModelSpec, opts: ServeOptions) -> tuple[LayerSpec, ...]:
+    """The layers pipeline stage `pp_rank` runs: main layers split evenly, draft layers on the last."""
+    main = [l for l in model.layers() if not l.is_draft]
+    per, extra = divmod(len(main), opts.pp)
+    start = opts.pp_rank * per + min(opts.pp_rank, extra)
+    mine = main[start:start + per + (1 if opts.pp_rank < extra else 0)]
+    if opts.draft_layers and opts.pp_rank == opts.pp - 1:
+        mine += [l for l in model.layers(draft=True) if l.is_draft]
+    if not mine:
+        raise ConfigError("pp", f"pp={opts.pp} leaves stage {opts.pp_rank} without layers",
+                          f"use pp ≤ {len(main)}")
+    return tuple(mine)
+
+
+def swa_pages_per_step(window: int, new_tokens: int, page: int) -> int:
+    """Most pages a step's SWA span can overlap, for any start: writing positions [L, L + n)
+    reads keys [L − window + 1, L + n), window − 1 + n tokens."""
+    span = window - 1 + new_tokens
+    return (span - 2) // page + 2 if span >= 2 else 1
+
+
+def chunk_extra_swa_pages(window: int, decode_tokens: int, page: int, chunk: int, requests: int) -> int:
+    """Worst-case SWA pages a prefill chunk of `chunk` tokens, spread over up to `requests`
+    requests, needs beyond every request's decode-step pages. The first extra page of a request
+    costs `first` chunk tokens, each further one a whole page, so spreading minimal pieces is
+    the worst case."""
+    base = swa_pages_per_step(window, decode_tokens, page)
+    first = max(1, (base - 1) * page - window + 3)  # smallest n with swa_pages_per_step(window, n) > base
+    pieces = min(requests, chunk // first)
+    return pieces + (chunk - pieces * first) // page
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Sizing:
+    """What the options fix before the budget is spent: units per index space except full pages."""
+
+    requests: int
+    swa_pages_per_request: int
+    swa_extra_pages: int
+    window_rows: int
+    workspace_rows: int
+    pages_per_request: int
+    swa_ring_pages: int     # SWA block-table entries per request: the most pages one request holds
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Plan:
+    model: ModelSpec
+    options: ServeOptions
+    layers: tuple[LayerSpec, ...]
+    budget_bytes: int
+    buffers: tuple[BufferSpec, ...]
+    units: dict = field(hash=False)
+    sizing: Sizing
+    bytes_per_token: float
+    row_bytes_per_token: float
+    bytes_per_request: int
+    shared_bytes: int
+    schema_version: int = PLAN_SCHEMA_VERSION
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(b.bytes for b in self.buffers)
+
+    @property
+    def num_full_pages(self) -> int:
+        return self.units[FULL_PAGES]
+
+    @property
+    def num_swa_pages(self) -> int:
+        return self.units[SWA_PAGES]
+
+    @property
+    def num_request_slots(self) -> int:
+        return self.units[REQUEST_SLOTS]
+
+    @property
+    def max_running_requests(self) -> int:
+        return self.sizing.requests
+
+    @property
+    def page_tokens(self) -> int:
+        return self.options.page_tokens
+
+    @property
+    def has_compressed(self) -> bool:
+        return any(b.group == FULL_PAGES for b in self.buffers)
+
+    @property
+    def max_total_tokens(self) -> int:
+        """Tokens all live requests together can hold: the full-token pages less the null page,
+        or, with no compressed layer on this rank, every request at max_model_len."""
+        if self.has_compressed:
+            return (self.num_full_pages - 1) * self.page_tokens
+        return self.sizing.requests * self.options.max_model_len
+
+    @property
+    def unused_bytes(self) -> int:
+        return self.budget_bytes - self.total_bytes
+
+    @property
+    def dead_bytes(self) -> int:
+        return sum(b.dead_bytes for b in self.buffers)
+
+    def buffer(self, name: str) -> BufferSpec:
+        for b in self.buffers:
+            if b.name == name:
+                return b
+        raise KeyError(f"no buffer {name!r} in this plan; buffers: {[b.name for b in self.buffers]}")
+
+    def pools(self) -> dict[str, list[BufferSpec]]:
+        out: dict[str, list[BufferSpec]] = {}
+        for b in self.buffers:
+            out.setdefault(b.pool, []).append(b)
+        return out
+
+    def concurrency_in_plan(self, context_tokens: int) -> int:
+        """Requests of this context the plan's pools hold at once (capped by max running)."""
+        if context_tokens > self.options.max_model_len:
+            return 0
+        if not self.has_compressed:
+            return self.sizing.requests
+        return min(self.sizing.requests, (self.num_full_pages - 1) // cdiv(context_tokens, self.page_tokens))
+
+
+def _sizing(model: ModelSpec, opts: ServeOptions, requests: int) -> Sizing:
+    lay = formats.layout(opts.kv_layout)
+    page, window = opts.swa_page_tokens, model.sliding_window
+    decode = 1 + opts.draft_tokens
+    chunk = opts.chunked_prefill_tokens
+    if lay.window_rows:
+        return Sizing(requests=requests, swa_pages_per_request=0, swa_extra_pages=0,
+                      window_rows=window + decode - 1, workspace_rows=chunk,
+                      pages_per_request=cdiv(opts.max_model_len, opts.page_tokens), swa_ring_pages=0)
+    return Sizing(requests=requests, swa_pages_per_request=swa_pages_per_step(window, decode, page),
+                  swa_extra_pages=chunk_extra_swa_pages(window, decode, page, chunk, requests),
+                  window_rows=0, workspace_rows=0, pages_per_request=cdiv(opts.max_model_len, opts.page_tokens),
+                  swa_ring_pages=swa_pages_per_step(window, max(chunk, decode), page))
+
+
+class _Sizer:
+    """Turns (requests, full pages) into a buffer map; shared by plan(), the inverse and capacity."""
+
+    def __init__(self, model: ModelSpec, opts: ServeOptions) -> None:
+        self.model, self.opts = model, opts
+        self.layers = rank_layers(model, opts)
+        probe = _sizing(model, opts, 1)
+        self.tmpls = bufmod.templates(model, opts, self.layers, probe)
+        self.page_price = sum(t.unit_bytes for t in self.tmpls if t.group == FULL_PAGES)
+
+    def units(self, requests: int, full_pages: int) -> tuple[Sizing, dict]:
+        s = _sizing(self.model, self.opts, requests)
+        swa = requests * s.swa_pages_per_request + s.swa_extra_pages + 1
+        units = {REQUEST_SLOTS: requests + 1, SWA_PAGES: swa, FULL_PAGES: full_pages + 1 if self.page_price else 0,
+                 WORKSPACE: 1}
+        return s, units
+
+    def total(self, requests: int, full_pages: int) -> int:
+        _, units = self.units(requests, full_pages)
+        return sum(round_up(units[t.group] * t.unit_bytes, bufmod.BUFFER_ALIGN) for t in self.tmpls)
+
+    def max_pages(self, requests: int, budget: int) -> int:
+        """Most full pages (null excluded) that fit beside `requests` requests, or -1."""
+        if self.total(requests, 0) > budget:
+            return -1
+        if not self.page_price:
+            return 0
+        n = max((budget - self.total(requests, 0)) // self.page_price, 0)
+        while n > 0 and self.total(requests, n) > budget:
+            n -= 1
+        while self.total(requests, n + 1) <= budget:
+            n += 1
+        return n
+
+    def max_requests(self, budget: int, context_tokens: int) -> int:
+        """Most requests of `context_tokens` each that any plan in `budget` holds."""
+        need = cdiv(context_tokens, self.opts.page_tokens) if self.page_price else 0
+        lo, hi = 0, 1
+        while self.max_pages(hi, budget) >= hi * need:
+            lo, hi = hi, hi * 2
+            if hi > 1 << 24:
+                return lo
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if self.max_pages(mid, budget) >= mid * need:
+                lo = mid
+            else:
+                hi = mid
+        return lo
+
+
+def _build(sizer: _Sizer, budget: int, requests: int, full_pages: int) -> Plan:
+    sizing, units = sizer.units(requests, full_pages)
+    bufs = bufmod.materialise(sizer.tmpls, units)
+    per_request = sum(b.unit_bytes for b in bufs if b.group == REQUEST_SLOTS)
+    per_request += sum(b.unit_bytes for b in bufs if b.group == SWA_PAGES) * sizing.swa_pages_per_request
+    total = sum(b.bytes for b in bufs)
+    lay = formats.layout(sizer.opts.kv_layout)
+    row_price = formats.per_token_row_bytes(_RankModel(sizer.layers), lay.compressed,
+                                            formats.indexer_format(sizer.opts.indexer))
+    return Plan(model=sizer.model, options=sizer.opts, layers=sizer.layers, budget_bytes=budget, buffers=bufs,
+                units=units, sizing=sizing, bytes_per_token=sizer.page_price / sizer.opts.page_tokens,
+                row_bytes_per_token=row_price, bytes_per_request=per_request,
+                shared_bytes=total - per_request * requests - full_pages * sizer.page_price)
+
+
+@dataclass(frozen=True, slots=True)
+class _RankModel:
+    """Just the layers of one rank, for per-token arithmetic."""
+
+    _layers: tuple[LayerSpec, ...]
+
+    def layers(self, *, draft: bool = False):
+        return self._layers
+
+
+def _resolve(model, options) -> tuple[ModelSpec, ServeOptions]:
+    if isinstance(model, str):
+        model = load_model(model)
+    opts = options if isinstance(options, ServeOptions) else ServeOptions.from_kwargs(**options)
+    return model, opts.validated().resolve(model)
+
+
+def plan(model: ModelSpec | str, memory_bytes: int | str | None = None, **options) -> Plan:
+    """Size every pool for `memory_bytes` per rank: max_running_requests request slots, then as
+    many full-token pages as fit, never more than the requests could ever address."""
+    if memory_bytes is not None:
+        options["memory_bytes"] = memory_bytes
+    model, opts = _resolve(model, options)
+    budget = opts.budget_bytes()
+    sizer = _Sizer(model, opts)
+    requests = opts.running_requests_per_rank
+    one_request = cdiv(opts.max_model_len, opts.page_tokens) if sizer.page_price else 0
+    pages = sizer.max_pages(requests, budget)
+    if pages < one_request:
+        need = sizer.total(requests, one_request)
+        raise BudgetError(
+            f"memory: {fmt_bytes(budget)} ({budget} B) cannot hold {requests} running requests plus one request "
+            f"of max_model_len={opts.max_model_len} tokens: that needs {fmt_bytes(need)} ({need} B); "
+            f"raise memory, or lower max_running_requests or max_model_len")
+    reachable = requests * one_request if sizer.page_price else 0
+    return _build(sizer, budget, requests, min(pages, reachable))
+
+
+def budget_for(model: ModelSpec | str, num_requests: int, context_tokens: int, **options) -> Plan:
+    """The inverse: the smallest plan that holds `num_requests` requests of `context_tokens` each."""
+    if not isinstance(num_requests, int) or num_requests <= 0:
+        raise ConfigError("num_requests", f"{num_requests!r} is not a positive integer", "give a request count above 0")
+    if not isinstance(context_tokens, int) or context_tokens <= 0:
+        raise ConfigError("context_tokens", f"{context_tokens!r} is not a positive integer", "give a token count above 0")
+    options.setdefault("max_running_requests", num_requests)
+    options.setdefault("max_model_len", context_tokens)
+    model, opts = _resolve(model, options)
+    sizer = _Sizer(model, opts)
+    requests = opts.running_requests_per_rank
+    pages = requests * cdiv(context_tokens, opts.page_tokens) if sizer.page_price else 0
+    total = sizer.total(requests, pages)
+    return _build(sizer, total, requests, pages)
+
+
+def max_concurrency(p: Plan, context_tokens: int) -> int:
+    """Requests of `context_tokens` the same budget holds when max_running_requests is set for it."""
+    if context_tokens > p.options.max_model_len:
+        return 0
+    return _Sizer(p.model, p.options).max_requests(p.budget_bytes, context_tokens)
