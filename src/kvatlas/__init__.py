@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from .audit import audit as audit  # torch is imported inside audit(), not here
 from .errors import BudgetError, ConfigError, KvatlasError, PoolExhaustedError, RequestStateError
 from .model import LayerKind, ModelSpec, load_model, preset_names
 from .options import ServeOptions
