@@ -10,7 +10,14 @@ from .plan import Plan, budget_for, max_concurrency, plan
 
 __version__ = "0.1.0"
 
+
+def allocate(plan, device="cpu", backend="plain"):
+    """Allocate `plan` as real tensors (torch) and return the KVCache. Imports torch."""
+    from .cache.kvcache import allocate as _allocate
+    return _allocate(plan, device=device, backend=backend)
+
+
 __all__ = [
-    "BudgetError", "ConfigError", "KvatlasError", "LayerKind", "ModelSpec", "Plan", "PoolExhaustedError",
+    "BudgetError", "allocate", "ConfigError", "KvatlasError", "LayerKind", "ModelSpec", "Plan", "PoolExhaustedError",
     "RequestStateError", "ServeOptions", "budget_for", "load_model", "max_concurrency", "plan", "preset_names",
 ]

@@ -1,0 +1,1 @@
+"""The cache object: pools over the arena, with the allocator and the ledger."""

@@ -1,0 +1,112 @@
+"""KVCache: the arena, its pools, the ledger and the allocator of one plan, as one object."""
+
+from __future__ import annotations
+
+from ..alloc import Allocator
+from ..alloc.allocator import request_entries
+from ..alloc.integrity import check as check_allocator
+from ..arena import Arena
+from ..buffers import FULL_PAGES, REQUEST_SLOTS, SWA_PAGES
+from ..errors import RequestStateError
+from ..ledger import Ledger, entry_key
+from .pools import build_pools
+
+
+class KVCache:
+    """Owns every tensor of a plan. Lifecycle calls go to the allocator, which moves the ledger."""
+
+    def __init__(self, plan, device="cpu", backend="plain") -> None:
+        self.plan = plan
+        self.arena = Arena(plan, device=device, backend=backend)
+        self.pools = build_pools(plan, {n: r.tensor for n, r in self.arena.regions.items()})
+        self.ledger = Ledger(plan, self.arena)
+        self.allocator = Allocator(plan, self.ledger)
+        self._by_layer: dict[int, dict[str, object]] = {}
+        for pool in self.pools.values():
+            for layer in pool.layers:
+                self._by_layer.setdefault(layer, {})[pool.name] = pool
+
+    @property
+    def device(self):
+        return self.arena.device
+
+    def layer_pools(self, layer: int) -> dict:
+        """Every pool holding a slice for model layer `layer`, by pool name."""
+        if layer not in self._by_layer:
+            raise KeyError(f"layer {layer} is not cached on this rank (layers {sorted(self._by_layer)})")
+        return self._by_layer[layer]
+
+    # --- lifecycle (see kvatlas.alloc.Allocator) ---
+    def can_admit(self, prompt_tokens: int, max_new_tokens: int = 0) -> bool:
+        return self.allocator.can_admit(prompt_tokens, max_new_tokens)
+
+    def admit(self, request_id, prompt_tokens: int, max_new_tokens: int = 0):
+        adm = self.allocator.admit(request_id, prompt_tokens, max_new_tokens)
+        self._clear_state(adm.request_slot)
+        return adm
+
+    def extend(self, request_id, num_tokens: int):
+        return self.allocator.extend(request_id, num_tokens)
+
+    def step(self, request_ids, tokens_each=1):
+        return self.allocator.step(request_ids, tokens_each)
+
+    def rollback(self, request_id, num_tokens: int) -> None:
+        self.allocator.rollback(request_id, num_tokens)
+
+    def finish(self, request_id) -> None:
+        self.allocator.finish(request_id)
+
+    def flush(self) -> None:
+        self.allocator.flush()
+
+    def _clear_state(self, slot: int) -> None:
+        """A new request's rings start cleared: kv = 0, score = -inf (online C128: max = -inf)."""
+        for pool in self.pools.values():
+            if pool.role != "state":
+                continue
+            rows = pool.tensor[slot]
+            width = rows.shape[-1]
+            if pool.name.endswith("online_state"):   # [max | sum | kv]
+                rows.zero_()
+                rows[..., : width // 3].fill_(float("-inf"))
+            else:                                    # [kv | score]
+                rows[..., : width // 2].zero_()
+                rows[..., width // 2:].fill_(float("-inf"))
+
+    # --- accounting ---
+    def request_usage(self, request_id) -> dict[str, dict[str, int]]:
+        """One request's footprint by pool: bytes held (pages/slots it owns) and occupied (live)."""
+        a = self.allocator
+        if request_id not in a.slot_of:
+            raise RequestStateError(f"request_id {request_id!r} is not running; ask about a running request")
+        slot = a.slot_of[request_id]
+        entries = request_entries(a, slot)
+        units = {REQUEST_SLOTS: 1, FULL_PAGES: int(a.full_held[slot]),
+                 SWA_PAGES: int(a.swa_hi[slot] - a.swa_lo[slot])}
+        out: dict[str, dict[str, int]] = {}
+        for name, specs in self.plan.pools().items():
+            held = occupied = 0
+            for s in specs:
+                if s.group not in units:
+                    continue
+                held += units[s.group] * s.unit_bytes
+                if s.group == REQUEST_SLOTS:
+                    occupied += s.unit_payload_bytes
+                else:
+                    occupied += entries.get(entry_key(s), 0) * s.entry_bytes * len(s.layers)
+            out[name] = {"held_bytes": held, "occupied_bytes": occupied}
+        return out
+
+    def check_integrity(self):
+        check_allocator(self.allocator, self.ledger)
+        return self.ledger.check_integrity()
+
+    def close(self) -> None:
+        self.pools.clear()
+        self.arena.close()
+
+
+def allocate(plan, device="cpu", backend="plain") -> KVCache:
+    """Allocate a plan for real: every buffer a view of one allocation, accounted by the ledger."""
+    return KVCache(plan, device=device, backend=backend)
