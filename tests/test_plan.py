@@ -39,7 +39,7 @@ def test_flash_intercept_is_exact():
     p = kvatlas.plan("deepseek-v4-flash", "120GiB")
     swa = 3 * 43 * 37_440                      # 3 SWA pages of 64 tokens cover 127 + 1 tokens
     state = 21 * 8 * (8192 + 2048) + 20 * 128 * 4096
-    table = 4 * (4096 + 131)                   # full block table + SWA page ring
+    table = 4 * (4096 + 256)                   # full block table + SWA page ring (131 → 256)
     assert p.bytes_per_request == swa + state + table
 
 

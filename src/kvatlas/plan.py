@@ -54,6 +54,11 @@ def chunk_extra_swa_pages(window: int, decode_tokens: int, page: int, chunk: int
     return pieces + (chunk - pieces * first) // page
 
 
+def _pow2(n: int) -> int:
+    """Ring sizes are powers of two so that `position % ring` is a mask in the allocator."""
+    return 1 << (n - 1).bit_length()
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Sizing:
     """What the options fix before the budget is spent: units per index space except full pages."""
@@ -64,7 +69,7 @@ class Sizing:
     window_rows: int
     workspace_rows: int
     pages_per_request: int
-    swa_ring_pages: int     # SWA block-table entries per request: the most pages one request holds
+    swa_ring_pages: int     # SWA block-table entries per request: ≥ the most pages one request holds
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -159,7 +164,7 @@ def _sizing(model: ModelSpec, opts: ServeOptions, requests: int) -> Sizing:
     return Sizing(requests=requests, swa_pages_per_request=swa_pages_per_step(window, decode, page),
                   swa_extra_pages=chunk_extra_swa_pages(window, decode, page, chunk, requests),
                   window_rows=0, workspace_rows=0, pages_per_request=cdiv(opts.max_model_len, opts.page_tokens),
-                  swa_ring_pages=swa_pages_per_step(window, max(chunk, decode), page))
+                  swa_ring_pages=_pow2(swa_pages_per_step(window, max(chunk, decode), page)))
 
 
 class _Sizer:

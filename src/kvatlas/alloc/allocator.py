@@ -1,0 +1,399 @@
+"""The allocator: request slots, full-token pages, SWA pages and state rows for every request.
+
+Full-token pages (page_tokens each) carry every compressed pool at once: the entry for position
+p of ratio r lives in page table[p // page_tokens], entry (p % page_tokens) // r. Admission
+reserves the pages a request's declared length needs, so a running request never runs out of
+full pages before its declared end; can_admit() answers from the same counters. SWA pages
+(swa_page_tokens each) follow the window: a page that falls wholly below the keys the next
+query needs is retired when the next forward pass begins. Each step() or extend() is one forward
+pass, unless several are grouped under `with allocator.forward():` (a mixed prefill/decode
+batch); the indices a call returns stay valid until the next forward begins (or flush()).
+
+Every check happens before any mutation: a refused call leaves every array as it was.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+
+from ..buffers import FULL_PAGES, REQUEST_SLOTS, SWA_PAGES
+from ..errors import KvatlasError, PoolExhaustedError, RequestStateError
+from ..model import LayerKind
+from ..units import cdiv
+from .freelist import FreeList
+from .indices import Admission, WriteIndices
+
+_EMPTY = np.zeros(0, dtype=np.int64)
+
+
+def _div(x: np.ndarray, d: int) -> np.ndarray:
+    """x // d; a shift when d is a power of two (several times faster on int64 arrays)."""
+    return x >> (d.bit_length() - 1) if d & (d - 1) == 0 else x // d
+
+
+def _mod(x: np.ndarray, d: int) -> np.ndarray:
+    return x & (d - 1) if d & (d - 1) == 0 else x % d
+
+
+def _spread(ids: np.ndarray, counts: np.ndarray, start: np.ndarray):
+    """Each id repeated counts times, with start, start+1, … beside it (for table columns).
+    Decode steps mostly need one page per request: that case costs no repeat at all."""
+    if len(counts) == int(counts.sum()):
+        return ids, start
+    return np.repeat(ids, counts), np.repeat(start, counts) + _ramp(counts)
+
+
+def _ramp(counts: np.ndarray) -> np.ndarray:
+    """0..c-1 for each count c, concatenated."""
+    total = int(counts.sum())
+    starts = np.repeat(np.cumsum(counts) - counts, counts)
+    return np.arange(total, dtype=np.int64) - starts
+
+
+class Allocator:
+    def __init__(self, plan, ledger=None) -> None:
+        self.plan, self.ledger = plan, ledger
+        o = plan.options
+        self.P, self.window = o.page_tokens, plan.model.sliding_window
+        self.max_len = o.max_model_len
+        self.window_rows = plan.sizing.window_rows            # V4.1: per-slot window ring
+        self.Ps = o.swa_page_tokens
+        n = plan.num_request_slots
+        self.slots = FreeList(n)
+        self.full = FreeList(plan.num_full_pages) if plan.has_compressed else None
+        self.swa = FreeList(plan.num_swa_pages) if not self.window_rows else None
+        self.ring = plan.sizing.swa_ring_pages
+        self.length = np.zeros(n, np.int64)
+        self.full_held = np.zeros(n, np.int64)
+        self.reserved = np.zeros(n, np.int64)
+        self.swa_lo = np.zeros(n, np.int64)   # SWA logical pages [lo, hi) are held
+        self.swa_hi = np.zeros(n, np.int64)
+        self.last_write = np.zeros(n, np.int64)
+        self.full_table = np.zeros((n, plan.sizing.pages_per_request), np.int64)
+        self.swa_table = np.zeros((n, max(self.ring, 1)), np.int64)
+        self.outstanding = 0                  # reserved full pages not yet held
+        self.slot_of: dict = {}
+        self.rid_of: list = [None] * n
+        self.ratios = sorted({LayerKind(b.layer_kind).ratio for b in plan.buffers
+                              if b.group == FULL_PAGES and b.role == "kv"})
+        self.rings = {b.name: b.entries_per_unit for b in plan.buffers if b.role == "state"}
+        self._written: list[np.ndarray] = []   # slots written in the current forward pass
+        self._grouped = 0
+
+    # ---------------------------------------------------------------- admission
+    def _validate_lengths(self, prompt_tokens, max_new_tokens) -> int:
+        for name, v, low in (("prompt_tokens", prompt_tokens, 1), ("max_new_tokens", max_new_tokens, 0)):
+            if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < low:
+                raise KvatlasError(f"{name}: {v!r} is not an integer ≥ {low}; give a whole number of tokens")
+        total = int(prompt_tokens) + int(max_new_tokens)
+        if total > self.max_len:
+            raise KvatlasError(f"prompt_tokens + max_new_tokens = {total} exceeds max_model_len {self.max_len}; "
+                               "shorten the request or plan a larger max_model_len")
+        return total
+
+    def _admission_shortfall(self, total_tokens: int):
+        if self.slots.free == 0:
+            return PoolExhaustedError("request_slots", 1, 0, "slots", "admission")
+        if self.full is not None:
+            pages = cdiv(total_tokens, self.P)
+            free = self.full.free - self.outstanding
+            if pages > free:
+                return PoolExhaustedError("full_pages", pages, free, "pages", "admission")
+        return None
+
+    def can_admit(self, prompt_tokens: int, max_new_tokens: int = 0) -> bool:
+        return self._admission_shortfall(self._validate_lengths(prompt_tokens, max_new_tokens)) is None
+
+    def admit(self, request_id, prompt_tokens: int, max_new_tokens: int = 0) -> Admission:
+        total = self._validate_lengths(prompt_tokens, max_new_tokens)
+        if request_id in self.slot_of:
+            raise RequestStateError(f"request_id {request_id!r} is already running; finish it first or use a new id")
+        short = self._admission_shortfall(total)
+        if short is not None:
+            if self.ledger is not None:
+                self.ledger.admission_refusals += 1
+            raise short
+        slot = int(self.slots.pop(1, 0)[0])
+        self.slots.owner[slot] = slot + 1
+        pages = cdiv(total, self.P) if self.full is not None else 0
+        self.reserved[slot] = pages
+        self.outstanding += pages
+        self.slot_of[request_id] = slot
+        self.rid_of[slot] = request_id
+        if self.ledger is not None:
+            self.ledger.add_units(REQUEST_SLOTS, 1)
+            self.ledger.running_requests += 1
+        rows = {name: np.arange(slot * ring, (slot + 1) * ring) for name, ring in self.rings.items()}
+        return Admission(request_id=request_id, request_slot=slot, reserved_pages=pages, state_rows=rows)
+
+    # ---------------------------------------------------------------- writes
+    def _slots(self, request_ids) -> np.ndarray:
+        try:
+            slots = np.fromiter(map(self.slot_of.__getitem__, request_ids), np.int64, len(request_ids))
+        except KeyError as exc:
+            raise RequestStateError(f"request_id {exc.args[0]!r} is not running (never admitted or finished); "
+                                    "admit it first") from None
+        if len(slots) > 1 and np.bincount(slots, minlength=1).max() > 1:
+            raise RequestStateError("request_ids: a request appears twice in one step; list each once")
+        return slots
+
+    def extend(self, request_id, num_tokens: int) -> WriteIndices:
+        """Chunked prefill: write the next num_tokens of one request."""
+        if not isinstance(num_tokens, (int, np.integer)) or isinstance(num_tokens, bool) or num_tokens < 1:
+            raise KvatlasError(f"num_tokens: {num_tokens!r} is not an integer ≥ 1; give the chunk length")
+        if num_tokens > self.plan.options.chunked_prefill_tokens:
+            raise KvatlasError(f"num_tokens: {num_tokens} exceeds chunked_prefill_tokens="
+                               f"{self.plan.options.chunked_prefill_tokens}; split the prompt into chunks")
+        slots = self._slots([request_id])
+        counts = np.array([num_tokens], np.int64)
+        self._check_length(self.length[slots] + counts)
+        self._begin_forward()
+        return self._write(slots, counts, prefill=True)
+
+    def step(self, request_ids, tokens_each=1) -> WriteIndices:
+        """One forward pass for a batch: every request writes tokens_each (1 + drafts) tokens."""
+        slots = self._slots(request_ids)
+        if isinstance(tokens_each, (int, np.integer)) and not isinstance(tokens_each, bool):
+            counts = int(tokens_each)   # uniform batch: scalar arithmetic, no per-request arrays
+            low = counts
+        else:
+            counts = np.asarray(tokens_each, np.int64)
+            if counts.shape != slots.shape:
+                raise KvatlasError(f"tokens_each: {counts.shape[0] if counts.ndim else 'a non-integer'} counts "
+                                   f"for {len(slots)} requests; give one integer, or one per request")
+            low = int(counts.min(initial=1))
+        if low < 1:
+            raise KvatlasError("tokens_each: every request must write at least 1 token")
+        self._check_length(self.length[slots] + counts)
+        self._begin_forward()   # only after the call is known valid: retiring is a state change
+        return self._write(slots, counts, prefill=False)
+
+    @contextlib.contextmanager
+    def forward(self):
+        """Group several extend()/step() calls into one forward pass: no page they were handed
+        is retired until the group ends and a later forward begins."""
+        self._begin_forward()
+        self._grouped += 1
+        try:
+            yield self
+        finally:
+            self._grouped -= 1
+
+    def flush(self) -> None:
+        """The last forward pass has completed: retire what fell out of every window now."""
+        if not self._grouped:
+            self._begin_forward()
+
+    def _begin_forward(self) -> None:
+        if self._grouped or not self._written:
+            return
+        written = np.unique(np.concatenate(self._written)) if len(self._written) > 1 else self._written[0]
+        self._written.clear()
+        self._retire(written[self.slots.owner[written] != 0])
+
+    def _retire(self, slots: np.ndarray) -> None:
+        if self.swa is None or len(slots) == 0:
+            return
+        k = _div(self.length[slots] - (self.window - 1), self.Ps) - self.swa_lo[slots]
+        i = np.flatnonzero(k > 0)
+        if len(i) == 0:
+            return
+        slots, k = slots[i], k[i]
+        total = int(k.sum())
+        rows, logical = _spread(slots, k, self.swa_lo[slots])
+        cols = _mod(logical, self.ring)
+        self.swa.push(self.swa_table[rows, cols].copy())
+        self.swa_table[rows, cols] = 0
+        self.swa_lo[slots] += k
+        if self.ledger is not None:
+            self.ledger.add_units(SWA_PAGES, -total)
+            self.ledger.add_entries("swa", -total * self.Ps)
+
+    def _check_length(self, L1) -> None:
+        if int(L1.max(initial=0)) > self.max_len:
+            raise KvatlasError(f"a request would reach {int(L1.max())} tokens, beyond max_model_len {self.max_len}; "
+                               "finish it or plan a larger max_model_len")
+
+    def _check_write(self, slots, L1):
+        """Which requests need new pages, and how many; raises before anything changes.
+        Works on the few requests that cross a page boundary, not on the whole batch."""
+        full = swa = (_EMPTY, _EMPTY)
+        if self.full is not None:
+            need = _div(L1 + (self.P - 1), self.P) - self.full_held[slots]
+            i = np.flatnonzero(need)
+            sub, n = slots[i], need[i]
+            over = np.maximum(self.full_held[sub] + n - self.reserved[sub], 0) \
+                - np.maximum(self.full_held[sub] - self.reserved[sub], 0)
+            free = self.full.free - self.outstanding
+            if int(over.sum()) > free:
+                raise PoolExhaustedError("full_pages", int(over.sum()), free, "pages",
+                                         "write beyond the requests' reserved length")
+            full = (sub, n)
+        if self.swa is not None:
+            hi = _div(L1 + (self.Ps - 1), self.Ps)
+            need = hi - self.swa_hi[slots]
+            i = np.flatnonzero(need)
+            sub, n = slots[i], need[i]
+            if len(i) and int((hi[i] - self.swa_lo[sub]).max()) > self.ring:
+                raise KvatlasError(f"one write spans more SWA pages than a request can hold ({self.ring}); keep "
+                                   f"chunks within chunked_prefill_tokens={self.plan.options.chunked_prefill_tokens}")
+            if int(n.sum()) > self.swa.free:
+                raise PoolExhaustedError("swa_kv", int(n.sum()), self.swa.free, "pages",
+                                         "prefill in flight beyond the planned chunk budget")
+            swa = (sub, n)
+        return full, swa
+
+    def _take_full(self, sub, need) -> None:
+        total = int(need.sum())
+        if total == 0:
+            return
+        before = np.maximum(self.reserved[sub] - self.full_held[sub], 0)
+        rows, cols = _spread(sub, need, self.full_held[sub])
+        self.full_table[rows, cols] = self.full.pop(total, rows)
+        self.full_held[sub] += need
+        self.outstanding -= int((before - np.maximum(self.reserved[sub] - self.full_held[sub], 0)).sum())
+        if self.ledger is not None:
+            self.ledger.add_units(FULL_PAGES, total)
+
+    def _take_swa(self, sub, need) -> None:
+        total = int(need.sum())
+        if total == 0:
+            return
+        rows, logical = _spread(sub, need, self.swa_hi[sub])
+        self.swa_table[rows, _mod(logical, self.ring)] = self.swa.pop(total, rows)
+        self.swa_hi[sub] += need
+        if self.ledger is not None:
+            self.ledger.add_units(SWA_PAGES, total)
+
+    def _write(self, slots, counts, prefill: bool) -> WriteIndices:
+        L0 = self.length[slots]
+        L1 = L0 + counts
+        full, swa = self._check_write(slots, L1)
+        if self.full is not None:
+            self._take_full(*full)
+        if self.swa is not None:
+            self._take_swa(*swa)
+        self.length[slots] = L1
+        self.last_write[slots] = counts
+        self._written.append(slots)
+        written = counts * len(slots) if isinstance(counts, int) else int(counts.sum())
+        self._count_entries(L0, L1, written)
+        return self._indices(slots, counts, L0, prefill)
+
+    def _count_entries(self, L0, L1, written: int, sign: int = 1) -> None:
+        if self.ledger is None:
+            return
+        if self.swa is not None:
+            self.ledger.add_entries("swa", sign * written)
+        for r in self.ratios:
+            self.ledger.add_entries(_entry_key(r), sign * int((_div(L1, r) - _div(L0, r)).sum()))
+
+    def _indices(self, slots, counts, L0, prefill: bool) -> WriteIndices:
+        if isinstance(counts, int):
+            if counts == 1:
+                tok_slots, pos = slots, L0
+            else:
+                ramp = np.tile(np.arange(counts, dtype=np.int64), len(slots))
+                tok_slots, pos = np.repeat(slots, counts), np.repeat(L0, counts) + ramp
+        else:
+            tok_slots, pos = np.repeat(slots, counts), np.repeat(L0, counts) + _ramp(counts)
+        compressed, full_slots = {}, np.full(len(pos), -1, np.int64)
+        if self.full is not None:
+            page = self.full_table[tok_slots, _div(pos, self.P)]
+            within = _mod(pos, self.P)
+            full_slots = page * self.P + within
+            for r in self.ratios:
+                compressed[r] = (_mod(pos + 1, r) == 0, page * (self.P // r) + _div(within, r))
+        if self.swa is not None:
+            swa = self.swa_table[tok_slots, _mod(_div(pos, self.Ps), self.ring)] * self.Ps + _mod(pos, self.Ps)
+        else:
+            swa = tok_slots * self.window_rows + _mod(pos, self.window_rows)
+        rows = {name: tok_slots * ring + _mod(pos, ring) for name, ring in self.rings.items()}
+        ws = np.arange(len(pos), dtype=np.int64) if prefill and self.window_rows else _EMPTY
+        return WriteIndices(request_slots=tok_slots, positions=pos, swa_slots=swa, full_slots=full_slots,
+                            compressed=compressed, state_rows=rows, workspace_rows=ws)
+
+    # ---------------------------------------------------------------- undo and end
+    def rollback(self, request_id, num_tokens: int) -> None:
+        """Drop the last num_tokens written (rejected drafts); they must come from the last write."""
+        slot = int(self._slots([request_id])[0])
+        if not isinstance(num_tokens, (int, np.integer)) or not 0 <= num_tokens <= self.last_write[slot]:
+            raise KvatlasError(f"num_tokens: {num_tokens!r} is not within the last write of "
+                               f"{int(self.last_write[slot])} tokens; roll back only rejected drafts")
+        if num_tokens == 0:
+            return
+        L1 = self.length[slot:slot + 1]
+        L0 = L1 - num_tokens
+        self._count_entries(L0, L1, int(num_tokens), sign=-1)
+        self.length[slot] = L0[0]
+        self.last_write[slot] -= num_tokens
+        self._trim(slot)
+
+    def _trim(self, slot: int) -> None:
+        """Release pages beyond the request's length (after a rollback)."""
+        L = int(self.length[slot])
+        if self.swa is not None:
+            keep = max(cdiv(L, self.Ps), int(self.swa_lo[slot]))
+            extra = np.arange(keep, self.swa_hi[slot]) % self.ring
+            self._release_swa(slot, extra)
+            self.swa_hi[slot] = keep
+        if self.full is not None:
+            keep = cdiv(L, self.P)
+            held = int(self.full_held[slot])
+            if held > keep:
+                self.full.push(self.full_table[slot, keep:held].copy())
+                self.full_table[slot, keep:held] = 0
+                self.outstanding += max(int(self.reserved[slot]) - keep, 0) - max(int(self.reserved[slot]) - held, 0)
+                self.full_held[slot] = keep
+                if self.ledger is not None:
+                    self.ledger.add_units(FULL_PAGES, keep - held)
+
+    def _release_swa(self, slot: int, cols: np.ndarray) -> None:
+        if len(cols) == 0:
+            return
+        self.swa.push(self.swa_table[slot, cols].copy())
+        self.swa_table[slot, cols] = 0
+        if self.ledger is not None:
+            self.ledger.add_units(SWA_PAGES, -len(cols))
+
+    def finish(self, request_id) -> None:
+        if request_id not in self.slot_of:
+            raise RequestStateError(f"request_id {request_id!r} is not running (never admitted or already "
+                                    "finished); finish each request once")
+        slot = self.slot_of.pop(request_id)
+        L = int(self.length[slot])
+        if self.ledger is not None and self.swa is not None:
+            self.ledger.add_entries("swa", -(L - int(self.swa_lo[slot]) * self.Ps))
+        if self.swa is not None:
+            self._release_swa(slot, np.arange(self.swa_lo[slot], self.swa_hi[slot]) % self.ring)
+            self.swa_hi[slot] = self.swa_lo[slot]
+        self._count_entries(np.zeros(1, np.int64), np.array([L]), 0, sign=-1)
+        self.length[slot] = 0
+        self._trim(slot)
+        self.outstanding -= max(int(self.reserved[slot]) - int(self.full_held[slot]), 0)
+        self.reserved[slot] = self.swa_lo[slot] = self.swa_hi[slot] = self.last_write[slot] = 0
+        self.rid_of[slot] = None
+        self.slots.owner[slot] = 0
+        self.slots.push(np.array([slot]))
+        if self.ledger is not None:
+            self.ledger.add_units(REQUEST_SLOTS, -1)
+            self.ledger.running_requests -= 1
+
+
+def request_entries(alloc: "Allocator", slot: int) -> dict[str, int]:
+    """Live entries per layer of one request, by ledger key."""
+    L = int(alloc.length[slot])
+    out = {_entry_key(r): L // r for r in alloc.ratios}
+    if alloc.swa is not None:
+        out["swa"] = L - int(alloc.swa_lo[slot]) * alloc.Ps
+    return out
+
+
+_KEYS = {k.ratio: k.value for k in LayerKind if k.ratio}
+
+
+def _entry_key(ratio: int) -> str:
+    """The ledger counter of a compressed ratio (its layer kind)."""
+    return _KEYS[ratio]

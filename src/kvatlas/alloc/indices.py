@@ -1,0 +1,45 @@
+"""What each lifecycle call hands the data path: flat numpy index arrays, one entry per token."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WriteIndices:
+    """Where the tokens of one call go. All arrays have one entry per written token unless noted.
+
+    request_slots: the request-table slot of each token's request
+    positions:     each token's position in its sequence
+    swa_slots:     entry index in the SWA pool (page * swa_page_tokens + offset); V4.1: window row
+                   (slot * window_rows + position % window_rows)
+    full_slots:    entry index in full-token space (page * page_tokens + offset); -1 where this rank
+                   has no compressed pool
+    compressed:    ratio → (token mask: the token completes a block, entry index in that pool)
+    state_rows:    state pool name → ring row of each token (slot * ring + position % ring)
+    workspace_rows: V4.1 prefill: each token's row in the shared workspace (empty otherwise)
+    """
+
+    request_slots: np.ndarray
+    positions: np.ndarray
+    swa_slots: np.ndarray
+    full_slots: np.ndarray
+    compressed: dict
+    state_rows: dict
+    workspace_rows: np.ndarray
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.positions)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Admission:
+    """A request's place: its slot and the state rows to clear before first use."""
+
+    request_id: object
+    request_slot: int
+    reserved_pages: int
+    state_rows: dict    # state pool name → every ring row of the slot

@@ -1,0 +1,75 @@
+"""check_integrity(): the allocator's arrays, its free lists and the ledger agree."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..buffers import FULL_PAGES, REQUEST_SLOTS, SWA_PAGES
+from ..ledger import IntegrityError
+from ..units import cdiv
+from .allocator import request_entries
+
+
+def allocator_problems(a) -> list[str]:
+    problems = a.slots.check("request_slots")
+    live = sorted(a.slot_of.values())
+    if [s for s in range(1, len(a.rid_of)) if a.rid_of[s] is not None] != live:
+        problems.append("request table: slot map and rid map disagree")
+    if a.full is not None:
+        problems += a.full.check("full_pages")
+        problems += _owned(a, live, "full_pages", a.full, lambda s: a.full_table[s, : a.full_held[s]])
+        if int(a.full_held[live].sum()) != a.full.used:
+            problems.append("full_pages: held pages != used pages")
+        outstanding = int(np.maximum(a.reserved - a.full_held, 0).sum())
+        if outstanding != a.outstanding or a.outstanding > a.full.free:
+            problems.append(f"full_pages: outstanding reservations {a.outstanding} (recount {outstanding}, "
+                            f"free {a.full.free})")
+        for s in live:
+            if a.full_held[s] < cdiv(int(a.length[s]), a.P):
+                problems.append(f"slot {s}: {int(a.length[s])} tokens in {int(a.full_held[s])} pages")
+    if a.swa is not None:
+        problems += a.swa.check("swa_pages")
+        cols = lambda s: a.swa_table[s, np.arange(a.swa_lo[s], a.swa_hi[s]) % a.ring]  # noqa: E731
+        problems += _owned(a, live, "swa_pages", a.swa, cols)
+        if int((a.swa_hi - a.swa_lo)[live].sum()) != a.swa.used:
+            problems.append("swa_pages: held pages != used pages")
+        for s in live:
+            if a.swa_hi[s] < cdiv(int(a.length[s]), a.Ps) or a.swa_hi[s] - a.swa_lo[s] > a.ring:
+                problems.append(f"slot {s}: SWA pages [{a.swa_lo[s]}, {a.swa_hi[s]}) do not cover its window")
+    return problems
+
+
+def _owned(a, live, name, freelist, ids_of) -> list[str]:
+    """Every page a live request lists is owned by that request, and listed once."""
+    out, seen = [], []
+    for s in live:
+        ids = ids_of(s)
+        if np.any(freelist.owner[ids] != s + 1) or np.any(ids == 0):
+            out.append(f"{name}: slot {s} lists a page it does not own")
+        seen.append(ids)
+    allids = np.concatenate(seen) if seen else np.zeros(0, np.int64)
+    if len(np.unique(allids)) != len(allids):
+        out.append(f"{name}: a page is listed twice")
+    return out
+
+
+def ledger_problems(a, ledger) -> list[str]:
+    live = list(a.slot_of.values())
+    want: dict[str, int] = {}
+    for s in live:
+        for k, v in request_entries(a, s).items():
+            want[k] = want.get(k, 0) + v
+    out = [f"ledger entries {k}: {ledger.entries_used.get(k, 0)} != {v}" for k, v in want.items()
+           if ledger.entries_used.get(k, 0) != v]
+    used = {REQUEST_SLOTS: a.slots.used, FULL_PAGES: a.full.used if a.full else 0,
+            SWA_PAGES: a.swa.used if a.swa else 0}
+    out += [f"ledger units {g}: {ledger.units_used[g]} != {n}" for g, n in used.items() if ledger.units_used[g] != n]
+    if ledger.running_requests != len(live):
+        out.append(f"ledger running {ledger.running_requests} != {len(live)}")
+    return out
+
+
+def check(a, ledger=None) -> None:
+    problems = allocator_problems(a) + (ledger_problems(a, ledger) if ledger is not None else [])
+    if problems:
+        raise IntegrityError("allocator invariants broken: " + "; ".join(problems))
