@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
-from .audit import audit as audit  # torch is imported inside audit(), not here
 from .errors import BudgetError, ConfigError, KvatlasError, PoolExhaustedError, RequestStateError
 from .model import LayerKind, ModelSpec, load_model, preset_names
 from .options import ServeOptions
 from .plan import Plan, budget_for, max_concurrency, plan
 
 __version__ = "0.1.0"
+
+
+def audit(obj, **kwargs):
+    """Every torch storage reachable from `obj`, each counted once, by attribute path.
+    See kvatlas.storage_audit.audit (imported on first use: `kvatlas plan` never pays for it)."""
+    from .storage_audit import audit as _audit
+    return _audit(obj, **kwargs)
 
 
 def allocate(plan, device="cpu", backend="plain"):
@@ -18,6 +24,6 @@ def allocate(plan, device="cpu", backend="plain"):
 
 
 __all__ = [
-    "BudgetError", "allocate", "ConfigError", "KvatlasError", "LayerKind", "ModelSpec", "Plan", "PoolExhaustedError",
+    "BudgetError", "allocate", "audit", "ConfigError", "KvatlasError", "LayerKind", "ModelSpec", "Plan", "PoolExhaustedError",
     "RequestStateError", "ServeOptions", "budget_for", "load_model", "max_concurrency", "plan", "preset_names",
 ]

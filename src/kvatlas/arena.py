@@ -146,15 +146,39 @@ def make_backend(name: str, **kwargs) -> Backend:
     return BACKENDS[name](**kwargs)
 
 
+def parse_device(device):
+    import torch
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ConfigError("device", f"{device!r} is not a device", "use cpu, cuda or cuda:N") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ConfigError("device", f"{device!r} is not supported", "use cpu, cuda or cuda:N")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device", "CUDA is not available here", "use --device cpu")
+    return dev
+
+
+def _host_available_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import os
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
 def check_device_fits(plan: Plan, device) -> None:
     """Refuse, before allocating, a plan larger than the device's free memory."""
     import torch
-    dev = torch.device(device)
-    if dev.type != "cuda":
-        return
-    if not torch.cuda.is_available():
-        raise ConfigError("device", "CUDA is not available here", "use --device cpu")
-    free, total = torch.cuda.mem_get_info(dev)
+    dev = parse_device(device)
+    if dev.type == "cuda":
+        free, total = torch.cuda.mem_get_info(dev)
+    else:
+        free = total = _host_available_bytes()
     if plan.total_bytes > free:
         raise BudgetError(
             f"memory: the plan needs {fmt_bytes(plan.total_bytes)} ({plan.total_bytes} B) but {dev} has "
@@ -165,12 +189,11 @@ class Arena:
     """A plan's buffers, allocated once; typed views by buffer name."""
 
     def __init__(self, plan: Plan, device="cpu", backend: Backend | str = "plain") -> None:
-        import torch
         check_device_fits(plan, device)
         self.plan = plan
         self.backend = make_backend(backend) if isinstance(backend, str) else backend
         raw = self.backend.allocate(plan, device)
-        self.device = torch.device(device)
+        self.device = parse_device(device)
         self.regions: dict[str, Region] = {}
         for b in plan.buffers:
             span = raw[b.name]

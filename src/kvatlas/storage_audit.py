@@ -110,7 +110,7 @@ def _import_torch() -> Any:
     try:
         import torch
     except ImportError as exc:
-        raise ImportError("kvatlas.audit needs torch to recognise tensors; install it with "
+        raise ImportError("kvatlas.audit() needs torch to recognise tensors; install it with "
                           "`pip install 'kvatlas[torch]'`") from exc
     return torch
 
