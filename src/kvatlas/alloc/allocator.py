@@ -278,9 +278,13 @@ class Allocator:
         self.length[slots] = L1
         self.last_write[slots] = counts
         self._written.append(slots)
-        written = counts * len(slots) if isinstance(counts, int) else int(counts.sum())
-        self._count_entries(L0, L1, written)
-        return self._indices(slots, counts, L0, prefill)
+        idx = self._indices(slots, counts, L0, prefill)
+        if self.ledger is not None:  # the block-completion masks already count new compressed entries
+            if self.swa is not None:
+                self.ledger.add_entries("swa", idx.num_tokens)
+            for r, (mask, _) in idx.compressed.items():
+                self.ledger.add_entries(_entry_key(r), int(np.count_nonzero(mask)))
+        return idx
 
     def _count_entries(self, L0, L1, written: int, sign: int = 1) -> None:
         if self.ledger is None:
@@ -301,16 +305,18 @@ class Allocator:
             tok_slots, pos = np.repeat(slots, counts), np.repeat(L0, counts) + _ramp(counts)
         compressed, full_slots = {}, np.full(len(pos), -1, np.int64)
         if self.full is not None:
-            page = self.full_table[tok_slots, _div(pos, self.P)]
-            within = _mod(pos, self.P)
-            full_slots = page * self.P + within
-            for r in self.ratios:
-                compressed[r] = (_mod(pos + 1, r) == 0, page * (self.P // r) + _div(within, r))
+            full_slots = self.full_table[tok_slots, _div(pos, self.P)] * self.P + _mod(pos, self.P)
+            pos1 = pos + 1
+            for r in self.ratios:  # r divides P, so entry = page * (P // r) + within // r = full_slot // r
+                compressed[r] = (_mod(pos1, r) == 0, _div(full_slots, r))
         if self.swa is not None:
             swa = self.swa_table[tok_slots, _mod(_div(pos, self.Ps), self.ring)] * self.Ps + _mod(pos, self.Ps)
         else:
             swa = tok_slots * self.window_rows + _mod(pos, self.window_rows)
-        rows = {name: tok_slots * ring + _mod(pos, ring) for name, ring in self.rings.items()}
+        by_ring: dict[int, np.ndarray] = {}   # pools with equal rings share one array
+        for ring in set(self.rings.values()):
+            by_ring[ring] = tok_slots * ring + _mod(pos, ring)
+        rows = {name: by_ring[ring] for name, ring in self.rings.items()}
         ws = np.arange(len(pos), dtype=np.int64) if prefill and self.window_rows else _EMPTY
         return WriteIndices(request_slots=tok_slots, positions=pos, swa_slots=swa, full_slots=full_slots,
                             compressed=compressed, state_rows=rows, workspace_rows=ws)
