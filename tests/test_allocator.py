@@ -196,3 +196,20 @@ def test_state_cleared_on_admission():
     w = rows.shape[-1]
     assert torch.all(rows[..., : w // 2] == 0) and torch.all(rows[..., w // 2:] == float("-inf"))
     assert torch.all(st_pool.tensor[adm.request_slot + 1] == 7.0)  # other slots untouched
+
+
+def test_request_batch_matches_ids_and_goes_stale_safely():
+    cache = small_cache()
+    for rid in "abc":
+        cache.admit(rid, 100, 50)
+        cache.extend(rid, 100)
+    batch = cache.batch(["a", "c"])
+    w = cache.step(batch)
+    assert w.request_slots.tolist() == [cache.allocator.slot_of["a"], cache.allocator.slot_of["c"]]
+    cache.finish("b")
+    cache.admit("d", 10)            # slots move under the batch: it is re-resolved, not reused
+    w = cache.step(batch)
+    assert w.positions.tolist() == [101, 101]
+    cache.finish("c")
+    unchanged_after_error(cache, cache.step, batch, error=RequestStateError)
+    cache.check_integrity()

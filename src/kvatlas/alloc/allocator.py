@@ -23,7 +23,7 @@ from ..errors import KvatlasError, PoolExhaustedError, RequestStateError
 from ..model import LayerKind
 from ..units import cdiv
 from .freelist import FreeList
-from .indices import Admission, WriteIndices
+from .indices import Admission, RequestBatch, WriteIndices
 
 _EMPTY = np.zeros(0, dtype=np.int64)
 
@@ -80,6 +80,7 @@ class Allocator:
                               if b.group == FULL_PAGES and b.role == "kv"})
         self.rings = {b.name: b.entries_per_unit for b in plan.buffers if b.role == "state"}
         self._written: list[np.ndarray] = []   # slots written in the current forward pass
+        self._epoch = 0                         # bumped by admit/finish: RequestBatch staleness
         self._grouped = 0
 
     # ---------------------------------------------------------------- admission
@@ -122,6 +123,7 @@ class Allocator:
         self.outstanding += pages
         self.slot_of[request_id] = slot
         self.rid_of[slot] = request_id
+        self._epoch += 1
         if self.ledger is not None:
             self.ledger.add_units(REQUEST_SLOTS, 1)
             self.ledger.running_requests += 1
@@ -129,7 +131,16 @@ class Allocator:
         return Admission(request_id=request_id, request_slot=slot, reserved_pages=pages, state_rows=rows)
 
     # ---------------------------------------------------------------- writes
+    def batch(self, request_ids) -> RequestBatch:
+        """Resolve a running batch once; pass it to step() instead of the id list."""
+        return RequestBatch(request_ids, self._slots(list(request_ids)), self._epoch)
+
     def _slots(self, request_ids) -> np.ndarray:
+        if isinstance(request_ids, RequestBatch):
+            if request_ids.epoch != self._epoch:
+                request_ids.slots = self._slots(request_ids.request_ids)
+                request_ids.epoch = self._epoch
+            return request_ids.slots
         try:
             slots = np.fromiter(map(self.slot_of.__getitem__, request_ids), np.int64, len(request_ids))
         except KeyError as exc:
@@ -369,6 +380,7 @@ class Allocator:
             raise RequestStateError(f"request_id {request_id!r} is not running (never admitted or already "
                                     "finished); finish each request once")
         slot = self.slot_of.pop(request_id)
+        self._epoch += 1
         L = int(self.length[slot])
         if self.ledger is not None and self.swa is not None:
             self.ledger.add_entries("swa", -(L - int(self.swa_lo[slot]) * self.Ps))

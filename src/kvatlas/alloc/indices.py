@@ -43,3 +43,19 @@ class Admission:
     request_slot: int
     reserved_pages: int
     state_rows: dict    # state pool name → every ring row of the slot
+
+
+class RequestBatch:
+    """A running batch resolved to request slots once: engines keep their batch across decode
+    steps, so step() need not look 1,024 ids up again. Stale after any admit or finish (the
+    allocator re-resolves it then), so it can never point at another request's slot."""
+
+    __slots__ = ("request_ids", "slots", "epoch")
+
+    def __init__(self, request_ids, slots: np.ndarray, epoch: int) -> None:
+        self.request_ids = tuple(request_ids)
+        self.slots = slots
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return len(self.request_ids)

@@ -48,6 +48,10 @@ class KVCache:
     def extend(self, request_id, num_tokens: int):
         return self.allocator.extend(request_id, num_tokens)
 
+    def batch(self, request_ids):
+        """A running batch resolved once, for repeated step() calls (see alloc.RequestBatch)."""
+        return self.allocator.batch(request_ids)
+
     def step(self, request_ids, tokens_each=1):
         return self.allocator.step(request_ids, tokens_each)
 
