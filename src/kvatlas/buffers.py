@@ -16,6 +16,10 @@ from .model import LayerKind, LayerSpec
 from .units import round_up
 
 BUFFER_ALIGN = 512  # every buffer starts and ends on 512 B, the CUDA caching allocator's rounding
+# The whole map ends on 2 MiB: the CUDA caching allocator hands a large request its whole
+# segment (2 MiB-rounded) unless more than 1 MiB would be left over, so an unaligned total makes
+# memory_allocated() grow by more than the tensor. 2 MiB is also the VMM mapping granularity.
+SLAB_ALIGN = 2 << 20
 
 # index spaces a buffer's units come from
 SWA_PAGES, FULL_PAGES, REQUEST_SLOTS, WORKSPACE = "swa_pages", "full_pages", "request_slots", "workspace"
@@ -38,6 +42,7 @@ class BufferSpec:
     null_units: int = 1     # unit 0 is the null target for padded writes
     units: int = 0
     offset_bytes: int = 0
+    tail_bytes: int = 0     # the last buffer carries the pad that ends the map on SLAB_ALIGN
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -49,7 +54,7 @@ class BufferSpec:
 
     @property
     def bytes(self) -> int:
-        return round_up(self.data_bytes, BUFFER_ALIGN)
+        return round_up(self.data_bytes, BUFFER_ALIGN) + self.tail_bytes
 
     @property
     def addressable_units(self) -> int:
@@ -184,6 +189,11 @@ def _rings(model, opts, kind: LayerKind, spec: bool) -> list[formats.StateRing]:
     return []
 
 
+def slab_bytes(tmpls: list[BufferSpec], units: dict[str, int]) -> int:
+    """Total bytes of the map for these unit counts (what materialise() will lay out)."""
+    return round_up(sum(round_up(units[t.group] * t.unit_bytes, BUFFER_ALIGN) for t in tmpls), SLAB_ALIGN)
+
+
 def materialise(tmpls: list[BufferSpec], units: dict[str, int]) -> tuple[BufferSpec, ...]:
     """Give every buffer its unit count and its offset in one contiguous slab."""
     out, offset = [], 0
@@ -191,4 +201,6 @@ def materialise(tmpls: list[BufferSpec], units: dict[str, int]) -> tuple[BufferS
         b = replace(t, units=units[t.group], offset_bytes=offset)
         offset += b.bytes
         out.append(b)
+    if out:
+        out[-1] = replace(out[-1], tail_bytes=round_up(offset, SLAB_ALIGN) - offset)
     return tuple(out)

@@ -16,7 +16,7 @@ from .buffers import FULL_PAGES, REQUEST_SLOTS, SWA_PAGES, WORKSPACE, BufferSpec
 from .errors import BudgetError, ConfigError
 from .model import LayerSpec, ModelSpec, load_model
 from .options import ServeOptions
-from .units import cdiv, fmt_bytes, round_up
+from .units import cdiv, fmt_bytes
 
 PLAN_SCHEMA_VERSION = 1
 CONTEXTS = (4096, 32768, 131072, 1048576)
@@ -186,7 +186,7 @@ class _Sizer:
 
     def total(self, requests: int, full_pages: int) -> int:
         _, units = self.units(requests, full_pages)
-        return sum(round_up(units[t.group] * t.unit_bytes, bufmod.BUFFER_ALIGN) for t in self.tmpls)
+        return bufmod.slab_bytes(self.tmpls, units)
 
     def max_pages(self, requests: int, budget: int) -> int:
         """Most full pages (null excluded) that fit beside `requests` requests, or -1."""
