@@ -126,6 +126,7 @@ def test_errors_are_clear_and_harmless():
     unchanged_after_error(cache, cache.admit, "z", -5)
     unchanged_after_error(cache, cache.admit, "z", 5000)            # beyond max_model_len
     unchanged_after_error(cache, cache.step, ["a"], 0)
+    unchanged_after_error(cache, cache.step, ["a"], 5)             # 1 + draft_tokens (3) at most
     unchanged_after_error(cache, cache.rollback, "a", 1)            # nothing written yet
     cache.finish("a")
     unchanged_after_error(cache, cache.finish, "a", error=RequestStateError)

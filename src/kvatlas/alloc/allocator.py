@@ -10,6 +10,12 @@ pass, unless several are grouped under `with allocator.forward():` (a mixed pref
 batch); the indices a call returns stay valid until the next forward begins (or flush()).
 
 Every check happens before any mutation: a refused call leaves every array as it was.
+
+Lazily backed arenas (the `vmm` backend) pass `backing` (Backend.allocator_hooks()): ids then
+come lowest-first (LowestFreeList), so live data stays dense and chunks empty out; before units
+are handed out the backing maps the chunks they lie in, or refuses (cap on physical bytes, or the
+device out of memory) before anything here changes; units given back are reported to it. With
+backing=None (the plain backend) none of this runs: the LIFO free lists and the same code path.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from ..errors import KvatlasError, PoolExhaustedError, RequestStateError
 from ..model import LayerKind
 from ..units import cdiv
 from .freelist import FreeList
+from .lowest import LowestFreeList
 from .indices import Admission, RequestBatch, WriteIndices
 
 _EMPTY = np.zeros(0, dtype=np.int64)
@@ -53,17 +60,18 @@ def _ramp(counts: np.ndarray) -> np.ndarray:
 
 
 class Allocator:
-    def __init__(self, plan, ledger=None) -> None:
-        self.plan, self.ledger = plan, ledger
+    def __init__(self, plan, ledger=None, backing=None) -> None:
+        self.plan, self.ledger, self.backing = plan, ledger, backing
+        free_list = FreeList if backing is None else LowestFreeList
         o = plan.options
         self.P, self.window = o.page_tokens, plan.model.sliding_window
         self.max_len = o.max_model_len
         self.window_rows = plan.sizing.window_rows            # V4.1: per-slot window ring
         self.Ps = o.swa_page_tokens
         n = plan.num_request_slots
-        self.slots = FreeList(n)
-        self.full = FreeList(plan.num_full_pages) if plan.has_compressed else None
-        self.swa = FreeList(plan.num_swa_pages) if not self.window_rows else None
+        self.slots = free_list(n)
+        self.full = free_list(plan.num_full_pages) if plan.has_compressed else None
+        self.swa = free_list(plan.num_swa_pages) if not self.window_rows else None
         self.ring = plan.sizing.swa_ring_pages
         self.length = np.zeros(n, np.int64)
         self.full_held = np.zeros(n, np.int64)
@@ -102,6 +110,8 @@ class Allocator:
             free = self.full.free - self.outstanding
             if pages > free:
                 return PoolExhaustedError("full_pages", pages, free, "pages", "admission")
+        if self.backing is not None:   # the new slot's state rows must be mapped to be cleared
+            return self.backing.shortfall(((REQUEST_SLOTS, self.slots.peek(1)),))
         return None
 
     def can_admit(self, prompt_tokens: int, max_new_tokens: int = 0) -> bool:
@@ -116,6 +126,8 @@ class Allocator:
             if self.ledger is not None:
                 self.ledger.admission_refusals += 1
             raise short
+        if self.backing is not None:
+            self._back(((REQUEST_SLOTS, self.slots.peek(1)),), admission=True)
         slot = int(self.slots.pop(1, 0)[0])
         self.slots.owner[slot] = slot + 1
         pages = cdiv(total, self.P) if self.full is not None else 0
@@ -177,6 +189,10 @@ class Allocator:
             low = int(counts.min(initial=1))
         if low < 1:
             raise KvatlasError("tokens_each: every request must write at least 1 token")
+        most = 1 + self.plan.options.draft_tokens
+        if (counts if isinstance(counts, int) else int(counts.max(initial=1))) > most:
+            raise KvatlasError(f"tokens_each: a decode step writes at most 1 + draft_tokens = {most} tokens "
+                               "(the state rings are sized for that); plan with more draft_tokens or use extend()")
         self._check_length(self.length[slots] + counts)
         self._begin_forward()   # only after the call is known valid: retiring is a state change
         return self._write(slots, counts, prefill=False)
@@ -215,7 +231,7 @@ class Allocator:
         total = int(k.sum())
         rows, logical = _spread(slots, k, self.swa_lo[slots])
         cols = _mod(logical, self.ring)
-        self.swa.push(self.swa_table[rows, cols].copy())
+        self._free(self.swa, SWA_PAGES, self.swa_table[rows, cols].copy())
         self.swa_table[rows, cols] = 0
         self.swa_lo[slots] += k
         if self.ledger is not None:
@@ -256,6 +272,30 @@ class Allocator:
             swa = (sub, n)
         return full, swa
 
+    def _back(self, requests, admission: bool = False) -> None:
+        """Have the backing map the chunks of the units about to be handed out; it refuses
+        (PoolExhaustedError "physical") before anything changes."""
+        try:
+            self.backing.acquire(requests)
+        except PoolExhaustedError:
+            if admission and self.ledger is not None:
+                self.ledger.admission_refusals += 1
+            raise
+
+    def _page_requests(self, full, swa) -> list:
+        """The page ids the coming _take_full/_take_swa will pop, by index space."""
+        out = []
+        if self.full is not None:
+            out.append((FULL_PAGES, self.full.peek(int(full[1].sum()))))
+        if self.swa is not None:
+            out.append((SWA_PAGES, self.swa.peek(int(swa[1].sum()))))
+        return out
+
+    def _free(self, freelist, group: str, ids: np.ndarray) -> None:
+        freelist.push(ids)
+        if self.backing is not None:
+            self.backing.release(group, ids)
+
     def _take_full(self, sub, need) -> None:
         total = int(need.sum())
         if total == 0:
@@ -282,6 +322,8 @@ class Allocator:
         L0 = self.length[slots]
         L1 = L0 + counts
         full, swa = self._check_write(slots, L1)
+        if self.backing is not None:
+            self._back(self._page_requests(full, swa))
         if self.full is not None:
             self._take_full(*full)
         if self.swa is not None:
@@ -360,7 +402,7 @@ class Allocator:
             keep = cdiv(L, self.P)
             held = int(self.full_held[slot])
             if held > keep:
-                self.full.push(self.full_table[slot, keep:held].copy())
+                self._free(self.full, FULL_PAGES, self.full_table[slot, keep:held].copy())
                 self.full_table[slot, keep:held] = 0
                 self.outstanding += max(int(self.reserved[slot]) - keep, 0) - max(int(self.reserved[slot]) - held, 0)
                 self.full_held[slot] = keep
@@ -370,7 +412,7 @@ class Allocator:
     def _release_swa(self, slot: int, cols: np.ndarray) -> None:
         if len(cols) == 0:
             return
-        self.swa.push(self.swa_table[slot, cols].copy())
+        self._free(self.swa, SWA_PAGES, self.swa_table[slot, cols].copy())
         self.swa_table[slot, cols] = 0
         if self.ledger is not None:
             self.ledger.add_units(SWA_PAGES, -len(cols))
@@ -394,7 +436,7 @@ class Allocator:
         self.reserved[slot] = self.swa_lo[slot] = self.swa_hi[slot] = self.last_write[slot] = 0
         self.rid_of[slot] = None
         self.slots.owner[slot] = 0
-        self.slots.push(np.array([slot]))
+        self._free(self.slots, REQUEST_SLOTS, np.array([slot]))
         if self.ledger is not None:
             self.ledger.add_units(REQUEST_SLOTS, -1)
             self.ledger.running_requests -= 1
