@@ -55,7 +55,8 @@ def online_compress_batch(state, layer: int, req_slots, positions, kv, score, *,
     blocks the batch completes. Same batch rules as `compressor.compress_batch`."""
     d = kv.shape[1]
     if state.dtype != torch.float32 or state.dim() != 4 or state.shape[2:] != (1, 3 * d):
-        raise DataPathError("state", f"{state.dtype} {tuple(state.shape)}", f"online state is fp32 [slots, layers, 1, {3 * d}]")
+        raise DataPathError("state", f"{state.dtype} {tuple(state.shape)}",
+                            f"online state is fp32 [slots, layers, 1, {3 * d}]")
     plan_batch(ratio, req_slots, positions, validate)  # validates the runs
     s = score.float() + (ape.float()[positions.long() % ratio] if ape is not None else 0.0)
     seg, starts, ends = _segments(ratio, req_slots, positions)

@@ -1,9 +1,11 @@
 """Triton store/gather for fp8_ds_mla and the fp8 indexer: same bytes as the torch codecs.
 
 Numerics mirror `numerics.py` bit for bit: the power-of-two exponent comes from the integer bits
-of the tile amax, scaling is an exact multiply by 2^(127-e), and the fp8 cast rounds to nearest
-even after clamping to ±448. One program handles one (token, layer); grid axis 1 covers a range
-of layers so a decode step's layers go in one launch. Only imported on CUDA with triton present.
+of the tile amax, scaling is an exact multiply by 2^(127-e), and the fp8 encoding rounds to
+nearest even after clamping to ±448, done with integer ops (`e4m3_rne`) so it does not depend on
+how a backend lowers the cast (checked under TRITON_INTERPRET=1 on CPU, where the cast differs).
+One program handles one (token, layer); grid axis 1 covers a range of layers so a decode step's
+layers go in one launch. Imported only on first use (CUDA, triton present) or by the tests.
 """
 
 from __future__ import annotations
@@ -23,6 +25,24 @@ _E4M3_EXP = _Q_EXP - nm.EXP_BIAS   # 448 = 1.75 * 2^8
 def _e4m3_exponent(amax, Q_EXP: tl.constexpr, Q_MANT: tl.constexpr):
     bits = amax.to(tl.int32, bitcast=True)
     return ((bits >> 23) & 0xFF) - Q_EXP + ((bits & 0x7FFFFF) > Q_MANT).to(tl.int32)
+
+
+@triton.jit
+def e4m3_rne(y):
+    """fp32 (|y| <= 448) -> e4m3fn byte, round half to even, with integer ops only: the same bytes
+    as torch's cast on any backend (Triton's interpreter does not round fp8 casts to nearest)."""
+    bits = y.to(tl.int32, bitcast=True)
+    sign = ((bits >> 24) & 0x80).to(tl.uint8)
+    mag = bits & 0x7FFFFFFF
+    # normal range: round the fp32 mantissa to 3 bits; a carry bumps the exponent, as it should
+    normal = ((mag + 0x7FFFF + ((mag >> 20) & 1)) >> 20) - ((127 - 7) << 3)
+    # subnormal range (|y| < 2^-6): the code is round(|y| · 2^9), exact in fp32
+    v = tl.abs(y) * 512.0
+    k = v.to(tl.int32)
+    frac = v - k.to(tl.float32)
+    k = k + ((frac > 0.5) | ((frac == 0.5) & ((k & 1) == 1))).to(tl.int32)
+    code = tl.where(mag < 0x3C800000, k, normal)       # 0x3C800000 = 2^-6, the smallest normal
+    return code.to(tl.uint8) | sign
 
 
 @triton.jit
@@ -46,8 +66,7 @@ def _ds_mla_store(val_ptr, v_sl, v_sn, buf_ptr, b_su, b_sl, slots_ptr, layer0, P
     amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-4)   # official act_quant floor on amax
     e = _e4m3_exponent(amax, Q_EXP, Q_MANT)
     inv = ((254 - e) << 23).to(tl.float32, bitcast=True)
-    y = tl.minimum(tl.maximum(x * inv[:, None], -448.0), 448.0)
-    q = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    q = e4m3_rne(tl.minimum(tl.maximum(x * inv[:, None], -448.0), 448.0))
     data = base + off * DATA
     tl.store(data + r[:, None] * TILE + c[None, :], q, mask=nope)
     k = tl.arange(0, ROPE)
@@ -86,7 +105,7 @@ def _index_fp8_store(val_ptr, v_sl, v_sn, buf_ptr, b_su, b_sl, slots_ptr, layer0
     x = tl.load(row + k).to(tl.float32)
     e = _e4m3_exponent(tl.maximum(tl.max(tl.abs(x), axis=0), 1e-4), Q_EXP, Q_MANT)
     inv = ((254 - e) << 23).to(tl.float32, bitcast=True)
-    q = tl.minimum(tl.maximum(x * inv, -448.0), 448.0).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    q = e4m3_rne(tl.minimum(tl.maximum(x * inv, -448.0), 448.0))
     tl.store(base + off * DATA + k, q)
     scale = (e << 23).to(tl.float32, bitcast=True)   # stored as a plain fp32 scale
     tl.store((base + scale_region + off * SCALE).to(tl.pointer_type(tl.float32)), scale)

@@ -1,13 +1,25 @@
 """Triton ring compression and ring append, the contract of `compressor._compress_torch` /
 `_append_torch`. One compress program pools one block over BLOCK_D channels; one append program
 writes one token's row (the part of it this program covers). Rows are rounded through the state
-dtype exactly like the reference, so only exp/sum ordering differs (fp32 tolerance)."""
+dtype exactly like the reference, so only exp/sum ordering differs (fp32 tolerance). Verified
+against the reference under TRITON_INTERPRET=1 (tests/test_datapath_triton_interpret.py)."""
 
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
+
+
+@triton.jit
+def _to_state(x, st_ptr):
+    """Round fp32 to the state dtype and back, round half to even done with integer ops for bf16
+    (matches torch's cast on every backend, the CPU interpreter included); ±inf stay inf."""
+    if st_ptr.dtype.element_ty == tl.bfloat16:
+        bits = x.to(tl.int32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+        x = bits.to(tl.float32, bitcast=True)
+    return x
 
 
 @triton.jit
@@ -37,9 +49,8 @@ def _compress(out_ptr, kv_ptr, sc_ptr, kv_sn, sc_sn, ape_ptr, st_ptr, st_s, st_l
     sc_in = tl.load(sc_ptr + idx[:, None] * sc_sn + ch, mask=m_in, other=0.0).to(tl.float32)
     if HAS_APE:
         sc_in += tl.load(ape_ptr + (qc % RATIO)[:, None] * CD + ch, mask=m_in, other=0.0)
-    dt = st_ptr.dtype.element_ty
-    kv_in = kv_in.to(dt).to(tl.float32)                  # batch rows pass through the state dtype
-    sc_in = sc_in.to(dt).to(tl.float32)
+    kv_in = _to_state(kv_in, st_ptr)                     # batch rows pass through the state dtype
+    sc_in = _to_state(sc_in, st_ptr)
     srow = st_ptr + req * st_s + layer * st_l + (qc % RING)[:, None] * st_r
     m_st = from_ring[:, None] & (cols < D)[None, :]
     kv_st = tl.load(srow + ch, mask=m_st, other=0.0).to(tl.float32)
@@ -69,8 +80,8 @@ def _append(kv_ptr, sc_ptr, kv_sn, sc_sn, ape_ptr, st_ptr, st_s, st_l, st_r,
         if HAS_APE:
             sc += tl.load(ape_ptr + (p % RATIO) * CD + cols, mask=m, other=0.0)
         row = st_ptr + req * st_s + layer * st_l + (p % RING) * st_r
-        tl.store(row + cols, kv.to(st_ptr.dtype.element_ty), mask=m)
-        tl.store(row + CD + cols, sc.to(st_ptr.dtype.element_ty), mask=m)
+        tl.store(row + cols, _to_state(kv, st_ptr).to(st_ptr.dtype.element_ty), mask=m)
+        tl.store(row + CD + cols, _to_state(sc, st_ptr).to(st_ptr.dtype.element_ty), mask=m)
 
 
 def _inputs(kv, score, ape):
@@ -92,8 +103,9 @@ def compress(spec, state, layer, req_slots, positions, plan, kv, score, ape):
                     state, state.stride(0), state.stride(1), state.stride(2),
                     req_slots.contiguous(), plan.first.contiguous(), plan.tok_end.contiguous(),
                     positions.contiguous(), layer, state.shape[2],
-                    D=spec.head_dim, CD=spec.coff * spec.head_dim, RATIO=spec.ratio, W=spec.window, OVERLAP=spec.overlap,
-                    HAS_APE=ape is not None, BLOCK_D=block_d, num_warps=4 if spec.window <= 16 else 8)
+                    D=spec.head_dim, CD=spec.coff * spec.head_dim, RATIO=spec.ratio, W=spec.window,
+                    OVERLAP=spec.overlap, HAS_APE=ape is not None, BLOCK_D=block_d,
+                    num_warps=4 if spec.window <= 16 else 8)
     return out
 
 
