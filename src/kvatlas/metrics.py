@@ -1,0 +1,199 @@
+"""Prometheus metrics: a custom Collector that reads ONE ledger snapshot per cache per scrape.
+
+Nothing here is pushed into the accounting objects (DESIGN §5): the collector pulls a snapshot,
+which is O(1) in requests and pages (a few dozen counters), so a scrape costs the same with 16 or
+1,024 running requests. Every figure is in base units (bytes, tokens, rows, pages, slots), named
+`kvatlas_<what>_<unit>`; the README lists them with their help texts (the `HELP` table below is
+the single source of both).
+
+Several ranks may report through one collector (`add(cache, tp_rank=…, …)`): every sample then
+carries that cache's rank labels. All caches of one collector must use the same rank label names,
+so that each metric family has one label set.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
+
+from .buffers import FULL_PAGES, REQUEST_SLOTS, SWA_PAGES
+from .errors import ConfigError
+from .ledger import MEASURES
+from .model import LayerKind
+
+RANK_LABELS = ("tp_rank", "pp_rank", "dp_rank")
+_UNIT_OF_GROUP = {SWA_PAGES: "pages", FULL_PAGES: "pages", REQUEST_SLOTS: "slots"}
+
+# name → help text. The README section "Metrics" is generated from this table.
+HELP = {
+    "kvatlas_kv_cache_bytes": "KV cache bytes per pool and measure (planned, tensor, reserved, physical, "
+                              "addressable, occupied), equal to the ledger",
+    "kvatlas_kv_cache_total_bytes": "KV cache bytes of the whole cache per measure (includes slab alignment "
+                                    "that no pool owns)",
+    "kvatlas_pool_used_rows": "Rows (entries per layer) holding live request data, per pool",
+    "kvatlas_pool_free_rows": "Addressable rows (entries per layer) not in use, per pool",
+    "kvatlas_pool_total_rows": "Addressable rows (entries per layer) of the pool, null units excluded",
+    "kvatlas_pool_used_tokens": "Token positions covered by live rows of a paged KV/indexer pool "
+                                "(rows x compress ratio)",
+    "kvatlas_pool_free_tokens": "Token positions the free rows of a paged KV/indexer pool can still cover",
+    "kvatlas_pool_total_tokens": "Token positions the addressable rows of a paged KV/indexer pool cover",
+    "kvatlas_pool_used_pages": "Pages handed out to requests, per paged pool",
+    "kvatlas_pool_free_pages": "Addressable pages not handed out, per paged pool",
+    "kvatlas_pool_total_pages": "Addressable pages of a paged pool (the null page excluded)",
+    "kvatlas_pool_used_slots": "Request slots in use, per per-request pool",
+    "kvatlas_pool_free_slots": "Request slots free, per per-request pool",
+    "kvatlas_pool_total_slots": "Addressable request slots (the null slot excluded)",
+    "kvatlas_running_requests": "Requests admitted and not yet finished",
+    "kvatlas_admission_refusals": "Admissions refused because a pool was exhausted (counter)",
+    "kvatlas_bytes_per_token": "Capacity slope: page-padded bytes one more cached token costs",
+    "kvatlas_bytes_per_request": "Capacity intercept: fixed bytes of one running request",
+    "kvatlas_max_total_tokens": "Tokens all live requests together can hold in this plan",
+    "kvatlas_max_running_requests": "Request slots of this plan (the most requests that can run at once)",
+    "kvatlas": "kvatlas build and cache configuration (value always 1)",
+}
+
+
+@dataclass(slots=True)
+class _Source:
+    cache: object
+    ranks: dict = field(default_factory=dict)
+
+
+def _rank_values(cache, ranks: dict) -> dict:
+    """Explicit rank labels win; otherwise pp_rank from the plan when pipeline parallel."""
+    for k in ranks:
+        if k not in RANK_LABELS:
+            raise ConfigError(k, "is not a rank label", f"use one of {', '.join(RANK_LABELS)}")
+    out = {k: str(int(v)) for k, v in ranks.items() if v is not None}
+    o = cache.plan.options
+    if not out and o.pp > 1:
+        out["pp_rank"] = str(o.pp_rank)
+    return out
+
+
+class KvatlasCollector:
+    """prometheus_client Collector over one or more KVCaches (one per rank).
+
+    `lock`: held while a snapshot is taken, so a driver that mutates the cache under the same lock
+    is never seen half-way through a step (the snapshot itself takes microseconds).
+    """
+
+    def __init__(self, cache=None, *, lock=None, version: str | None = None, **ranks) -> None:
+        self.sources: list[_Source] = []
+        self.lock = lock if lock is not None else contextlib.nullcontext()
+        self.version = version or _version()
+        if cache is not None:
+            self.add(cache, **ranks)
+
+    def add(self, cache, **ranks) -> "KvatlasCollector":
+        src = _Source(cache, _rank_values(cache, ranks))
+        if self.sources and set(src.ranks) != set(self.sources[0].ranks):
+            raise ConfigError("ranks", f"labels {sorted(src.ranks)} differ from {sorted(self.sources[0].ranks)}",
+                              "give every cache of one collector the same rank label names")
+        if any(s.ranks == src.ranks for s in self.sources):
+            raise ConfigError("ranks", f"{src.ranks or 'no rank labels'} already reported",
+                              "give each cache distinct tp_rank/pp_rank/dp_rank values")
+        self.sources.append(src)
+        return self
+
+    def describe(self):
+        return []   # families depend on the caches; an empty describe() skips a collect at register
+
+    def snapshots(self) -> list:
+        with self.lock:
+            return [s.cache.ledger.snapshot() for s in self.sources]
+
+    def collect(self):
+        if not self.sources:
+            return
+        snaps = self.snapshots()
+        rank_names = sorted(self.sources[0].ranks, key=RANK_LABELS.index)
+        fams = _Families(rank_names)
+        for src, snap in zip(self.sources, snaps):
+            rv = [src.ranks[k] for k in rank_names]
+            _pool_samples(fams, src.cache.plan, snap, rv)
+            _cache_samples(fams, src.cache, snap, rv, self.version)
+        yield from fams.all()
+
+
+class _Families:
+    """The metric families of one scrape, created on first use with their label names."""
+
+    def __init__(self, rank_names: list[str]) -> None:
+        self.rank_names = rank_names
+        self.fams: dict[str, object] = {}
+
+    def add(self, name: str, labels: list[str], values: list[str], value: float, kind=GaugeMetricFamily) -> None:
+        fam = self.fams.get(name)
+        if fam is None:
+            fam = self.fams[name] = kind(name, HELP[name], labels=labels + self.rank_names)
+        fam.add_metric(values, value)
+
+    def all(self):
+        return self.fams.values()
+
+
+def _ratio(layer_kind: str) -> int:
+    try:
+        return LayerKind(layer_kind).ratio or 1
+    except ValueError:
+        return 1
+
+
+def _pool_samples(f: _Families, plan, snap, rv: list[str]) -> None:
+    for name, p in snap.pools.items():
+        base = [name, p.layer_kind]
+        for m in MEASURES:
+            f.add("kvatlas_kv_cache_bytes", ["pool", "measure", "layer_kind"], [name, m, p.layer_kind] + rv,
+                  getattr(p.measures, f"{m}_bytes"))
+        used, total = p.entries_used, p.entries_total
+        for what, v in (("used", used), ("free", total - used), ("total", total)):
+            f.add(f"kvatlas_pool_{what}_rows", ["pool", "layer_kind"], base + rv, v)
+        if p.role in ("kv", "indexer") and p.group in (SWA_PAGES, FULL_PAGES):
+            r = _ratio(p.layer_kind) if p.group == FULL_PAGES else 1
+            for what, v in (("used", used * r), ("free", (total - used) * r), ("total", total * r)):
+                f.add(f"kvatlas_pool_{what}_tokens", ["pool", "layer_kind"], base + rv, v)
+        unit = _UNIT_OF_GROUP.get(p.group)
+        if unit:
+            for what, v in (("used", p.units_used), ("free", p.units_total - p.units_used), ("total", p.units_total)):
+                f.add(f"kvatlas_pool_{what}_{unit}", ["pool", "layer_kind"], base + rv, v)
+
+
+def _cache_samples(f: _Families, cache, snap, rv: list[str], version: str) -> None:
+    for m in MEASURES:
+        f.add("kvatlas_kv_cache_total_bytes", ["measure"], [m] + rv, getattr(snap, f"{m}_bytes"))
+    p = cache.plan
+    f.add("kvatlas_running_requests", [], rv, snap.running_requests)
+    f.add("kvatlas_admission_refusals", [], rv, snap.admission_refusals, kind=CounterMetricFamily)
+    f.add("kvatlas_bytes_per_token", [], rv, p.bytes_per_token)
+    f.add("kvatlas_bytes_per_request", [], rv, p.bytes_per_request)
+    f.add("kvatlas_max_total_tokens", [], rv, p.max_total_tokens)
+    f.add("kvatlas_max_running_requests", [], rv, p.max_running_requests)
+    info = {"model": p.model.name, "layout": p.options.kv_layout, "version": version,
+            "backend": snap.backend, "device": snap.device}
+    fam = f.fams.get("kvatlas")
+    if fam is None:
+        fam = f.fams["kvatlas"] = InfoMetricFamily("kvatlas", HELP["kvatlas"], labels=f.rank_names)
+    fam.add_metric(rv, info)
+
+
+def _version() -> str:
+    from . import __version__
+    return __version__
+
+
+def registry_for(collector: KvatlasCollector):
+    """A private registry holding only `collector` (no process/platform collectors)."""
+    from prometheus_client import CollectorRegistry
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(collector)
+    return reg
+
+
+def exposition(collector: KvatlasCollector) -> bytes:
+    """The Prometheus text format of one scrape."""
+    from prometheus_client import generate_latest
+    return generate_latest(registry_for(collector))
+
