@@ -167,3 +167,37 @@ def test_spec_from_formats_rings():
         state = torch.empty(1, 1, ring.rows, ring.width)
         spec = CompressorSpec.for_state(state, ratio)
         assert spec.head_dim == d and spec.window == ring.window
+
+
+def test_compressed_entries_into_pools():
+    """C4 attention entries into an fp8_ds_mla pool and indexer keys into an fp8 indexer pool,
+    at the slots the block table gives (page boundaries of 256 tokens = 64 C4 entries)."""
+    from kvatlas.datapath import CODECS, PageGeometry, compressed_slots, gather, store
+    torch.manual_seed(5)
+    table = torch.tensor([[0, 0], [3, 1], [2, 4]], dtype=torch.int32)   # request slot -> full pages
+    pools = {}
+    for name, d in (("fp8_ds_mla", 512), ("indexer_fp8", 128)):
+        state = torch.empty(3, 1, 8, 4 * d)
+        clear_rows(state, torch.tensor([1, 2]))
+        t = 300
+        req = torch.cat((torch.full((t,), 1), torch.full((t,), 2)))
+        pos = torch.cat((torch.arange(t), torch.arange(t)))
+        kv, sc = torch.randn(2 * t, 2 * d), torch.randn(2 * t, 2 * d)
+        blocks = compress_batch(state, 0, req, pos, kv, sc, ratio=4)
+        geom = PageGeometry(CODECS[name].fmt, 256 // 4)
+        buf = torch.zeros(5, 1, geom.page_bytes, dtype=torch.uint8)
+        slots = compressed_slots(table, blocks.req_slots, blocks.block_ids, geom.entries)
+        assert slots[blocks.block_ids == 70][0] == 1 * 64 + 6      # request 1, block 70 -> page 1
+        store(geom, buf, 0, slots, blocks.entries.bfloat16())
+        codec = CODECS[name]
+        want = codec.decode(codec.encode(blocks.entries.bfloat16()))
+        assert torch.equal(gather(geom, buf, 0, slots), want)
+        pools[name] = buf
+    assert pools["fp8_ds_mla"][0].count_nonzero() == 0                # the null page stays untouched
+
+
+def test_import_does_not_pull_triton():
+    import subprocess
+    import sys
+    code = "import sys, kvatlas.datapath; assert 'triton' not in sys.modules"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0

@@ -184,6 +184,8 @@ def compress_batch(state, layer: int, req_slots, positions, kv, score, *, ratio:
 
     Blocks completed by draft tokens are speculative: once `rollback` drops those tokens, the
     block is formed again from the accepted ones, so the caller overwrites its entry then.
+    The number of completed blocks is data-dependent, so a call syncs with the device once
+    (`torch.nonzero`); validate=True adds the checks' syncs.
     """
     spec = CompressorSpec.for_state(state, ratio)
     if validate:
