@@ -13,6 +13,7 @@ from ..errors import KvatlasError
 COMMANDS = {
     "models": ("kvatlas.cli.models", "list the bundled model presets"),
     "plan": ("kvatlas.cli.plan", "size every KV pool for a model and a memory budget"),
+    "compare": ("kvatlas.cli.compare", "what SGLang and vLLM would allocate for the same deployment, beside kvatlas"),
     "alloc": ("kvatlas.cli.alloc", "allocate a plan for real and print its ledger"),
 }
 

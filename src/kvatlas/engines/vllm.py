@@ -1,0 +1,274 @@
+"""vLLM's hybrid KV cache manager for DeepSeek-V4, re-derived (no vLLM code).
+
+Every cache of every layer becomes a per-layer spec with its own block size (tokens per block)
+and page bytes rounded up to a multiple of 576. Layers are bucketed by (kind, block, window),
+buckets are split into groups that repeat the same layer pattern, and all groups draw block ids
+from one shared pool whose block is as large as the largest group's page. A block lent to a
+smaller group wastes the difference. A sliding group (SWA, compressor state) admits a request
+only when `cdiv(window - 1 + in-flight tokens, block) + 1` blocks are free, and the figure vLLM
+logs as "GPU KV cache size" is max_model_len times blocks / (every group's per-request maximum):
+a concurrency, not a capacity.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .. import formats
+from ..errors import BudgetError
+from ..model import LayerKind, ModelSpec
+from ..options import ServeOptions
+from ..plan import swa_pages_per_step
+from ..units import cdiv, round_up
+from .base import (CURVE_CONTEXTS, TABLE_CONTEXTS, EngineBuffer, EngineResult, Reported, live_tokens,
+                   split_options, unsupported)
+from ..buffers import BufferSpec
+
+ENGINE = "vllm 0.33"
+OPTIONS = {"async_scheduling": True, "max_num_batched_tokens": None}
+PAGE_ALIGN = formats.FP8_DS_MLA_PAGE_ALIGN   # every V4 spec pads its page to 576 B
+SWA_BLOCK_TOKENS = 64                        # the SWA backend's block; compressed KV uses 256
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Cache:
+    """One cache of one layer, as vLLM specs it."""
+
+    name: str
+    layer: int
+    bucket: str           # mla / swa / c4_state / c128_state
+    block_tokens: int
+    window: int | None    # None: full attention (grows with the request)
+    page_bytes: int
+    payload_bytes: int    # of the page, bytes that hold data
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Group:
+    bucket: str
+    index: int
+    caches: tuple[Cache, ...]
+
+    @property
+    def name(self) -> str:
+        return f"{self.bucket}.{self.index}" if self.bucket == "swa" else self.bucket
+
+    @property
+    def page_bytes(self) -> int:
+        return sum(c.page_bytes for c in self.caches)
+
+    @property
+    def payload_bytes(self) -> int:
+        return sum(c.payload_bytes for c in self.caches)
+
+    @property
+    def block_tokens(self) -> int:
+        return self.caches[0].block_tokens
+
+    @property
+    def window(self) -> int | None:
+        return self.caches[0].window
+
+
+def _kv(name, layer, bucket, block, window, fmt: formats.RowFormat, entries) -> Cache:
+    return Cache(name=name, layer=layer, bucket=bucket, block_tokens=block, window=window,
+                 page_bytes=round_up(fmt.page_bytes(entries), PAGE_ALIGN), payload_bytes=entries * fmt.payload_bytes)
+
+
+def _state(name, layer, bucket, block, ring: formats.StateRing) -> Cache:
+    row = ring.width * formats.state_itemsize("fp32")  # vLLM keeps compressor state in fp32 only
+    return Cache(name=name, layer=layer, bucket=bucket, block_tokens=block, window=ring.window,
+                 page_bytes=round_up(block * row, PAGE_ALIGN), payload_bytes=block * row)
+
+
+def layer_caches(model: ModelSpec, opts: ServeOptions) -> list[Cache]:
+    kv, idx, page = formats.FP8_DS_MLA, formats.indexer_format(opts.indexer), opts.page_tokens
+    out = []
+    for layer in model.layers(draft=bool(opts.draft_layers)):
+        i = layer.index
+        out.append(_kv("swa", i, "swa", SWA_BLOCK_TOKENS, model.sliding_window, kv, SWA_BLOCK_TOKENS))
+        if layer.kind is LayerKind.C4:
+            out.append(_kv("c4_kv", i, "mla", page, None, kv, page // 4))
+            out.append(_kv("c4_indexer", i, "mla", page, None, idx, page // 4))
+            out.append(_state("c4_state", i, "c4_state", 4, formats.c4_attention_ring(model.head_dim, False)))
+            out.append(_state("c4_indexer_state", i, "c4_state", 4, formats.c4_indexer_ring(model.index_head_dim, False)))
+        elif layer.kind is LayerKind.C128:
+            out.append(_kv("c128_kv", i, "mla", page, None, kv, page // 128))
+            out.append(_state("c128_state", i, "c128_state", 8, formats.c128_ring(model.head_dim, False, False)))
+    return out
+
+
+def approximate_gcd(values: list[int], lower_bound: int) -> int:
+    """The repeat count d ≥ lower_bound that pads the layer counts least when each is rounded
+    up to a multiple of d; ties go to the larger d."""
+    best, best_pad = lower_bound, None
+    for d in range(max(lower_bound, 1), max(values) + 1):
+        pad = sum((d - x % d) % d for x in values)
+        if best_pad is None or pad <= best_pad:
+            best, best_pad = d, pad
+    return best
+
+
+def groups(caches: list[Cache]) -> list[Group]:
+    """Bucket, then split balanced buckets (equal layer counts per page size) into groups that
+    each take every n-th repeat of the layer pattern."""
+    buckets: dict[str, dict[int, list[Cache]]] = {}
+    for c in caches:
+        buckets.setdefault(c.bucket, {}).setdefault(c.page_bytes, []).append(c)
+    balanced = {b: len({len(v) for v in by_page.values()}) == 1 for b, by_page in buckets.items()}
+    widest = {b: max(len(v) for v in by_page.values()) for b, by_page in buckets.items()}
+    floor = max((widest[b] for b in buckets if balanced[b] and len(buckets[b]) > 1), default=0)
+    repeats = approximate_gcd([widest[b] for b in buckets if balanced[b]], floor) if floor else None
+    out = []
+    for b, by_page in buckets.items():
+        n = cdiv(widest[b], repeats) if balanced[b] and repeats else 1
+        pattern = list(zip(*by_page.values())) if balanced[b] else [tuple(c for v in by_page.values() for c in v)]
+        for i in range(n):
+            out.append(Group(bucket=b, index=i, caches=tuple(c for rep in pattern[i::n] for c in rep)))
+    return out
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Sizing:
+    groups: tuple[Group, ...]
+    bytes_per_block: int
+    num_blocks: int
+    max_blocks_per_request: dict    # group → blocks one max_model_len request may need
+    held_blocks_per_request: dict   # group → blocks a decoding request keeps (sliding groups)
+    page_tokens: int
+    max_model_len: int
+    requests: int
+
+    @property
+    def logged_concurrency(self) -> float:
+        return self.num_blocks / sum(self.max_blocks_per_request.values())
+
+    @property
+    def logged_tokens(self) -> int:
+        return int(self.logged_concurrency * self.max_model_len)
+
+    @property
+    def held_total(self) -> int:
+        return sum(self.held_blocks_per_request.values())
+
+
+def configure(model: ModelSpec, opts: ServeOptions, eng: dict, budget: int) -> Sizing:
+    gs = tuple(groups(layer_caches(model, opts)))
+    bpb = max(g.page_bytes for g in gs)
+    batched = eng["max_num_batched_tokens"] or opts.chunked_prefill_tokens
+    in_flight = (2 if eng["async_scheduling"] else 1) * batched
+    max_len, step = opts.max_model_len, 1 + opts.draft_tokens
+    cap, held = {}, {}
+    for g in gs:
+        if g.window is None:
+            cap[g.name] = cdiv(max_len, g.block_tokens)
+        else:
+            cap[g.name] = cdiv(min(g.window - 1 + in_flight, max_len), g.block_tokens) + 1
+            held[g.name] = swa_pages_per_step(g.window, step, g.block_tokens)
+    return Sizing(groups=gs, bytes_per_block=bpb, num_blocks=budget // bpb, max_blocks_per_request=cap,
+                  held_blocks_per_request=held, page_tokens=opts.page_tokens, max_model_len=max_len,
+                  requests=opts.max_running_requests)
+
+
+def concurrency(z: Sizing, context_tokens: int) -> int:
+    """Requests of `context_tokens` held at once. Earlier requests have settled into decode and
+    keep only their window's blocks per sliding group; the last one admitted must find its
+    admission reserve (capped per group) free. Block 0 is the null block."""
+    if context_tokens > z.max_model_len:
+        return 0
+    full = cdiv(context_tokens, z.page_tokens)
+    admit = sum(min(cdiv(context_tokens, g.block_tokens), z.max_blocks_per_request[g.name])
+                for g in z.groups if g.window is not None)
+    free = z.num_blocks - 1 - full - admit
+    if free < 0:
+        return 0
+    return min(z.requests, 1 + free // (full + z.held_total))
+
+
+def sliding_blocks(z: Sizing) -> dict:
+    """Blocks per sliding group while max_num_seqs requests run: all but one decoding (a few
+    blocks each) and one in chunked prefill, holding its group's full admission reserve: the
+    window plus every in-flight token, per token for the state groups."""
+    return {g.name: (z.requests - 1) * z.held_blocks_per_request[g.name] + z.max_blocks_per_request[g.name]
+            for g in z.groups if g.window is not None}
+
+
+def pool_tokens(z: Sizing) -> int:
+    """Tokens the full group holds beside the sliding blocks of a serving batch (block 0 is null)."""
+    return max(z.num_blocks - 1 - sum(sliding_blocks(z).values()), 0) * z.page_tokens
+
+
+def buffers(z: Sizing) -> list[EngineBuffer]:
+    """The one backing tensor, split by which group owns each block while max_num_seqs requests
+    run (see `sliding_blocks`) and every other block holds full tokens. Units are blocks."""
+    def part(name, pool, role, kind, layers, units, payload, null=0):
+        spec = BufferSpec(name=name, pool=pool, group="blocks", role=role, layer_kind=kind, layers=layers,
+                          dtype="uint8", inner_shape=(z.bytes_per_block,), unit_bytes=z.bytes_per_block,
+                          unit_payload_bytes=payload, entries_per_unit=1, entry_bytes=payload,
+                          null_units=null, units=units)
+        return EngineBuffer(spec=spec, note="aliases the shared block pool")
+    out = [part("null_block", "null_block", "null", "all", (), 1, 0, null=1)]
+    sliding = sliding_blocks(z)
+    for g in z.groups:
+        units = sliding[g.name] if g.window is not None else pool_tokens(z) // z.page_tokens
+        role = "kv" if g.bucket in ("mla", "swa") else "state"
+        layers = tuple(sorted({c.layer for c in g.caches}))
+        out.append(part(g.name, g.name, role, g.bucket, layers, units, g.payload_bytes))
+    return out
+
+
+def _check(model: ModelSpec, opts: ServeOptions) -> None:
+    if model.family != "v4":
+        raise unsupported("model", ENGINE, f"{model.name} is a {model.family} model; only V4/V4-Pro are modelled",
+                          "compare a deepseek-v4-flash or deepseek-v4-pro preset")
+    if opts.state_dtype != "fp32":
+        raise unsupported("state_dtype", ENGINE, "keeps compressor state in fp32 only (its state cache asserts it)",
+                          "drop --state-dtype bf16, or leave vllm out (--engines kvatlas,sglang)")
+    if opts.online_c128:
+        raise unsupported("online_c128", ENGINE, "has no online C128 state", "drop --online-c128")
+    if opts.kv_layout != "v4":
+        raise unsupported("kv_layout", ENGINE, f"only the fp8_ds_mla layout (v4) is modelled, not {opts.kv_layout!r}",
+                          "drop --layout")
+    if opts.indexer not in ("fp8", "fp4"):
+        raise unsupported("indexer", ENGINE, f"has no {opts.indexer} indexer", "use fp8 (default) or fp4 (mxfp4)")
+    if opts.page_tokens != 256:
+        raise unsupported("page_tokens", ENGINE, "the V4 sparse-MLA kernels take block 256 only", "use --page-tokens 256")
+    if opts.pp != 1 or opts.dp != 1:
+        raise unsupported("pp" if opts.pp != 1 else "dp", ENGINE, "only one rank without pp or dp is modelled",
+                          "use pp=1 and dp=1")
+
+
+def run(model: ModelSpec, opts: ServeOptions, budget: int, **engine_options) -> EngineResult:
+    eng = split_options(ENGINE, OPTIONS, engine_options)
+    _check(model, opts)
+    z = configure(model, opts, eng, budget)
+    if z.logged_concurrency < 1:
+        need = sum(z.max_blocks_per_request.values()) * z.bytes_per_block
+        raise BudgetError(f"memory: {ENGINE} refuses to start: one request of max_model_len={z.max_model_len} "
+                          f"needs {need} B of blocks but {budget} B were given; raise memory or lower max_model_len")
+    contexts = sorted(set(TABLE_CONTEXTS + CURVE_CONTEXTS))
+    reported = Reported(
+        capacity_tokens=z.logged_tokens, capacity_label="GPU KV cache size", memory_gauge_bytes=None,
+        gauge_label="none in bytes (vllm:kv_cache_usage_perc is a share of blocks)",
+        lines=(f"GPU KV cache size: {z.logged_tokens:,} tokens",
+               f"Maximum concurrency for {z.max_model_len:,} tokens per request: {z.logged_concurrency:.2f}x"))
+    figures = {"bytes_per_block": z.bytes_per_block, "num_blocks": z.num_blocks,
+               "groups": [{"name": g.name, "layers": len({c.layer for c in g.caches}), "caches": len(g.caches),
+                           "block_tokens": g.block_tokens, "page_bytes": g.page_bytes,
+                           "max_blocks_per_request": z.max_blocks_per_request[g.name],
+                           "held_blocks_per_request": z.held_blocks_per_request.get(g.name)} for g in z.groups],
+               "logged_concurrency": z.logged_concurrency, "logged_tokens": z.logged_tokens,
+               "slope_bytes_per_token": z.bytes_per_block / z.page_tokens}
+    notes = ("'GPU KV cache size' is max concurrency × max_model_len: it moves with max_model_len",
+             "each sliding group admits a request only with its reserve free; a decoding request keeps a few blocks")
+    return EngineResult(engine=ENGINE, variant="hybrid manager" + _suffix(opts), model=model.name, budget_bytes=budget,
+                        buffers=tuple(buffers(z)), pool_tokens=pool_tokens(z),
+                        token_capacity=live_tokens(pool_tokens(z), z.requests, z.max_model_len, z.page_tokens),
+                        max_running_requests=opts.max_running_requests,
+                        concurrency={c: concurrency(z, c) for c in contexts}, reported=reported,
+                        figures=figures, notes=notes)
+
+
+def _suffix(opts: ServeOptions) -> str:
+    parts = ([f"spec {opts.draft_tokens} draft"] if opts.draft_tokens else []) + (["fp4 indexer"] if opts.indexer == "fp4" else [])
+    return ", " + ", ".join(parts) if parts else ""
