@@ -1,0 +1,111 @@
+"""What `kvatlas serve` and `kvatlas simulate` share: workload options, building the cache, the
+simulator and its writer, and the end-of-run summary."""
+
+from __future__ import annotations
+
+import sys
+
+from ..errors import ConfigError
+from ..table import render
+from ..units import fmt_bytes
+
+
+def add_workload_args(p) -> None:
+    g = p.add_argument_group("workload")
+    g.add_argument("--workload", default="synthetic", help="synthetic (default) or a JSONL trace file "
+                   '(one {"arrival_s", "prompt_tokens", "output_tokens"} per line)')
+    g.add_argument("--rate", type=float, default=4.0, help="synthetic: arrivals per second (Poisson, default 4)")
+    g.add_argument("--duration", type=float, default=10.0, help="synthetic: seconds of arrivals (default 10)")
+    g.add_argument("--prompt-len", default="uniform:64:1024",
+                   help="synthetic prompt lengths: N, uniform:LO:HI, exp:MEAN, lognormal:MEDIAN:SIGMA")
+    g.add_argument("--output-len", default="uniform:16:256", help="synthetic output lengths (same forms)")
+    g.add_argument("--seed", type=int, default=0, help="seed of arrivals, lengths and draft acceptance")
+    g.add_argument("--strict-trace", action="store_true", help="a malformed trace line is fatal (default: skip it)")
+    g.add_argument("--accept-rate", type=float, default=0.7, help="probability each draft token is accepted")
+    g.add_argument("--step-ms", type=float, default=20.0, help="time of one forward pass (default 20 ms)")
+    g.add_argument("--write-layers", default=None,
+                   help="layers per pool that get real KV writes: N or 'all' (default: 1 on CPU, all on CUDA)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
+    p.add_argument("--backend", default="plain", help="arena backend: plain (default) or vmm (CUDA)")
+
+
+def requests_from_args(args) -> list:
+    from .. import workload
+    if args.workload == "synthetic":
+        return workload.synthetic(rate_per_s=args.rate, duration_s=args.duration, prompt=args.prompt_len,
+                                  output=args.output_len, seed=args.seed)
+
+    def report(line_no: int, problem: str) -> None:
+        print(f"{args.workload}:{line_no}: skipped: {problem}", file=sys.stderr)
+
+    reqs, _ = workload.read_trace(args.workload, strict=args.strict_trace, on_error=report)
+    return reqs
+
+
+def write_layers(args, device) -> int | None:
+    """None means every layer."""
+    value = args.write_layers
+    if value is None:
+        return None if device.type == "cuda" else 1
+    if value == "all":
+        return None
+    try:
+        n = int(value)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise ConfigError("--write-layers", f"{value!r}", "give a whole number ≥ 0 or 'all'")
+    return n
+
+
+def build(args, plan_from_args, *, lock=None, record=True):
+    """(cache, simulator, writer) for the parsed arguments; the cache is allocated for real."""
+    if not 0.0 <= args.accept_rate <= 1.0:
+        raise ConfigError("--accept-rate", f"{args.accept_rate}", "give a probability in [0, 1]")
+    if not args.step_ms > 0:
+        raise ConfigError("--step-ms", f"{args.step_ms}", "give a positive number of milliseconds")
+    requests = requests_from_args(args)
+    p = plan_from_args(args)
+    import kvatlas
+    from ..arena import parse_device
+    from ..sim import Simulator
+    from ..simwrite import KVWriter
+    cache = kvatlas.allocate(p, device=args.device, backend=args.backend)
+    layers = write_layers(args, parse_device(args.device))
+    writer = KVWriter(cache, layers=layers, seed=args.seed) if layers != 0 else None
+    sim = Simulator(cache, requests, accept_rate=args.accept_rate, seed=args.seed, writer=writer, lock=lock,
+                    step_s=args.step_ms / 1e3, record=record)
+    return cache, sim, writer
+
+
+def summary(cache, sim, writer, wall_s: float, how: str) -> str:
+    s, snap = sim.stats, cache.ledger.snapshot()
+    addr = max(snap.addressable_bytes, 1)
+    rows = [
+        ["requests", f"{s.arrived} arrived, {s.admitted} admitted, {s.finished} finished, "
+                     f"{s.rejected_too_long} rejected (longer than max_model_len), "
+                     f"{len(sim.waiting) + len(sim.pending)} never admitted, {len(sim.running)} still running"],
+        ["tokens", f"{s.prefill_tokens:,} prefilled, {s.decode_tokens:,} decoded "
+                   f"({s.drafts_accepted:,} drafts accepted, {s.drafts_rejected:,} rolled back)"],
+        ["forward passes", f"{s.steps:,} ({s.blocked_steps:,} with the queue head waiting for memory)"],
+        ["peak", f"{s.peak_running} running, {fmt_bytes(s.peak_occupied_bytes)} occupied "
+                 f"({100 * s.peak_occupied_bytes / addr:.1f}% of addressable)"],
+        ["end", f"{snap.running_requests} running, {fmt_bytes(snap.occupied_bytes)} occupied "
+                f"({snap.occupied_bytes:,} B)"],
+        ["cache", f"{fmt_bytes(snap.tensor_bytes)} tensor on {snap.device} ({snap.backend}), "
+                  f"{fmt_bytes(snap.addressable_bytes)} addressable"],
+        ["KV writes", _writes(writer)],
+        ["wall time", f"{wall_s:.2f} s ({how})"],
+    ]
+    return render(["", "summary"], rows, title=f"kvatlas — {cache.plan.model.name}")
+
+
+def _writes(writer) -> str:
+    if writer is None:
+        return "none (--write-layers 0): allocator and ledger only"
+    layers = writer.layers_written
+    text = f"{writer.rows_written:,} rows stored through kvatlas.datapath; layers per pool: " + \
+        ", ".join(f"{k} {v}" for k, v in layers.items())
+    if writer.skipped:
+        text += "; not written: " + ", ".join(writer.skipped)
+    return text

@@ -1,0 +1,217 @@
+"""The driver: a small continuous-batching scheduler that runs a workload through a KVCache.
+
+Each `step(now_s)` is one forward pass, the way an engine's scheduler loop makes it:
+1. requests whose arrival time has come join the waiting queue (FIFO);
+2. admission by `cache.can_admit` (exact: slots and full pages), in order; a request longer than
+   max_model_len can never run and is rejected, not retried;
+3. one forward pass (`allocator.forward()`): decode first — every decoding request writes
+   1 + draft tokens (capped by what it still has to generate) — then chunked prefill with what
+   is left of the `chunked_prefill_tokens` budget, which bounds ALL new tokens of the pass
+   (the plan sizes the SWA in flight on that bound, SPEC §3);
+4. drafts are accepted left to right with probability `accept_rate` each; the rejected tail is
+   rolled back;
+5. finished requests are released; a ledger snapshot is recorded on the timeline.
+
+The driver holds `lock` while it mutates the cache, so a scrape in another thread never sees a
+half-done step. Time is the caller's: `run_offline` advances a virtual clock by `step_s` per pass,
+`kvatlas serve` passes the wall clock.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass(slots=True)
+class _Live:
+    req: object
+    prefilled: int = 0
+    generated: int = 0
+
+    @property
+    def decoding(self) -> bool:
+        return self.prefilled >= self.req.prompt_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class TimelinePoint:
+    t_s: float
+    step: int
+    running: int
+    waiting: int
+    finished: int
+    snapshot: object
+
+
+@dataclass(slots=True)
+class SimStats:
+    arrived: int = 0
+    admitted: int = 0
+    finished: int = 0
+    rejected_too_long: int = 0
+    steps: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    drafts_accepted: int = 0
+    drafts_rejected: int = 0
+    blocked_steps: int = 0          # passes where the head of the queue could not be admitted
+    peak_running: int = 0
+    peak_occupied_bytes: int = 0
+    rejected_ids: list = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return {k: getattr(self, k) for k in self.__slots__ if k != "rejected_ids"}
+
+
+class Simulator:
+    def __init__(self, cache, requests, *, accept_rate: float = 0.7, seed: int = 0, writer=None, lock=None,
+                 step_s: float = 0.02, record: bool = True) -> None:
+        self.cache = cache
+        self.pending = deque(sorted(requests, key=lambda r: r.arrival_s))
+        self.waiting: deque = deque()
+        self.running: dict[str, _Live] = {}
+        self.draft_tokens = cache.plan.options.draft_tokens
+        self.chunk = cache.plan.options.chunked_prefill_tokens
+        self.max_len = cache.plan.options.max_model_len
+        self.accept_rate = accept_rate
+        self.rng = np.random.default_rng(seed)
+        self.writer = writer
+        self.lock = lock if lock is not None else contextlib.nullcontext()
+        self.step_s = step_s
+        self.record = record
+        self.stats = SimStats()
+        self.timeline: list[TimelinePoint] = []
+        self._rr = 0   # round-robin start of the decode batch when it exceeds the token budget
+
+    @property
+    def done(self) -> bool:
+        return not (self.pending or self.waiting or self.running)
+
+    @property
+    def next_arrival_s(self) -> float | None:
+        return self.pending[0].arrival_s if self.pending else None
+
+    # ------------------------------------------------------------------ one pass
+    def step(self, now_s: float) -> None:
+        while self.pending and self.pending[0].arrival_s <= now_s:
+            self.waiting.append(self.pending.popleft())
+            self.stats.arrived += 1
+        with self.lock:
+            self._admit()
+            if self.running:
+                with self.cache.allocator.forward():
+                    left = self.chunk - self._decode(self.chunk)
+                    self._prefill(left)
+                self._finish_done()
+                self.stats.steps += 1
+            else:
+                self.cache.flush()
+            snap = self.cache.ledger.snapshot()
+        self._observe(now_s, snap)
+
+    def _admit(self) -> None:
+        while self.waiting:
+            r = self.waiting[0]
+            if r.prompt_tokens + r.output_tokens > self.max_len:
+                self.waiting.popleft()
+                self.stats.rejected_too_long += 1
+                self.stats.rejected_ids.append(r.id)
+                continue
+            if not self.cache.can_admit(r.prompt_tokens, r.output_tokens):
+                self.stats.blocked_steps += 1
+                return
+            self.waiting.popleft()
+            self.cache.admit(r.id, r.prompt_tokens, r.output_tokens)
+            self.running[r.id] = _Live(r)
+            self.stats.admitted += 1
+
+    def _decode(self, budget: int) -> int:
+        live = [x for x in self.running.values() if x.decoding]
+        if not live:
+            return 0
+        start = self._rr % len(live)
+        live = live[start:] + live[:start]
+        want = np.array([min(1 + self.draft_tokens, x.req.output_tokens - x.generated) for x in live], np.int64)
+        take = int(np.searchsorted(np.cumsum(want), budget, side="right"))
+        if take == 0:
+            return 0
+        live, want = live[:take], want[:take]
+        self._rr += take
+        idx = self.cache.step([x.req.id for x in live], want)
+        if self.writer is not None:
+            self.writer.write(idx)
+        accepted = self._accept(want - 1)
+        for x, w, a in zip(live, want, accepted):
+            if w - 1 > a:
+                self.cache.rollback(x.req.id, int(w - 1 - a))
+            x.generated += 1 + int(a)
+        self.stats.decode_tokens += int(want.sum())
+        self.stats.drafts_accepted += int(accepted.sum())
+        self.stats.drafts_rejected += int((want - 1 - accepted).sum())
+        return int(want.sum())
+
+    def _accept(self, drafts: np.ndarray) -> np.ndarray:
+        """Accepted drafts per request: leading successes of Bernoulli(accept_rate) trials."""
+        d = int(drafts.max(initial=0))
+        if d == 0:
+            return np.zeros(len(drafts), np.int64)
+        ok = self.rng.random((len(drafts), d)) < self.accept_rate
+        return np.minimum(np.cumprod(ok, axis=1).sum(axis=1), drafts)
+
+    def _prefill(self, budget: int) -> None:
+        for x in self.running.values():
+            if budget <= 0:
+                return
+            n = min(x.req.prompt_tokens - x.prefilled, budget)
+            if n <= 0:
+                continue
+            idx = self.cache.extend(x.req.id, n)
+            if self.writer is not None:
+                self.writer.write(idx)
+            x.prefilled += n
+            budget -= n
+            self.stats.prefill_tokens += n
+
+    def _finish_done(self) -> None:
+        for rid in [rid for rid, x in self.running.items() if x.generated >= x.req.output_tokens]:
+            self.cache.finish(rid)
+            del self.running[rid]
+            self.stats.finished += 1
+
+    def _observe(self, now_s: float, snap) -> None:
+        s = self.stats
+        s.peak_running = max(s.peak_running, snap.running_requests)
+        s.peak_occupied_bytes = max(s.peak_occupied_bytes, snap.occupied_bytes)
+        if self.record:
+            self.timeline.append(TimelinePoint(now_s, s.steps, len(self.running), len(self.waiting), s.finished, snap))
+
+    # ------------------------------------------------------------------ drivers
+    def run_offline(self, max_steps: int | None = None) -> SimStats:
+        """As fast as possible on a virtual clock: each pass takes step_s; idle time is skipped."""
+        t = 0.0
+        steps = 0
+        while not self.done and (max_steps is None or steps < max_steps):
+            if not (self.waiting or self.running) and self.pending:
+                t = max(t, self.pending[0].arrival_s)
+            self.step(t)
+            t += self.step_s
+            steps += 1
+        with self.lock:
+            self.cache.flush()
+        return self.stats
+
+    def request_usage(self) -> dict:
+        """Per running request: its progress and its bytes by pool (for /state)."""
+        with self.lock:
+            return {rid: {"prompt_tokens": x.req.prompt_tokens, "output_tokens": x.req.output_tokens,
+                          "prefilled_tokens": x.prefilled, "generated_tokens": x.generated,
+                          "pools": self.cache.request_usage(rid)} for rid, x in self.running.items()}
+
+    def state(self) -> dict:
+        return {"stats": self.stats.as_dict(), "running": len(self.running), "waiting": len(self.waiting),
+                "pending": len(self.pending), "done": self.done, "draft_tokens": self.draft_tokens,
+                "accept_rate": self.accept_rate}
