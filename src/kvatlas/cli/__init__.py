@@ -15,6 +15,7 @@ COMMANDS = {
     "plan": ("kvatlas.cli.plan", "size every KV pool for a model and a memory budget"),
     "compare": ("kvatlas.cli.compare", "what SGLang and vLLM would allocate for the same deployment, beside kvatlas"),
     "alloc": ("kvatlas.cli.alloc", "allocate a plan for real and print its ledger"),
+    "serve": ("kvatlas.cli.serve", "drive a real cache with a workload live, serving /metrics, /state and /healthz"),
     "simulate": ("kvatlas.cli.simulate", "run a workload offline through a real cache; plot memory over time"),
 }
 

@@ -1,0 +1,126 @@
+"""`kvatlas serve`: allocate a real cache, drive it with a workload in real time, and serve
+/metrics, /state and /healthz while it runs. SIGINT (Ctrl-C) or SIGTERM stops it cleanly: the pass
+in progress completes, the socket is closed, and the summary is printed."""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+import time
+
+from ..units import fmt_bytes
+from .common import add_deployment_args, plan_from_args
+from .drive import add_workload_args, build, summary
+
+
+def add_parser(p) -> None:
+    add_deployment_args(p)
+    add_workload_args(p)
+    g = p.add_argument_group("endpoints")
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: loopback only)")
+    g.add_argument("--port", type=int, default=9400, help="TCP port (default 9400; 0 picks a free one)")
+    g.add_argument("--linger", type=float, default=0.0,
+                   help="seconds to keep serving after the workload ends (default 0; -1: until a signal)")
+    g.add_argument("--progress-s", type=float, default=1.0, help="seconds between progress updates")
+
+
+class _Stop:
+    """SIGINT/SIGTERM set an event the driver checks between passes, so a pass is never cut
+    half-way; a second SIGINT interrupts at once."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.reason = ""
+        self._old = {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        if self.event.is_set() and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.reason = signal.Signals(signum).name
+        self.event.set()
+
+    def __exit__(self, *exc):
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+
+class _Progress:
+    """A live line on a terminal (rich), plain lines otherwise (logs, pipes)."""
+
+    def __init__(self, every_s: float) -> None:
+        self.every_s, self.last = every_s, 0.0
+        self.live = None
+        if sys.stdout.isatty():
+            from rich.live import Live
+            self.live = Live("", refresh_per_second=4, transient=False)
+            self.live.start()
+
+    def update(self, sim, now_s: float, force: bool = False) -> None:
+        if not force and now_s - self.last < self.every_s:
+            return
+        self.last = now_s
+        snap = sim.cache.ledger.snapshot()   # the driver's own thread: never mid-pass
+        share = 100 * snap.occupied_bytes / max(snap.addressable_bytes, 1)
+        line = (f"t={now_s:7.1f}s  running {len(sim.running):4d}  waiting {len(sim.waiting):4d}  "
+                f"finished {sim.stats.finished:5d}  occupied {fmt_bytes(snap.occupied_bytes):>10} ({share:5.1f}%)  "
+                f"passes {sim.stats.steps}")
+        if self.live is not None:
+            self.live.update(line)
+        else:
+            print(line, flush=True)
+
+    def close(self) -> None:
+        if self.live is not None:
+            self.live.stop()
+
+
+def _drive(sim, args, stop: _Stop, progress: _Progress) -> str:
+    t0, step_s = time.monotonic(), sim.step_s
+    done_at = None
+    while not stop.event.is_set():
+        now = time.monotonic() - t0
+        if sim.done:
+            done_at = now if done_at is None else done_at
+            progress.update(sim, now)
+            if args.linger >= 0 and now - done_at >= args.linger:
+                return "workload finished"
+            stop.event.wait(min(0.2, args.linger if args.linger > 0 else 0.2))
+            continue
+        sim.step(now)
+        progress.update(sim, now)
+        wait = step_s - (time.monotonic() - t0 - now)
+        if not (sim.running or sim.waiting) and sim.next_arrival_s is not None:
+            wait = sim.next_arrival_s - (time.monotonic() - t0)
+        if wait > 0:
+            stop.event.wait(min(wait, 0.5))
+    return f"stopped by {stop.reason}"
+
+
+def run(args) -> int:
+    from .. import server
+    lock = threading.Lock()
+    cache, sim, writer = build(args, plan_from_args, lock=lock, record=False)
+    handle = server.start(cache, args.host, args.port, lock=lock, extra_state=sim.state,
+                          request_state=sim.request_usage)
+    print(f"kvatlas serve: {cache.plan.model.name}, {fmt_bytes(cache.plan.total_bytes)} on {cache.device}; "
+          f"{len(sim.pending)} requests; endpoints at {handle.url}/metrics /state /healthz", flush=True)
+    t0 = time.monotonic()
+    progress = _Progress(args.progress_s)
+    try:
+        with _Stop() as stop:
+            how = _drive(sim, args, stop, progress)
+    finally:
+        progress.close()
+        handle.close()
+    if sim.done:
+        with lock:
+            cache.check_integrity()
+    print(summary(cache, sim, writer, time.monotonic() - t0, how + "; endpoint closed"), flush=True)
+    return 0
