@@ -4,11 +4,13 @@ Numerics mirror `numerics.py` bit for bit: the power-of-two exponent comes from 
 of the tile amax, scaling is an exact multiply by 2^(127-e), and the fp8 encoding rounds to
 nearest even after clamping to ±448, done with integer ops (`e4m3_rne`) so it does not depend on
 how a backend lowers the cast (checked under TRITON_INTERPRET=1 on CPU, where the cast differs).
-One program handles one (token, layer); grid axis 1 covers a range of layers so a decode step's
-layers go in one launch. Imported only on first use (CUDA, triton present) or by the tests.
+One program handles BT tokens of one layer; grid axis 1 covers a range of layers so a decode
+step's layers go in one launch. Imported only on first use (CUDA, triton present) or by the tests.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -45,114 +47,145 @@ def e4m3_rne(y):
     return code.to(tl.uint8) | sign
 
 
-@triton.jit
-def _slot_base(buf_ptr, slots_ptr, b_su, b_sl, layer0, P):
-    t = tl.program_id(0)
-    layer = layer0 + tl.program_id(1)
-    slot = tl.load(slots_ptr + t).to(tl.int64)
-    return buf_ptr + (slot // P) * b_su + layer.to(tl.int64) * b_sl, slot % P
+# On a GPU the hardware conversion (cvt.rn.satfinite) rounds to nearest even, as torch does; the
+# integer path costs ~15 int32 ops per element and made the store compute-bound (measured on the
+# H200: 0.57 of copy bandwidth). Triton's CPU interpreter does not round its fp8 casts to nearest,
+# so it keeps the integer path. TRITON_INTERPRET is Triton's own global switch, read once here.
+HW_CAST = os.environ.get("TRITON_INTERPRET", "0") != "1"
 
 
 @triton.jit
-def _ds_mla_store(val_ptr, v_sl, v_sn, buf_ptr, b_su, b_sl, slots_ptr, layer0, P, scale_region,
+def _to_e4m3(y, HW: tl.constexpr):
+    """fp32 already clamped to ±448 → e4m3fn byte, round to nearest even."""
+    if HW:
+        return y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    return e4m3_rne(y)
+
+
+@triton.jit
+def _tokens(slots_ptr, n, buf_ptr, b_su, b_sl, layer0, P, BT: tl.constexpr):
+    """BT tokens of one layer per program: the slots, each token's page base and in-page offset.
+    Several tokens per program keep more bytes in flight than one small row per program."""
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    ok = t < n
+    slot = tl.load(slots_ptr + t, mask=ok, other=0).to(tl.int64)
+    layer = (layer0 + tl.program_id(1)).to(tl.int64)
+    return t.to(tl.int64), ok, buf_ptr + (slot // P) * b_su + layer * b_sl, slot % P
+
+
+@triton.jit
+def _ds_mla_store(val_ptr, v_sl, v_sn, buf_ptr, b_su, b_sl, slots_ptr, n, layer0, P, scale_region,
                   NOPE: tl.constexpr, ROPE: tl.constexpr, TILE: tl.constexpr, NT: tl.constexpr,
-                  DATA: tl.constexpr, SCALE: tl.constexpr, Q_EXP: tl.constexpr, Q_MANT: tl.constexpr):
-    base, off = _slot_base(buf_ptr, slots_ptr, b_su, b_sl, layer0, P)
-    row = val_ptr + tl.program_id(1).to(tl.int64) * v_sl + tl.program_id(0).to(tl.int64) * v_sn
+                  DATA: tl.constexpr, SCALE: tl.constexpr, Q_EXP: tl.constexpr, Q_MANT: tl.constexpr,
+                  BT: tl.constexpr, HW: tl.constexpr):
+    t, ok, base, off = _tokens(slots_ptr, n, buf_ptr, b_su, b_sl, layer0, P, BT)
+    row = val_ptr + tl.program_id(1).to(tl.int64) * v_sl + t * v_sn                  # [BT]
     r = tl.arange(0, NT)
     c = tl.arange(0, TILE)
-    nope = (r < NOPE // TILE)[:, None]
-    x = tl.load(row + r[:, None] * TILE + c[None, :], mask=nope, other=0.0).to(tl.float32)
-    amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-4)   # official act_quant floor on amax
-    e = _e4m3_exponent(amax, Q_EXP, Q_MANT)
+    idx = (r[:, None] * TILE + c[None, :])[None, :, :]                               # [1, NT, TILE]
+    m = ok[:, None, None] & (r < NOPE // TILE)[None, :, None]
+    x = tl.load(row[:, None, None] + idx, mask=m, other=0.0).to(tl.float32)
+    amax = tl.maximum(tl.max(tl.abs(x), axis=2), 1e-4)   # official act_quant floor on amax
+    e = _e4m3_exponent(amax, Q_EXP, Q_MANT)                                          # [BT, NT]
     inv = ((254 - e) << 23).to(tl.float32, bitcast=True)
-    q = e4m3_rne(tl.minimum(tl.maximum(x * inv[:, None], -448.0), 448.0))
+    q = _to_e4m3(tl.minimum(tl.maximum(x * inv[:, :, None], -448.0), 448.0), HW)
     data = base + off * DATA
-    tl.store(data + r[:, None] * TILE + c[None, :], q, mask=nope)
-    k = tl.arange(0, ROPE)
-    rope = tl.load(row.to(tl.pointer_type(tl.uint16)) + NOPE + k)   # the bf16 bits, untouched
-    tl.store((data + NOPE).to(tl.pointer_type(tl.uint16)) + k, rope)
-    tl.store(base + scale_region + off * SCALE + r, tl.where(r < NOPE // TILE, e, 0).to(tl.uint8))
+    tl.store(data[:, None, None] + idx, q, mask=m)
+    k = tl.arange(0, ROPE)[None, :]
+    rope = tl.load(row.to(tl.pointer_type(tl.uint16))[:, None] + NOPE + k, mask=ok[:, None])  # bf16 bits
+    tl.store((data + NOPE).to(tl.pointer_type(tl.uint16))[:, None] + k, rope, mask=ok[:, None])
+    sc = (base + scale_region + off * SCALE)[:, None] + r[None, :]
+    tl.store(sc, tl.where((r < NOPE // TILE)[None, :], e, 0).to(tl.uint8), mask=ok[:, None])
 
 
 @triton.jit
-def _ds_mla_gather(out_ptr, o_sl, o_sn, buf_ptr, b_su, b_sl, slots_ptr, layer0, P, scale_region,
+def _ds_mla_gather(out_ptr, o_sl, o_sn, buf_ptr, b_su, b_sl, slots_ptr, n, layer0, P, scale_region,
                    NOPE: tl.constexpr, ROPE: tl.constexpr, TILE: tl.constexpr, NT: tl.constexpr,
-                   DATA: tl.constexpr, SCALE: tl.constexpr):
-    base, off = _slot_base(buf_ptr, slots_ptr, b_su, b_sl, layer0, P)
-    row = out_ptr + tl.program_id(1).to(tl.int64) * o_sl + tl.program_id(0).to(tl.int64) * o_sn
+                   DATA: tl.constexpr, SCALE: tl.constexpr, BT: tl.constexpr):
+    t, ok, base, off = _tokens(slots_ptr, n, buf_ptr, b_su, b_sl, layer0, P, BT)
+    row = out_ptr + tl.program_id(1).to(tl.int64) * o_sl + t * o_sn
     r = tl.arange(0, NT)
     c = tl.arange(0, TILE)
-    nope = (r < NOPE // TILE)[:, None]
+    idx = (r[:, None] * TILE + c[None, :])[None, :, :]
+    m = ok[:, None, None] & (r < NOPE // TILE)[None, :, None]
     data = base + off * DATA
-    q = tl.load(data + r[:, None] * TILE + c[None, :], mask=nope, other=0)
-    e = tl.load(base + scale_region + off * SCALE + r).to(tl.int32)
+    q = tl.load(data[:, None, None] + idx, mask=m, other=0)
+    e = tl.load((base + scale_region + off * SCALE)[:, None] + r[None, :], mask=ok[:, None], other=0).to(tl.int32)
     scale = (e << 23).to(tl.float32, bitcast=True)                   # byte 0 reads as 0
-    y = q.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale[:, None]
-    tl.store(row + r[:, None] * TILE + c[None, :], y.to(tl.bfloat16), mask=nope)
-    k = tl.arange(0, ROPE)
-    rope = tl.load((data + NOPE).to(tl.pointer_type(tl.uint16)) + k)
-    tl.store(row.to(tl.pointer_type(tl.uint16)) + NOPE + k, rope)
+    y = q.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale[:, :, None]
+    tl.store(row[:, None, None] + idx, y.to(tl.bfloat16), mask=m)
+    k = tl.arange(0, ROPE)[None, :]
+    rope = tl.load((data + NOPE).to(tl.pointer_type(tl.uint16))[:, None] + k, mask=ok[:, None])
+    tl.store(row.to(tl.pointer_type(tl.uint16))[:, None] + NOPE + k, rope, mask=ok[:, None])
 
 
 @triton.jit
-def _index_fp8_store(val_ptr, v_sl, v_sn, buf_ptr, b_su, b_sl, slots_ptr, layer0, P, scale_region,
+def _index_fp8_store(val_ptr, v_sl, v_sn, buf_ptr, b_su, b_sl, slots_ptr, n, layer0, P, scale_region,
                      WIDTH: tl.constexpr, DATA: tl.constexpr, SCALE: tl.constexpr,
-                     Q_EXP: tl.constexpr, Q_MANT: tl.constexpr):
-    base, off = _slot_base(buf_ptr, slots_ptr, b_su, b_sl, layer0, P)
-    row = val_ptr + tl.program_id(1).to(tl.int64) * v_sl + tl.program_id(0).to(tl.int64) * v_sn
-    k = tl.arange(0, WIDTH)
-    x = tl.load(row + k).to(tl.float32)
-    e = _e4m3_exponent(tl.maximum(tl.max(tl.abs(x), axis=0), 1e-4), Q_EXP, Q_MANT)
+                     Q_EXP: tl.constexpr, Q_MANT: tl.constexpr, BT: tl.constexpr, HW: tl.constexpr):
+    t, ok, base, off = _tokens(slots_ptr, n, buf_ptr, b_su, b_sl, layer0, P, BT)
+    row = val_ptr + tl.program_id(1).to(tl.int64) * v_sl + t * v_sn
+    k = tl.arange(0, WIDTH)[None, :]
+    x = tl.load(row[:, None] + k, mask=ok[:, None], other=0.0).to(tl.float32)
+    e = _e4m3_exponent(tl.maximum(tl.max(tl.abs(x), axis=1), 1e-4), Q_EXP, Q_MANT)   # [BT]
     inv = ((254 - e) << 23).to(tl.float32, bitcast=True)
-    q = e4m3_rne(tl.minimum(tl.maximum(x * inv, -448.0), 448.0))
-    tl.store(base + off * DATA + k, q)
+    q = _to_e4m3(tl.minimum(tl.maximum(x * inv[:, None], -448.0), 448.0), HW)
+    tl.store((base + off * DATA)[:, None] + k, q, mask=ok[:, None])
     scale = (e << 23).to(tl.float32, bitcast=True)   # stored as a plain fp32 scale
-    tl.store((base + scale_region + off * SCALE).to(tl.pointer_type(tl.float32)), scale)
+    tl.store((base + scale_region + off * SCALE).to(tl.pointer_type(tl.float32)), scale, mask=ok)
 
 
 @triton.jit
-def _index_fp8_gather(out_ptr, o_sl, o_sn, buf_ptr, b_su, b_sl, slots_ptr, layer0, P, scale_region,
-                      WIDTH: tl.constexpr, DATA: tl.constexpr, SCALE: tl.constexpr):
-    base, off = _slot_base(buf_ptr, slots_ptr, b_su, b_sl, layer0, P)
-    row = out_ptr + tl.program_id(1).to(tl.int64) * o_sl + tl.program_id(0).to(tl.int64) * o_sn
-    k = tl.arange(0, WIDTH)
-    q = tl.load(base + off * DATA + k)
-    scale = tl.load((base + scale_region + off * SCALE).to(tl.pointer_type(tl.float32)))
-    y = q.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale
-    tl.store(row + k, y.to(tl.bfloat16))
+def _index_fp8_gather(out_ptr, o_sl, o_sn, buf_ptr, b_su, b_sl, slots_ptr, n, layer0, P, scale_region,
+                      WIDTH: tl.constexpr, DATA: tl.constexpr, SCALE: tl.constexpr, BT: tl.constexpr):
+    t, ok, base, off = _tokens(slots_ptr, n, buf_ptr, b_su, b_sl, layer0, P, BT)
+    row = out_ptr + tl.program_id(1).to(tl.int64) * o_sl + t * o_sn
+    k = tl.arange(0, WIDTH)[None, :]
+    q = tl.load((base + off * DATA)[:, None] + k, mask=ok[:, None], other=0)
+    scale = tl.load((base + scale_region + off * SCALE).to(tl.pointer_type(tl.float32)), mask=ok, other=0.0)
+    y = q.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale[:, None]
+    tl.store(row[:, None] + k, y.to(tl.bfloat16), mask=ok[:, None])
+
+
+# tokens per program and warps, per kernel: set from bench/datapath_tune.py on an H200
+CONFIG = {"ds_mla_store": (32, 8), "ds_mla_gather": (4, 2), "index_store": (16, 4), "index_gather": (8, 4)}
 
 
 def _common(geom, buffer, layers: range, slots):
     if buffer.stride(2) != 1:
         raise ValueError("pool buffer must be contiguous along its page bytes")
-    return (buffer, buffer.stride(0), buffer.stride(1), slots.contiguous(), layers.start,
+    return (buffer, buffer.stride(0), buffer.stride(1), slots.contiguous(), slots.numel(), layers.start,
             geom.entries, geom.scale_region)
 
 
 def store(codec, geom, buffer, layers: range, slots, values) -> None:
     vals = values.to(torch.bfloat16).contiguous()          # [L, n, width]
-    grid = (vals.shape[1], vals.shape[0])
     args = (vals, vals.stride(0), vals.stride(1), *_common(geom, buffer, layers, slots))
     if codec.fmt.name == "fp8_ds_mla":
-        _ds_mla_store[grid](*args, NOPE=NOPE, ROPE=ROPE, TILE=DS_MLA_TILE, NT=8,
-                            DATA=geom.fmt.data_bytes, SCALE=geom.fmt.scale_bytes,
-                            Q_EXP=_E4M3_EXP, Q_MANT=_Q_MANT, num_warps=4)
+        bt, warps = CONFIG["ds_mla_store"]
+        _ds_mla_store[(triton.cdiv(vals.shape[1], bt), vals.shape[0])](
+            *args, NOPE=NOPE, ROPE=ROPE, TILE=DS_MLA_TILE, NT=8, DATA=geom.fmt.data_bytes,
+            SCALE=geom.fmt.scale_bytes, Q_EXP=_E4M3_EXP, Q_MANT=_Q_MANT, BT=bt, HW=HW_CAST, num_warps=warps)
     else:
-        _index_fp8_store[grid](*args, WIDTH=INDEX_WIDTH, DATA=geom.fmt.data_bytes,
-                               SCALE=geom.fmt.scale_bytes, Q_EXP=_E4M3_EXP, Q_MANT=_Q_MANT, num_warps=2)
+        bt, warps = CONFIG["index_store"]
+        _index_fp8_store[(triton.cdiv(vals.shape[1], bt), vals.shape[0])](
+            *args, WIDTH=INDEX_WIDTH, DATA=geom.fmt.data_bytes, SCALE=geom.fmt.scale_bytes,
+            Q_EXP=_E4M3_EXP, Q_MANT=_Q_MANT, BT=bt, HW=HW_CAST, num_warps=warps)
 
 
 def gather(codec, geom, buffer, layers: range, slots):
     out = torch.empty((len(layers), slots.numel(), codec.width), dtype=torch.bfloat16, device=buffer.device)
     if slots.numel() == 0:
         return out
-    grid = (slots.numel(), len(layers))
     args = (out, out.stride(0), out.stride(1), *_common(geom, buffer, layers, slots))
     if codec.fmt.name == "fp8_ds_mla":
-        _ds_mla_gather[grid](*args, NOPE=NOPE, ROPE=ROPE, TILE=DS_MLA_TILE, NT=8,
-                             DATA=geom.fmt.data_bytes, SCALE=geom.fmt.scale_bytes, num_warps=4)
+        bt, warps = CONFIG["ds_mla_gather"]
+        _ds_mla_gather[(triton.cdiv(slots.numel(), bt), len(layers))](
+            *args, NOPE=NOPE, ROPE=ROPE, TILE=DS_MLA_TILE, NT=8, DATA=geom.fmt.data_bytes,
+            SCALE=geom.fmt.scale_bytes, BT=bt, num_warps=warps)
     else:
-        _index_fp8_gather[grid](*args, WIDTH=INDEX_WIDTH, DATA=geom.fmt.data_bytes,
-                                SCALE=geom.fmt.scale_bytes, num_warps=2)
+        bt, warps = CONFIG["index_gather"]
+        _index_fp8_gather[(triton.cdiv(slots.numel(), bt), len(layers))](
+            *args, WIDTH=INDEX_WIDTH, DATA=geom.fmt.data_bytes, SCALE=geom.fmt.scale_bytes,
+            BT=bt, num_warps=warps)
     return out
