@@ -17,10 +17,12 @@ def audit(obj, **kwargs):
     return _audit(obj, **kwargs)
 
 
-def allocate(plan, device="cpu", backend="plain"):
-    """Allocate `plan` as real tensors (torch) and return the KVCache. Imports torch."""
+def allocate(plan, device="cpu", backend="plain", **backend_options):
+    """Allocate `plan` as real tensors (torch) and return the KVCache. Imports torch.
+    backend="vmm" maps physical memory only under live data (CUDA + cuda-python); options:
+    max_physical_bytes, keep_empty_chunks."""
     from .cache.kvcache import allocate as _allocate
-    return _allocate(plan, device=device, backend=backend)
+    return _allocate(plan, device=device, backend=backend, **backend_options)
 
 
 __all__ = [

@@ -69,6 +69,7 @@ class Backend:
     physical memory lazily under one address reservation."""
 
     name = "abstract"
+    commits_upfront = True   # the whole plan is physical memory from allocate() on
 
     def allocate(self, plan: Plan, device) -> dict[str, object]:
         """Return a uint8 tensor of spec.bytes for every buffer, by name."""
@@ -92,6 +93,11 @@ class Backend:
 
     def backing(self, buffer: str, first_unit: int, num_units: int) -> None:
         """Called before units [first, first + n) of a buffer first hold live data (VMM maps)."""
+
+    def allocator_hooks(self):
+        """What the allocator must tell when units go live or die (acquire/release/shortfall), or
+        None when every unit is always backed: the allocator then takes its plain path, untouched."""
+        return None
 
     def release(self) -> None:
         """Give the memory back."""
@@ -141,8 +147,15 @@ def register_backend(name: str, factory) -> None:
 
 
 def make_backend(name: str, **kwargs) -> Backend:
+    from . import vmm  # noqa: F401  registers "vmm"; imports no CUDA until that backend allocates
     if name not in BACKENDS:
         raise ConfigError("backend", f"{name!r} is not a known arena backend", f"use one of {', '.join(BACKENDS)}")
+    import inspect
+    try:
+        inspect.signature(BACKENDS[name]).bind(**kwargs)
+    except TypeError:
+        raise ConfigError(", ".join(kwargs), f"not an option of the {name!r} backend",
+                          "drop it, or choose a backend that takes it (max_physical_bytes: vmm)") from None
     return BACKENDS[name](**kwargs)
 
 
@@ -188,10 +201,14 @@ def check_device_fits(plan: Plan, device) -> None:
 class Arena:
     """A plan's buffers, allocated once; typed views by buffer name."""
 
-    def __init__(self, plan: Plan, device="cpu", backend: Backend | str = "plain") -> None:
-        check_device_fits(plan, device)
+    def __init__(self, plan: Plan, device="cpu", backend: Backend | str = "plain", **backend_options) -> None:
         self.plan = plan
-        self.backend = make_backend(backend) if isinstance(backend, str) else backend
+        if not isinstance(backend, str) and backend_options:
+            raise ConfigError(", ".join(backend_options), "backend options given with a backend object",
+                              "pass them to the backend's constructor instead")
+        self.backend = make_backend(backend, **backend_options) if isinstance(backend, str) else backend
+        if self.backend.commits_upfront:   # a lazily backed arena checks what it maps, as it maps
+            check_device_fits(plan, device)
         raw = self.backend.allocate(plan, device)
         self.device = parse_device(device)
         self.regions: dict[str, Region] = {}

@@ -36,6 +36,12 @@ def allocator_problems(a) -> list[str]:
         for s in live:
             if a.swa_hi[s] < cdiv(int(a.length[s]), a.Ps) or a.swa_hi[s] - a.swa_lo[s] > a.ring:
                 problems.append(f"slot {s}: SWA pages [{a.swa_lo[s]}, {a.swa_hi[s]}) do not cover its window")
+    if a.backing is not None:   # lazily backed: every live unit's chunks mapped, refs recounted
+        live = {REQUEST_SLOTS: a.slots.live_ids()}
+        for group, fl in ((FULL_PAGES, a.full), (SWA_PAGES, a.swa)):
+            if fl is not None:
+                live[group] = fl.live_ids()
+        problems += a.backing.problems(live)
     return problems
 
 

@@ -15,12 +15,12 @@ from .pools import build_pools
 class KVCache:
     """Owns every tensor of a plan. Lifecycle calls go to the allocator, which moves the ledger."""
 
-    def __init__(self, plan, device="cpu", backend="plain") -> None:
+    def __init__(self, plan, device="cpu", backend="plain", **backend_options) -> None:
         self.plan = plan
-        self.arena = Arena(plan, device=device, backend=backend)
+        self.arena = Arena(plan, device=device, backend=backend, **backend_options)
         self.pools = build_pools(plan, {n: r.tensor for n, r in self.arena.regions.items()})
         self.ledger = Ledger(plan, self.arena)
-        self.allocator = Allocator(plan, self.ledger)
+        self.allocator = Allocator(plan, self.ledger, backing=self.arena.backend.allocator_hooks())
         self._by_layer: dict[int, dict[str, object]] = {}
         for pool in self.pools.values():
             for layer in pool.layers:
@@ -111,6 +111,8 @@ class KVCache:
         self.arena.close()
 
 
-def allocate(plan, device="cpu", backend="plain") -> KVCache:
-    """Allocate a plan for real: every buffer a view of one allocation, accounted by the ledger."""
-    return KVCache(plan, device=device, backend=backend)
+def allocate(plan, device="cpu", backend="plain", **backend_options) -> KVCache:
+    """Allocate a plan for real: every buffer a view of one allocation, accounted by the ledger.
+    backend "vmm" (CUDA + cuda-python) reserves the plan's address space and maps physical memory
+    only under live data; it takes max_physical_bytes and keep_empty_chunks (kvatlas.vmm)."""
+    return KVCache(plan, device=device, backend=backend, **backend_options)

@@ -1,0 +1,110 @@
+"""The `vmm` arena backend: one address reservation for the whole plan, physical memory mapped
+only under live units.
+
+allocate() reserves the plan's address space (each buffer from a chunk boundary, see
+kvatlas.vmm.layout), maps the chunks that must exist from the start (null units, block tables,
+workspace: the arena zeroes them) and returns every buffer as a view of ONE tensor over the
+reservation, created once. From then on the allocator drives it through allocator_hooks():
+acquire() before handing out units (maps what is missing, refuses over max_physical_bytes or on
+device out-of-memory with nothing changed), release() when units die (unmaps empty chunks, with
+hysteresis). Ledger measures come from counters: reserved = the reservation, physical = mapped
+chunks × granularity, tensor = the buffers' logical bytes.
+
+Views stay valid only while the backend lives: release() unmaps everything and frees the
+address range, so a tensor kept past KVCache.close() points at nothing (a GPU fault, not a
+silent read).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..arena import Backend, register_backend
+from ..errors import ConfigError
+from ..units import fmt_bytes, parse_bytes
+from .chunks import ChunkMap
+from .layout import ChunkLayout
+
+
+class VmmBackend(Backend):
+    name = "vmm"
+    commits_upfront = False   # the arena must not demand the whole plan be free up front
+
+    def __init__(self, driver=None, *, max_physical_bytes: int | str | None = None,
+                 keep_empty_chunks: int = 32) -> None:
+        if not isinstance(keep_empty_chunks, int) or isinstance(keep_empty_chunks, bool) or keep_empty_chunks < 0:
+            raise ConfigError("keep_empty_chunks", f"{keep_empty_chunks!r} is not an integer ≥ 0",
+                              "give how many empty chunks may stay mapped (0 unmaps at once)")
+        self.driver = driver
+        self.max_physical_bytes = (None if max_physical_bytes is None
+                                   else parse_bytes(max_physical_bytes, "max_physical_bytes"))
+        self.keep_empty_chunks = keep_empty_chunks
+        self.layout: ChunkLayout | None = None
+        self.chunks: ChunkMap | None = None
+        self.base = None
+        self._tensor = 0
+
+    # ---------------------------------------------------------------- Backend
+    def allocate(self, plan, device) -> dict[str, object]:
+        import torch
+        device = torch.device(device)
+        if self.driver is None:
+            from .driver import CudaDriver
+            self.driver = CudaDriver(device)   # raises ConfigError without CUDA / cuda-python
+        elif device.type != "cpu":
+            raise ConfigError("backend", f"the {self.driver.label} driver backs CPU tensors only; device is {device}",
+                              "use device='cpu' with the stand-in, or no driver argument on CUDA")
+        self.layout = ChunkLayout(plan.buffers, self.driver.granularity)
+        self.chunks = ChunkMap(self.layout, self.driver, keep_empty_chunks=self.keep_empty_chunks,
+                               max_physical_bytes=self.max_physical_bytes)
+        pinned = np.union1d(self.layout.pinned_chunks(), [0]).astype(np.int64)  # chunk 0: torch reads
+        self._check_cap(len(pinned) * self.layout.granularity)               # the base pointer's device
+        self.driver.reserve(self.layout.reserved_bytes)
+        try:
+            self.chunks.pin(pinned)
+            self.base = self.driver.tensor()
+        except BaseException:
+            self.driver.close()
+            raise
+        self._tensor = sum(p.spec.bytes for p in self.layout.placed)
+        return {p.spec.name: self.base.narrow(0, p.offset_bytes, p.spec.bytes) for p in self.layout.placed}
+
+    def _check_cap(self, pinned_bytes: int) -> None:
+        cap = self.max_physical_bytes
+        if cap is not None and pinned_bytes > cap:
+            raise ConfigError("max_physical_bytes", f"{cap} B ({fmt_bytes(cap)}) is below the {pinned_bytes} B "
+                              "the null units, block tables and workspace keep mapped",
+                              f"give at least {fmt_bytes(pinned_bytes)}")
+
+    @property
+    def tensor_bytes(self) -> int:
+        return self._tensor
+
+    @property
+    def reserved_bytes(self) -> int:
+        return self.layout.reserved_bytes if self.layout is not None else 0
+
+    @property
+    def physical_bytes(self) -> int:
+        return self.chunks.physical_bytes if self.chunks is not None else 0
+
+    def buffer_backing(self, buffer: str, tensor_bytes: int) -> tuple[int, int]:
+        p = self.layout.by_name[buffer]
+        return p.num_chunks << self.layout.shift, int(self.chunks.mapped_per_buffer[p.index]) << self.layout.shift
+
+    def allocator_hooks(self):
+        return self.chunks
+
+    def trim(self) -> int:
+        """Unmap every chunk that holds nothing live now; returns the bytes given back."""
+        return self.chunks.trim() if self.chunks is not None else 0
+
+    def release(self) -> None:
+        self.base = None
+        if self.driver is not None and self.layout is not None:
+            self.driver.close()
+        self.layout = self.chunks = None
+        self._tensor = 0
+
+
+register_backend("vmm", VmmBackend)
