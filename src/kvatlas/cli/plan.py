@@ -50,7 +50,7 @@ def text_report(p) -> str:
             f"max_model_len {o.max_model_len:,}; chunk {o.chunked_prefill_tokens:,}; draft tokens {o.draft_tokens}")
     if o.memory_bytes is None and o.weights_bytes == 0:
         head += "\nnote: no weights share given (--weights); the whole GPU fraction is counted as KV budget"
-    pools = render(["pool", "role", "layers", "n", "units", "bytes", "", "share", "dead bytes"], pool_rows(p))
+    pools = render(["pool", "role", "kind", "layers", "units", "bytes", "", "share", "dead bytes"], pool_rows(p))
     total = (f"total {p.total_bytes:,} B ({fmt_bytes(p.total_bytes)}), unused budget {p.unused_bytes:,} B, "
              f"dead {cap.dead_bytes:,} B ({100 * cap.dead_share:.2f}% of the total)")
     conc = render(["context", "max requests (budget)", f"in this plan (max running {p.max_running_requests})"],
