@@ -132,3 +132,10 @@ def test_readme_documents_every_metric():
         shown = "kvatlas_info" if name == "kvatlas" else name
         shown = "kvatlas_admission_refusals_total" if name == "kvatlas_admission_refusals" else shown
         assert f"`{shown}`" in readme and text in readme, name
+
+
+def test_a_pipeline_stage_reports_its_pp_rank():
+    p = kvatlas.plan("tiny-v4", "96MiB", max_running_requests=4, max_model_len=2048, pp=2, pp_rank=1)
+    m = scrape(KvatlasCollector(kvatlas.allocate(p)))
+    assert {lab["pp_rank"] for lab, _ in m["kvatlas_kv_cache_bytes"]} == {"1"}
+    assert m["kvatlas_running_requests"] == [({"pp_rank": "1"}, 0.0)]
