@@ -125,7 +125,8 @@ def test_state_lists_running_requests_with_progress(cache):
     assert r["prompt_tokens"] == 300 and r["prefilled_tokens"] > 0 and "c4_kv" in r["pools"]
 
 
-def test_serve_cli_stops_cleanly_on_sigterm(tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_serve_cli_stops_cleanly_on_a_signal(sig):
     cmd = [sys.executable, "-m", "kvatlas", "serve", "tiny-v4", "--memory", "96MiB", "--max-model-len", "2048",
            "--max-running-requests", "8", "--chunked-prefill-tokens", "512", "--port", "0", "--rate", "20",
            "--duration", "30", "--prompt-len", "uniform:16:300", "--output-len", "uniform:2:30",
@@ -139,13 +140,13 @@ def test_serve_cli_stops_cleanly_on_sigterm(tmp_path):
         while time.monotonic() < deadline and json.loads(get(url + "/state")[2])["workload"]["stats"]["steps"] < 3:
             time.sleep(0.2)
         assert get(url + "/healthz")[0] == 200
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(sig)
         out, err = proc.communicate(timeout=20)
     finally:
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0, err
-    assert "stopped by SIGTERM; endpoint closed" in out and "summary" in out
+    assert f"stopped by {sig.name}; endpoint closed" in out and "summary" in out
     port = int(url.rsplit(":", 1)[1])
     with pytest.raises(OSError):
         socket.create_connection(("127.0.0.1", port), timeout=1).close()

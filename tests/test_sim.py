@@ -143,3 +143,17 @@ def test_simulate_cli_errors_name_the_field(tmp_path, capsys):
     assert main(["simulate", "tiny-v4", "--memory", "96MiB", "--max-model-len", "2048", "--max-running-requests",
                  "4", "--out", str(tmp_path / "x"), "--write-layers", "some"]) == 2
     assert "--write-layers" in capsys.readouterr().err
+
+
+def test_trace_workload_reports_bad_lines_or_stops(tmp_path, capsys):
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"arrival_s": 0, "prompt_tokens": 100, "output_tokens": 5}\n'
+                     '{"arrival_s": 0.1, "prompt_tokens": 50}\n'
+                     '{"arrival_s": 0.2, "prompt_tokens": 70, "output_tokens": 3}\n')
+    args = ["simulate", "tiny-v4", "--memory", "96MiB", "--max-model-len", "2048", "--max-running-requests", "4",
+            "--workload", str(trace), "--out", str(tmp_path / "x"), "--no-plot", "--write-layers", "0"]
+    assert main(args) == 0
+    cap = capsys.readouterr()
+    assert f"{trace}:2: skipped: 'output_tokens'" in cap.err and "2 arrived, 2 admitted, 2 finished" in cap.out
+    assert main(args + ["--strict-trace"]) == 2
+    assert f"{trace}:2" in capsys.readouterr().err
