@@ -44,14 +44,17 @@ def test_chunks_of_matches_brute_force():
     for placed in layout.placed:
         assert placed.offset_bytes % g == 0
     assert layout.reserved_bytes == sum(round_up(b.bytes, g) for b in p.buffers)
-    for group, bufs in layout.groups.items():
-        ids = np.arange(1, max(b.units for b in p.buffers if b.group == group))
+    assert set(layout.tables) == {"full_pages", "swa_pages", "request_slots"}
+    for group in layout.tables:
+        bufs = [layout.by_name[b.name] for b in p.buffers if b.group == group and b.role != "table"]
+        ids = np.arange(1, bufs[0].spec.units)
         got = layout.chunks_of(group, ids)
         want = []
-        for first, unit_bytes, _span in bufs:
+        for placed in bufs:
+            ub = placed.spec.unit_bytes
             for i in ids.tolist():
-                want += range(first + i * unit_bytes // g, first + ((i + 1) * unit_bytes - 1) // g + 1)
-        assert sorted(got.tolist()) == sorted(want)
+                want += range(placed.first_chunk + i * ub // g, placed.first_chunk + ((i + 1) * ub - 1) // g + 1)
+        assert sorted(got[got != layout.sentinel].tolist()) == sorted(want)
 
 
 @given(st.integers(1, 5 * G), st.integers(0, G - 1))

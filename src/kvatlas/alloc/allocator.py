@@ -285,10 +285,9 @@ class Allocator:
     def _page_requests(self, full, swa) -> list:
         """The page ids the coming _take_full/_take_swa will pop, by index space."""
         out = []
-        if self.full is not None:
-            out.append((FULL_PAGES, self.full.peek(int(full[1].sum()))))
-        if self.swa is not None:
-            out.append((SWA_PAGES, self.swa.peek(int(swa[1].sum()))))
+        for group, fl, need in ((FULL_PAGES, self.full, full[1]), (SWA_PAGES, self.swa, swa[1])):
+            if fl is not None and len(need):
+                out.append((group, fl.peek(int(need.sum()))))
         return out
 
     def _free(self, freelist, group: str, ids: np.ndarray) -> None:

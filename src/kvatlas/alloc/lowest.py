@@ -16,6 +16,9 @@ from __future__ import annotations
 import numpy as np
 
 _SHIFT = 8   # 256 ids per block
+_BLOCK = 1 << _SHIFT
+_SCAN = 32 * _BLOCK   # ids scanned in one go before visiting blocks one by one
+_EMPTY = np.zeros(0, np.int64)
 
 
 class LowestFreeList:
@@ -23,10 +26,14 @@ class LowestFreeList:
 
     def __init__(self, units: int) -> None:
         n = max(units, 1)
+        blocks = (n + _BLOCK - 1) >> _SHIFT
         self.capacity = max(units - 1, 0)
-        self.is_free = np.ones(n, dtype=bool)
-        self.is_free[0] = False
-        self.block_free = np.bincount(np.arange(1, n) >> _SHIFT, minlength=(n + 255) >> _SHIFT).astype(np.int64)
+        self._bits = np.zeros(blocks << _SHIFT, dtype=bool)   # padded to whole blocks, pad never free
+        self._bits[1:n] = True
+        self.is_free = self._bits[:n]
+        self._rows = self._bits.reshape(blocks, _BLOCK)
+        self.block_free = self._rows.sum(axis=1, dtype=np.int64)
+        self._hint = 0   # no block below this one has a free id
         self._free = self.capacity
         self._peeked: np.ndarray | None = None   # cached answer of the last peek, until a change
         self.owner = np.zeros(n, dtype=np.int64)  # request slot + 1 owning each id; 0 free
@@ -46,13 +53,32 @@ class LowestFreeList:
         if self._peeked is not None and len(self._peeked) == n:
             return self._peeked
         if n == 0:
-            return np.zeros(0, np.int64)
-        blocks = np.flatnonzero(self.block_free)
-        last = int(np.searchsorted(np.cumsum(self.block_free[blocks]), n))
-        lo, hi = int(blocks[0]) << _SHIFT, (int(blocks[last]) + 1) << _SHIFT
-        ids = np.flatnonzero(self.is_free[lo:hi])[:n] + lo
+            return _EMPTY
+        first = self._first_block()
+        lo = first << _SHIFT
+        if self.block_free[first] >= n:     # the usual case: the answer lies in one block
+            ids = np.flatnonzero(self._rows[first])[:n] + lo
+        else:                               # next: a short contiguous scan (a few µs)
+            ids = np.flatnonzero(self._bits[lo:lo + _SCAN])[:n] + lo
+            if len(ids) < n:
+                ids = self._scattered(first, n)
         self._peeked = ids
         return ids
+
+    def _scattered(self, first: int, n: int) -> np.ndarray:
+        """The lowest n free ids when they spread over many blocks: visit only blocks with any."""
+        blocks = np.flatnonzero(self.block_free[first:]) + first
+        sel = blocks[: int(np.searchsorted(np.cumsum(self.block_free[blocks]), n)) + 1]
+        idx = np.flatnonzero(self._rows[sel])[:n]
+        return (sel[idx >> _SHIFT] << _SHIFT) + (idx & (_BLOCK - 1))
+
+    def _first_block(self) -> int:
+        """The lowest block holding a free id (callers ensure one exists)."""
+        b = self._hint
+        if self.block_free[b] == 0:
+            b += int(np.flatnonzero(self.block_free[b:])[0])
+            self._hint = b
+        return b
 
     def pop(self, n: int, owners: np.ndarray | int) -> np.ndarray:
         ids = self.peek(n)
@@ -60,7 +86,11 @@ class LowestFreeList:
             return ids
         self._peeked = None
         self.is_free[ids] = False
-        np.subtract.at(self.block_free, ids >> _SHIFT, 1)
+        first, last = int(ids[0]) >> _SHIFT, int(ids[-1]) >> _SHIFT   # ids ascend
+        if first == last:
+            self.block_free[first] -= n
+        else:
+            np.subtract.at(self.block_free, ids >> _SHIFT, 1)
         self._free -= n
         self.owner[ids] = np.asarray(owners) + 1
         return ids
@@ -72,6 +102,7 @@ class LowestFreeList:
         self.owner[ids] = 0
         self.is_free[ids] = True
         np.add.at(self.block_free, ids >> _SHIFT, 1)
+        self._hint = min(self._hint, int(ids.min()) >> _SHIFT)
         self._free += len(ids)
 
     def live_ids(self) -> np.ndarray:

@@ -39,8 +39,13 @@ class ChunkMap:
         self.keep = keep_empty_chunks
         self.max_chunks = None if max_physical_bytes is None else max_physical_bytes >> self.shift
         n = layout.num_chunks
-        self.refs = np.zeros(n, np.int64)
-        self.mapped = np.zeros(n, bool)
+        # one extra slot: the layout's sentinel, which pads its tables; it reads as mapped and
+        # always live, so it never triggers a map or an unmap. `refs`/`mapped` hide it.
+        self._refs = np.zeros(n + 1, np.int64)
+        self._refs[n] = 1 << 40
+        self._mapped = np.zeros(n + 1, bool)
+        self._mapped[n] = True
+        self.refs, self.mapped = self._refs[:n], self._mapped[:n]
         self.retained: dict[int, None] = {}   # mapped, refs == 0, oldest first
         self.num_mapped = self.num_live = 0
         self.mapped_per_buffer = np.zeros(len(layout.placed), np.int64)
@@ -75,7 +80,7 @@ class ChunkMap:
     def _cap_shortfall(self, chunks: np.ndarray):
         if self.max_chunks is None or len(chunks) == 0:
             return None
-        revive = np.unique(chunks[self.refs[chunks] == 0])
+        revive = np.unique(chunks[self._refs[chunks] == 0])
         if self.num_live + len(revive) <= self.max_chunks:
             return None
         free = max(self.max_chunks - self.num_live, 0) << self.shift
@@ -91,17 +96,17 @@ class ChunkMap:
         short = self._cap_shortfall(chunks)
         if short is not None:
             raise short
-        revive = chunks[self.refs[chunks] == 0]
-        if len(revive):   # the common decode step lands in chunks already live: skips all this
-            revive = np.unique(revive)
-            new = revive[~self.mapped[revive]]
+        zero = self._refs[chunks] == 0
+        if zero.any():    # the common decode step lands in chunks already live: skips all this
+            revive = np.unique(chunks[zero])
+            new = revive[~self._mapped[revive]]
             if len(new):
                 self._make_room(len(new), protect=revive)
                 self._map_or_refuse(new, protect=revive)
             for c in revive.tolist():
                 self.retained.pop(c, None)
             self.num_live += len(revive)
-        np.add.at(self.refs, chunks, 1)
+        np.add.at(self._refs, chunks, 1)
 
     def _make_room(self, num_new: int, protect: np.ndarray) -> None:
         """Give back retained chunks so that mapping num_new more stays within the cap."""
@@ -151,11 +156,11 @@ class ChunkMap:
         chunks = self.layout.chunks_of(group, ids)
         if len(chunks) == 0:
             return
-        np.subtract.at(self.refs, chunks, 1)
-        dead = chunks[self.refs[chunks] == 0]
-        if len(dead) == 0:
+        np.subtract.at(self._refs, chunks, 1)
+        zero = self._refs[chunks] == 0
+        if not zero.any():
             return
-        dead = np.unique(dead)
+        dead = np.unique(chunks[zero])
         self.num_live -= len(dead)
         for c in dead.tolist():
             self.retained[c] = None
@@ -186,10 +191,11 @@ class ChunkMap:
     # ---------------------------------------------------------------- checks
     def problems(self, live_units: dict) -> list[str]:
         """Recount refs from the live unit ids of every group and compare with every counter."""
-        refs = np.zeros_like(self.refs)
+        refs = np.zeros_like(self._refs)
         np.add.at(refs, self.pinned, 1)
         for group, ids in live_units.items():
             np.add.at(refs, self.layout.chunks_of(group, ids), 1)
+        refs = refs[:-1]
         out = []
         if not np.array_equal(refs, self.refs):
             out.append(f"vmm: chunk refs disagree with the live units at {np.flatnonzero(refs != self.refs)[:8]}")

@@ -54,13 +54,25 @@ class ChunkLayout:
         self.num_chunks = offset >> self.shift
         self.by_name = {p.spec.name: p for p in self.placed}
         self.buffer_of_chunk = np.repeat(np.arange(len(self.placed)), [p.num_chunks for p in self.placed])
-        # per index space, the buffers whose units come and go with the allocator; tables and the
-        # workspace are written whole at start or any time, so they stay mapped (pinned)
-        self.groups: dict[str, list[tuple[int, int, int]]] = {}
-        for p in self.placed:
-            if not self._pinned_whole(p.spec) and p.spec.units:
-                span = chunks_per_unit_max(p.spec.unit_bytes, granularity)
-                self.groups.setdefault(p.spec.group, []).append((p.first_chunk, p.spec.unit_bytes, span))
+        self.sentinel = self.num_chunks   # pads the tables below; ChunkMap keeps it "mapped, always live"
+        # per index space, a table unit id → every chunk its buffers touch (padded with the sentinel),
+        # so the allocator's hot path asks with ONE gather. Tables and the workspace are written
+        # whole at start or by any prefill, so they stay mapped (pinned) and are not in here.
+        self.tables: dict[str, np.ndarray] = {}
+        for group in dict.fromkeys(p.spec.group for p in self.placed):
+            parts = [self._unit_chunks(p) for p in self.placed
+                     if p.spec.group == group and p.spec.units and not self._pinned_whole(p.spec)]
+            if parts:
+                self.tables[group] = np.hstack(parts)
+
+    def _unit_chunks(self, p: Placed) -> np.ndarray:
+        """[units, most chunks a unit can touch]: chunk ids of every unit of one buffer."""
+        ub = p.spec.unit_bytes
+        start = np.arange(p.spec.units, dtype=np.int64) * ub
+        lo = (start >> self.shift) + p.first_chunk
+        hi = ((start + (ub - 1)) >> self.shift) + p.first_chunk
+        grid = lo[:, None] + np.arange(chunks_per_unit_max(ub, self.granularity))
+        return np.where(grid <= hi[:, None], grid, self.sentinel)
 
     @staticmethod
     def _pinned_whole(spec: BufferSpec) -> bool:
@@ -74,28 +86,15 @@ class ChunkLayout:
             if self._pinned_whole(p.spec):
                 out.append(np.arange(p.first_chunk, p.first_chunk + p.num_chunks))
             elif p.spec.null_units and p.spec.units:
-                out.append(self._chunks_of_buffer(p.first_chunk, p.spec.unit_bytes,
-                                                  chunks_per_unit_max(p.spec.unit_bytes, self.granularity),
-                                                  np.arange(min(p.spec.null_units, p.spec.units))))
-        return np.unique(np.concatenate(out)) if out else np.zeros(0, np.int64)
+                out.append(self._unit_chunks(p)[: p.spec.null_units].ravel())
+        chunks = np.unique(np.concatenate(out)) if out else np.zeros(0, np.int64)
+        return chunks[chunks != self.sentinel]
 
     def chunks_of(self, group: str, ids: np.ndarray) -> np.ndarray:
-        """Chunk ids touched by units `ids` of every buffer of `group` (repeats kept: one per
-        unit and chunk, which is what the reference counts need)."""
-        parts = [self._chunks_of_buffer(first, unit_bytes, span, ids)
-                 for first, unit_bytes, span in self.groups.get(group, ())]
-        if len(parts) == 1:
-            return parts[0]
-        return np.concatenate(parts) if parts else np.zeros(0, np.int64)
-
-    def _chunks_of_buffer(self, first: int, unit_bytes: int, span: int, ids: np.ndarray) -> np.ndarray:
-        start = ids * unit_bytes
-        lo = (start >> self.shift) + first
-        if span == 1:
-            return lo
-        hi = ((start + (unit_bytes - 1)) >> self.shift) + first
-        grid = lo[:, None] + np.arange(span)
-        return grid[grid <= hi[:, None]]
+        """Chunk ids touched by units `ids` of every buffer of `group`, one per unit and chunk
+        (repeats kept: the reference counts need them), padded with `sentinel`."""
+        table = self.tables.get(group)
+        return table[ids].ravel() if table is not None else np.zeros(0, np.int64)
 
 
 def chunks_per_unit_max(unit_bytes: int, granularity: int) -> int:
