@@ -54,7 +54,10 @@ def run(args) -> int:
           f"{fmt_bytes(p.total_bytes)} in {seconds * 1e3:.1f} ms")
     print(render(["pool", "planned", "tensor", "reserved", "physical", "addressable", "occupied"], rows))
     print(f"\nmem_usage_gib {snap.mem_usage_gib:.6f}  (planned == tensor: {snap.planned_bytes == snap.tensor_bytes})")
-    if growth:
+    if growth and snap.backend == "vmm":   # mapped through the driver: torch's counters never see it
+        print(f"mem_get_info() free memory fell {-growth['mem_get_info_free']:,} B (ledger physical "
+              f"{snap.physical_bytes:,} B mapped of {snap.reserved_bytes:,} B reserved address space)")
+    elif growth:
         print(f"torch.cuda.memory_allocated() grew {growth['memory_allocated']:,} B "
               f"(ledger tensor {snap.tensor_bytes:,} B, ratio {growth['memory_allocated'] / snap.tensor_bytes:.6f})")
         print(f"torch.cuda.memory_reserved()  grew {growth['memory_reserved']:,} B "
