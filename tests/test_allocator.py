@@ -214,3 +214,14 @@ def test_request_batch_matches_ids_and_goes_stale_safely():
     cache.finish("c")
     unchanged_after_error(cache, cache.step, batch, error=RequestStateError)
     cache.check_integrity()
+
+
+def test_rollback_belongs_to_the_forward_that_wrote():
+    cache = small_cache()
+    cache.admit("a", 300, 100)
+    cache.extend("a", 255)
+    cache.step(["a"], 4)
+    cache.rollback("a", 2)          # same forward: fine
+    cache.flush()                   # the forward is over: its tokens are committed
+    unchanged_after_error(cache, cache.rollback, "a", 1)
+    cache.check_integrity()

@@ -218,6 +218,9 @@ class Allocator:
             return
         written = np.unique(np.concatenate(self._written)) if len(self._written) > 1 else self._written[0]
         self._written.clear()
+        # the last forward is over: its tokens are committed (a rollback belongs to the pass that
+        # wrote the drafts), so pages below the window of the committed length can go
+        self.last_write[written] = 0
         self._retire(written[self.slots.owner[written] != 0])
 
     def _retire(self, slots: np.ndarray) -> None:
@@ -379,7 +382,8 @@ class Allocator:
         slot = int(self._slots([request_id])[0])
         if not isinstance(num_tokens, (int, np.integer)) or not 0 <= num_tokens <= self.last_write[slot]:
             raise KvatlasError(f"num_tokens: {num_tokens!r} is not within the last write of "
-                               f"{int(self.last_write[slot])} tokens; roll back only rejected drafts")
+                               f"{int(self.last_write[slot])} tokens; roll back only rejected drafts, before "
+                               "the next forward pass begins (the next step/extend or flush)")
         if num_tokens == 0:
             return
         L1 = self.length[slot:slot + 1]
