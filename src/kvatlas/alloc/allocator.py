@@ -171,9 +171,10 @@ class Allocator:
                                f"{self.plan.options.chunked_prefill_tokens}; split the prompt into chunks")
         slots = self._slots([request_id])
         counts = np.array([num_tokens], np.int64)
-        self._check_length(self.length[slots] + counts)
+        L0 = self.length[slots]
+        self._check_length(L0 + counts)
         self._begin_forward()
-        return self._write(slots, counts, prefill=True)
+        return self._write(slots, counts, L0, prefill=True)
 
     def step(self, request_ids, tokens_each=1) -> WriteIndices:
         """One forward pass for a batch: every request writes tokens_each (1 + drafts) tokens."""
@@ -193,9 +194,10 @@ class Allocator:
         if (counts if isinstance(counts, int) else int(counts.max(initial=1))) > most:
             raise KvatlasError(f"tokens_each: a decode step writes at most 1 + draft_tokens = {most} tokens "
                                "(the state rings are sized for that); plan with more draft_tokens or use extend()")
-        self._check_length(self.length[slots] + counts)
+        L0 = self.length[slots]   # retiring SWA pages below never changes lengths
+        self._check_length(L0 + counts)
         self._begin_forward()   # only after the call is known valid: retiring is a state change
-        return self._write(slots, counts, prefill=False)
+        return self._write(slots, counts, L0, prefill=False)
 
     @contextlib.contextmanager
     def forward(self):
@@ -320,8 +322,7 @@ class Allocator:
         if self.ledger is not None:
             self.ledger.add_units(SWA_PAGES, total)
 
-    def _write(self, slots, counts, prefill: bool) -> WriteIndices:
-        L0 = self.length[slots]
+    def _write(self, slots, counts, L0, prefill: bool) -> WriteIndices:
         L1 = L0 + counts
         full, swa = self._check_write(slots, L1)
         if self.backing is not None:
@@ -358,20 +359,25 @@ class Allocator:
                 tok_slots, pos = np.repeat(slots, counts), np.repeat(L0, counts) + ramp
         else:
             tok_slots, pos = np.repeat(slots, counts), np.repeat(L0, counts) + _ramp(counts)
-        compressed, full_slots = {}, np.full(len(pos), -1, np.int64)
-        if self.full is not None:
-            full_slots = self.full_table[tok_slots, _div(pos, self.P)] * self.P + _mod(pos, self.P)
+        compressed = {}
+        if self.full is not None:   # 1-D takes from the flat tables: cheaper than 2-D fancy indexing
+            cols = self.full_table.shape[1]
+            page = self.full_table.ravel().take(tok_slots * cols + _div(pos, self.P))
+            full_slots = page * self.P + _mod(pos, self.P)
             pos1 = pos + 1
             for r in self.ratios:  # r divides P, so entry = page * (P // r) + within // r = full_slot // r
                 compressed[r] = (_mod(pos1, r) == 0, _div(full_slots, r))
         if self.swa is not None:
-            swa = self.swa_table[tok_slots, _mod(_div(pos, self.Ps), self.ring)] * self.Ps + _mod(pos, self.Ps)
+            page = self.swa_table.ravel().take(tok_slots * self.ring + _mod(_div(pos, self.Ps), self.ring))
+            swa = page * self.Ps + _mod(pos, self.Ps)
         else:
             swa = tok_slots * self.window_rows + _mod(pos, self.window_rows)
         by_ring: dict[int, np.ndarray] = {}   # pools with equal rings share one array
         for ring in set(self.rings.values()):
             by_ring[ring] = tok_slots * ring + _mod(pos, ring)
         rows = {name: by_ring[ring] for name, ring in self.rings.items()}
+        if self.full is None:
+            full_slots = np.full(len(pos), -1, np.int64)
         ws = np.arange(len(pos), dtype=np.int64) if prefill and self.window_rows else _EMPTY
         return WriteIndices(request_slots=tok_slots, positions=pos, swa_slots=swa, full_slots=full_slots,
                             compressed=compressed, state_rows=rows, workspace_rows=ws)
