@@ -99,6 +99,11 @@ class Backend:
         None when every unit is always backed: the allocator then takes its plain path, untouched."""
         return None
 
+    def trim(self) -> int:
+        """Give back memory held for reuse but backing nothing live; the bytes released.
+        A backend that backs everything at allocation (plain) has nothing to trim."""
+        return 0
+
     def release(self) -> None:
         """Give the memory back."""
 

@@ -102,6 +102,11 @@ class KVCache:
             out[name] = {"held_bytes": held, "occupied_bytes": occupied}
         return out
 
+    def trim(self) -> int:
+        """Give back physical memory held only for hysteresis (vmm backend); bytes released.
+        The plain backend holds its whole slab, so there is nothing to trim: 0."""
+        return self.arena.backend.trim()
+
     def check_integrity(self):
         check_allocator(self.allocator, self.ledger)
         return self.ledger.check_integrity()
