@@ -1,18 +1,13 @@
-"""Errors of the data path. All are `KvatlasError` (a `ValueError`), each naming the fix."""
+"""Errors of the data path. All are `ConfigError`s (so `KvatlasError`, a `ValueError`): each
+names the field at fault and the fix."""
 
 from __future__ import annotations
 
-from ..errors import KvatlasError
+from ..errors import ConfigError
 
 
-class DataPathError(KvatlasError):
+class DataPathError(ConfigError):
     """Bad input to a store, gather or compressor call."""
-
-    def __init__(self, field: str, problem: str, fix: str) -> None:
-        self.field = field
-        self.problem = problem
-        self.fix = fix
-        super().__init__(f"{field}: {problem}; {fix}")
 
 
 class NonFiniteError(DataPathError):
