@@ -84,6 +84,29 @@ def test_lowest_free_list_pops_the_lowest_ids(ops, units):
         assert fl.free == len(free) and fl.check("t") == []
 
 
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.integers(0, 600)), max_size=60), st.integers(0, 2**32 - 1))
+def test_lowest_free_list_large_batches(ops, seed):
+    """Pushes big enough to merge the recent ids into the holes, and to give the top back."""
+    rng = np.random.default_rng(seed)
+    fl = LowestFreeList(3000)
+    free, live = set(range(1, 3000)), []
+    for is_pop, n in ops:
+        if is_pop:
+            n = min(n, len(free))
+            ids = fl.pop(n, 0)
+            assert ids.tolist() == sorted(free)[:n]
+            free -= set(ids.tolist())
+            live += ids.tolist()
+        elif live:
+            rng.shuffle(live)
+            back, live = live[: n % (len(live) + 1)], live[n % (len(live) + 1):]
+            fl.push(np.array(back, np.int64))
+            free |= set(back)
+        assert fl.free == len(free) and fl.check("t") == []
+        assert set(np.flatnonzero(fl.is_free).tolist()) == free
+
+
 def test_plain_backend_keeps_the_lifo_path():
     cache = kvatlas.allocate(kvatlas.plan("tiny-v4", "64MiB", max_running_requests=3, max_model_len=4096))
     a = cache.allocator

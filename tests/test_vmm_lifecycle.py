@@ -180,7 +180,7 @@ def fingerprint(cache):
     arrays = [a.length, a.full_held, a.reserved, a.swa_lo, a.swa_hi, a.full_table, a.swa_table, a.last_write]
     for fl in (a.slots, a.full, a.swa):
         if fl is not None:
-            arrays += [fl.owner, fl.is_free, fl.block_free]
+            arrays += [fl.owner, fl.is_free]
     arrays += [cm.refs]
     return (tuple(x.tobytes() for x in arrays), a.outstanding, dict(a.slot_of), dict(led.entries_used),
             dict(led.units_used), led.running_requests, cm.num_live)

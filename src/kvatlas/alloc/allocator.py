@@ -236,7 +236,7 @@ class Allocator:
         total = int(k.sum())
         rows, logical = _spread(slots, k, self.swa_lo[slots])
         cols = _mod(logical, self.ring)
-        self._free(self.swa, SWA_PAGES, self.swa_table[rows, cols].copy())
+        self._free(self.swa, SWA_PAGES, self.swa_table[rows, cols].copy(), defer=True)
         self.swa_table[rows, cols] = 0
         self.swa_lo[slots] += k
         if self.ledger is not None:
@@ -295,10 +295,12 @@ class Allocator:
                 out.append((group, fl.peek(int(need.sum()))))
         return out
 
-    def _free(self, freelist, group: str, ids: np.ndarray) -> None:
+    def _free(self, freelist, group: str, ids: np.ndarray, defer: bool = False) -> None:
+        """defer: pages retired from the window, the decode path; the backing may count them
+        dead lazily (their chunks stay mapped a little longer, never less)."""
         freelist.push(ids)
         if self.backing is not None:
-            self.backing.release(group, ids)
+            self.backing.release(group, ids, defer=defer)
 
     def _take_full(self, sub, need) -> None:
         total = int(need.sum())

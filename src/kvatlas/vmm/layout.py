@@ -64,6 +64,24 @@ class ChunkLayout:
                      if p.spec.group == group and p.spec.units and not self._pinned_whole(p.spec)]
             if parts:
                 self.tables[group] = np.hstack(parts)
+        # the inverse, per chunk: which index space's units lie in it, as one id range
+        # [unit_lo, unit_hi] (a chunk holds one buffer, and a buffer's units are contiguous);
+        # group -1 for chunks outside the tables (block tables, workspace). ChunkMap uses it to
+        # update its per-unit "every chunk live" flags when a chunk goes live or empty.
+        names = list(self.tables)
+        self.chunk_group = np.full(self.num_chunks, -1, np.int64)
+        self.chunk_unit_lo = np.zeros(self.num_chunks, np.int64)
+        self.chunk_unit_hi = np.zeros(self.num_chunks, np.int64)
+        for p in self.placed:
+            s = p.spec
+            if p.spec.group not in self.tables or not s.units or self._pinned_whole(s):
+                continue
+            k = np.arange(p.num_chunks, dtype=np.int64)
+            sl = slice(p.first_chunk, p.first_chunk + p.num_chunks)
+            self.chunk_group[sl] = names.index(s.group)
+            self.chunk_unit_lo[sl] = (k << self.shift) // s.unit_bytes
+            self.chunk_unit_hi[sl] = np.minimum((((k + 1) << self.shift) - 1) // s.unit_bytes, s.units - 1)
+        self.group_names = names
 
     def _unit_chunks(self, p: Placed) -> np.ndarray:
         """[units, most chunks a unit can touch]: chunk ids of every unit of one buffer."""
