@@ -8,8 +8,9 @@ much memory does a 10%-full 120 GiB V4-Flash cache really hold?
       data written at the start reads back unchanged after others mapped and unmapped chunks.
   (b) map / unmap latency per 2-MiB chunk (cuMemCreate + cuMemMap + cuMemSetAccess; cuMemUnmap).
   (c) decode step, vmm vs plain, same run, interleaved: allocator step (incl. any map calls) +
-      an index_copy of the step's tokens into every layer of the SWA pool + synchronize.
-  (d) physical bytes at 10% occupancy of a V4-Flash plan for 120 GiB, vmm vs plain.
+      an index_copy of the step's tokens into every layer of the SWA pool + synchronize; one
+      vmm cache per chunk size (CHUNKS: 2 MiB and 8 MiB), all three stepped in turn.
+  (d) physical bytes at 10% occupancy of a V4-Flash plan for 120 GiB, vmm vs plain, per chunk size.
 
 Run: python bench/vmm_gpu.py   (needs CUDA, torch, cuda-python; ~1-2 minutes)
 Writes $OUT/vmm.json when OUT is set. Each part reports its own error and the rest still run.
@@ -34,6 +35,8 @@ from kvatlas.units import GIB, fmt_bytes  # noqa: E402
 
 DEV = torch.device("cuda", 0)
 MODEL = "deepseek-v4-flash"
+MIB = 1 << 20
+CHUNKS = (2 * MIB, 8 * MIB)   # chunk_bytes compared in (c) and (d); (a) and (b) use the default (2 MiB)
 
 
 # ------------------------------------------------------------------ helpers
@@ -225,43 +228,58 @@ class Decoder:
             self.start_one()
 
 
-def part_c(warm: int = 60, steps: int = 300, requests: int = 1024, memory: str = "40GiB") -> dict:
+def part_c(warm: int = 60, steps: int = 300, requests: int = 1024, memory: str = "40GiB",
+           chunks=CHUNKS) -> dict:
     p = kvatlas.plan(MODEL, memory, max_running_requests=requests, max_model_len=8192)
-    plain = kvatlas.allocate(p, device=DEV, backend="plain")
-    vmm = kvatlas.allocate(p, device=DEV, backend="vmm")
+    caches = [kvatlas.allocate(p, device=DEV, backend="plain")]
     try:
-        dp, dv = Decoder(plain, 1, requests), Decoder(vmm, 1, requests)
-        cm = vmm.arena.backend.chunks
+        for cb in chunks:
+            caches.append(kvatlas.allocate(p, device=DEV, backend="vmm", chunk_bytes=cb))
+        decoders = [Decoder(c, 1, requests) for c in caches]
+        cms = [c.arena.backend.chunks for c in caches[1:]]
         for _ in range(warm):
-            dp.step(), dv.step()
-        maps0, unmaps0 = cm.map_calls, cm.unmap_calls
-        tp, tv = [], []
-        for _ in range(steps):   # interleaved: the same GPU and CPU state for both
-            tp.append(dp.step())
-            tv.append(dv.step())
-        tp, tv = np.array(tp) * 1e6, np.array(tv) * 1e6
+            for d in decoders:
+                d.step()
+        before = [(cm.map_calls, cm.unmap_calls) for cm in cms]
+        times = [[] for _ in decoders]
+        for _ in range(steps):   # interleaved: the same GPU and CPU state for all
+            for d, t in zip(decoders, times):
+                t.append(d.step())
+        tp = np.array(times[0]) * 1e6
         out = {"plan_bytes": p.total_bytes, "requests": requests, "steps": steps,
-               "plain_alloc_us": float(np.median(tp[:, 0])), "vmm_alloc_us": float(np.median(tv[:, 0])),
-               "plain_step_us": float(np.median(tp[:, 1])), "vmm_step_us": float(np.median(tv[:, 1])),
-               "maps_during_timed_steps": cm.map_calls - maps0, "unmaps_during_timed_steps": cm.unmap_calls - unmaps0,
-               "vmm_physical_bytes": vmm.ledger.snapshot().physical_bytes}
-        out["ratio_step"] = out["vmm_step_us"] / out["plain_step_us"]
-        out["ratio_alloc"] = out["vmm_alloc_us"] / out["plain_alloc_us"]
-        out["ratio_step_p90"] = float(np.percentile(tv[:, 1], 90) / np.percentile(tp[:, 1], 90))
+               "plain_alloc_us": float(np.median(tp[:, 0])), "plain_step_us": float(np.median(tp[:, 1])), "rows": {}}
+        for cb, cache, cm, t, (m0, u0) in zip(chunks, caches[1:], cms, times[1:], before):
+            tv = np.array(t) * 1e6
+            row = {"chunk_bytes": cb, "vmm_alloc_us": float(np.median(tv[:, 0])),
+                   "vmm_step_us": float(np.median(tv[:, 1])),
+                   "maps_during_timed_steps": cm.map_calls - m0, "unmaps_during_timed_steps": cm.unmap_calls - u0,
+                   "map_us_per_chunk_in_workload": 1e6 * cm.map_seconds / max(cm.map_calls, 1),
+                   "vmm_physical_bytes": cache.ledger.snapshot().physical_bytes}
+            row["ratio_step"] = row["vmm_step_us"] / out["plain_step_us"]
+            row["ratio_alloc"] = row["vmm_alloc_us"] / out["plain_alloc_us"]
+            row["ratio_step_p90"] = float(np.percentile(tv[:, 1], 90) / np.percentile(tp[:, 1], 90))
+            out["rows"][fmt_bytes(cb)] = row
         return out
     finally:
-        release(plain, vmm)
+        release(*caches)
 
 
 # ------------------------------------------------------------------ (d) 10% occupancy of 120 GiB
-def part_d(memory: str = "120GiB", **options) -> dict:
+def part_d(memory: str = "120GiB", chunks=CHUNKS, **options) -> dict:
     p = kvatlas.plan(MODEL, memory, **options)
     plain = kvatlas.allocate(p, device=DEV, backend="plain")
     plain_physical = plain.ledger.snapshot().physical_bytes
     release(plain)
     plain = None
+    out = {"plan_bytes": p.total_bytes, "plain_physical_bytes": plain_physical, "rows": {}}
+    for cb in chunks:
+        out["rows"][fmt_bytes(cb)] = _occupancy(p, cb, plain_physical)
+    return out
+
+
+def _occupancy(p, chunk_bytes: int, plain_physical: int) -> dict:
     meter = DeviceMeter()
-    cache = kvatlas.allocate(p, device=DEV, backend="vmm")
+    cache = kvatlas.allocate(p, device=DEV, backend="vmm", chunk_bytes=chunk_bytes)
     try:
         n = 0
         while cache.ledger.snapshot().occupied_bytes < 0.10 * p.total_bytes:
@@ -271,9 +289,9 @@ def part_d(memory: str = "120GiB", **options) -> dict:
             n += 1
         snap = cache.check_integrity()
         dropped, _ = meter.mapped_bytes()
-        return {"plan_bytes": p.total_bytes, "requests": n, "occupied_bytes": snap.occupied_bytes,
+        return {"chunk_bytes": chunk_bytes, "requests": n, "occupied_bytes": snap.occupied_bytes,
                 "occupancy": snap.occupied_bytes / snap.tensor_bytes, "vmm_physical_bytes": snap.physical_bytes,
-                "vmm_free_drop_bytes": dropped, "plain_physical_bytes": plain_physical,
+                "vmm_free_drop_bytes": dropped, "exact": dropped == snap.physical_bytes,
                 "reserved_bytes": snap.reserved_bytes, "ratio": snap.physical_bytes / plain_physical}
     finally:
         release(cache)
@@ -304,14 +322,18 @@ def table(r: dict) -> None:
                   fmt_bytes(b["granularity"])),
                  ("(b) unmap per chunk (median / p90)", f"{b['unmap_us_median']:.1f} / {b['unmap_us_p90']:.1f} µs", "")]
     if "error" not in c:
-        rows += [("(c) decode step plain / vmm", f"{c['plain_step_us']:.1f} / {c['vmm_step_us']:.1f} µs",
-                  f"{c['ratio_step']:.3f}× (target ≤ 1.10)"),
-                 ("(c) allocator only plain / vmm", f"{c['plain_alloc_us']:.1f} / {c['vmm_alloc_us']:.1f} µs",
-                  f"{c['ratio_alloc']:.3f}×"),
-                 ("(c) maps / unmaps in timed steps", f"{c['maps_during_timed_steps']} / {c['unmaps_during_timed_steps']}", "")]
+        for label, row in c["rows"].items():
+            rows += [(f"(c) {label} chunks: decode step plain / vmm", f"{c['plain_step_us']:.1f} / "
+                      f"{row['vmm_step_us']:.1f} µs", f"{row['ratio_step']:.3f}× (target ≤ 1.10)"),
+                     (f"(c) {label} chunks: allocator only plain / vmm", f"{c['plain_alloc_us']:.1f} / "
+                      f"{row['vmm_alloc_us']:.1f} µs", f"{row['ratio_alloc']:.3f}×"),
+                     (f"(c) {label} chunks: maps / unmaps in timed steps", f"{row['maps_during_timed_steps']} / "
+                      f"{row['unmaps_during_timed_steps']}", f"{row['map_us_per_chunk_in_workload']:.1f} µs per map")]
     if "error" not in d:
-        rows += [("(d) physical at 10% occupancy, 120 GiB", f"{fmt_bytes(d['vmm_physical_bytes'])} vs plain "
-                  f"{fmt_bytes(d['plain_physical_bytes'])}", f"{d['ratio']:.1%} (target ≤ 15%)")]
+        for label, row in d["rows"].items():
+            rows += [(f"(d) {label} chunks: physical at 10% occupancy, 120 GiB",
+                      f"{fmt_bytes(row['vmm_physical_bytes'])} vs plain {fmt_bytes(d['plain_physical_bytes'])}",
+                      f"{row['ratio']:.1%} (target ≤ 15%)" + ("" if row["exact"] else ", free-memory drop differs"))]
     width = max(len(x[0]) for x in rows) if rows else 0
     for name, value, note in rows:
         print(f"{name:<{width}}  {value:<40}  {note}")

@@ -134,6 +134,30 @@ def test_backend_options_are_checked():
         kvatlas.allocate(p, backend=VmmBackend(StandInDriver(granularity=64 << 10), max_physical_bytes=1024))
 
 
+def test_chunk_bytes_option():
+    p = kvatlas.budget_for("tiny-v4", 4, 2048, chunked_prefill_tokens=300)
+    g = 64 << 10
+    with pytest.raises(ConfigError, match="chunk_bytes"):
+        VmmBackend(StandInDriver(granularity=g), chunk_bytes="96KiB")            # not a power of two
+    with pytest.raises(ConfigError, match="chunk_bytes"):
+        kvatlas.allocate(p, backend=VmmBackend(StandInDriver(granularity=g), chunk_bytes="32KiB"))  # < granularity
+    fine = kvatlas.allocate(p, backend=VmmBackend(StandInDriver(granularity=g)))
+    coarse = kvatlas.allocate(p, backend=VmmBackend(StandInDriver(granularity=g), chunk_bytes=4 * g))
+    for cache in (fine, coarse):
+        cache.admit("a", 600)
+        cache.extend("a", 300)
+        cache.check_integrity()
+    cm_f, cm_c = fine.arena.backend.chunks, coarse.arena.backend.chunks
+    assert cm_c.G == 4 * g and cm_c.layout.granularity == 4 * g
+    driver = coarse.arena.backend.driver
+    assert driver.mapped_bytes == cm_c.num_mapped * 4 * g == coarse.ledger.snapshot().physical_bytes
+    assert all(off % (4 * g) == 0 for off in driver.mapped_offsets())       # one 4g map per chunk
+    assert cm_c.map_calls < cm_f.map_calls
+    assert coarse.ledger.snapshot().physical_bytes >= fine.ledger.snapshot().physical_bytes
+    fine.close()
+    coarse.close()
+
+
 def test_stand_in_ledger_measures():
     p = kvatlas.budget_for("tiny-v4", 4, 2048, chunked_prefill_tokens=300)
     g = 64 << 10

@@ -22,9 +22,10 @@ G = 64 << 10
 OPTS = dict(chunked_prefill_tokens=300, draft_tokens=3)
 
 
-def make_cache(model="tiny-v4", keep=2, cap=None, **driver):
+def make_cache(model="tiny-v4", keep=2, cap=None, chunk=None, **driver):
     p = kvatlas.budget_for(model, 4, 2048, **OPTS)
-    backend = VmmBackend(StandInDriver(granularity=G, **driver), keep_empty_chunks=keep, max_physical_bytes=cap)
+    backend = VmmBackend(StandInDriver(granularity=G, **driver), keep_empty_chunks=keep, max_physical_bytes=cap,
+                         chunk_bytes=chunk)
     return kvatlas.allocate(p, backend=backend)
 
 
@@ -71,7 +72,7 @@ def check_backing(cache) -> None:
     cache.check_integrity()   # includes ChunkMap.problems(): refs recounted from the live units
     cm = chunkmap(cache)
     snap = cache.ledger.snapshot()
-    assert snap.physical_bytes == cm.num_mapped * G == cm.driver.mapped_bytes == int(cm.mapped.sum()) * G
+    assert snap.physical_bytes == cm.num_mapped * cm.G == cm.driver.mapped_bytes == int(cm.mapped.sum()) * cm.G
     assert np.all(cm.mapped[cm.refs > 0])                      # a live unit is always backed
     assert len(cm.retained) <= cm.keep
 
@@ -107,9 +108,9 @@ OPS = st.lists(st.tuples(st.sampled_from(["admit", "extend", "step", "step", "ro
 
 @pytest.mark.parametrize("model", ["tiny-v4", "tiny-v4.1"])
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(script=OPS, keep=st.sampled_from([0, 1, 4]))
-def test_random_lifecycle_live_units_always_backed(model, script, keep):
-    cache = make_cache(model, keep=keep)
+@given(script=OPS, keep=st.sampled_from([0, 1, 4]), chunk=st.sampled_from([None, 4 * G]))
+def test_random_lifecycle_live_units_always_backed(model, script, keep, chunk):
+    cache = make_cache(model, keep=keep, chunk=chunk)
     stamps = Stamps(cache)
     running, next_id = [], 0
     for op, x in script:

@@ -8,7 +8,13 @@ reservation, created once. From then on the allocator drives it through allocato
 acquire() before handing out units (maps what is missing, refuses over max_physical_bytes or on
 device out-of-memory with nothing changed), release() when units die (unmaps empty chunks, with
 hysteresis). Ledger measures come from counters: reserved = the reservation, physical = mapped
-chunks × granularity, tensor = the buffers' logical bytes.
+chunks × chunk bytes, tensor = the buffers' logical bytes.
+
+chunk_bytes (default: the driver's granularity, 2 MiB on an H200) is the unit of everything
+above: the layout's chunks, and each map (one physical allocation of chunk_bytes per chunk, one
+cuMemCreate + cuMemMap + cuMemSetAccess). A power of two and a multiple of the granularity.
+Larger chunks map fewer times as a workload grows (8 MiB: a quarter of the calls) and back
+memory more coarsely (more physical bytes around the live data, more tail per buffer).
 
 Views stay valid only while the backend lives: release() unmaps everything and frees the
 address range, so a tensor kept past KVCache.close() points at nothing (a GPU fault, not a
@@ -31,7 +37,7 @@ class VmmBackend(Backend):
     commits_upfront = False   # the arena must not demand the whole plan be free up front
 
     def __init__(self, driver=None, *, max_physical_bytes: int | str | None = None,
-                 keep_empty_chunks: int = 32) -> None:
+                 keep_empty_chunks: int = 32, chunk_bytes: int | str | None = None) -> None:
         if not isinstance(keep_empty_chunks, int) or isinstance(keep_empty_chunks, bool) or keep_empty_chunks < 0:
             raise ConfigError("keep_empty_chunks", f"{keep_empty_chunks!r} is not an integer ≥ 0",
                               "give how many empty chunks may stay mapped (0 unmaps at once)")
@@ -39,6 +45,10 @@ class VmmBackend(Backend):
         self.max_physical_bytes = (None if max_physical_bytes is None
                                    else parse_bytes(max_physical_bytes, "max_physical_bytes"))
         self.keep_empty_chunks = keep_empty_chunks
+        self.chunk_bytes = None if chunk_bytes is None else parse_bytes(chunk_bytes, "chunk_bytes")
+        if self.chunk_bytes is not None and (self.chunk_bytes <= 0 or self.chunk_bytes & (self.chunk_bytes - 1)):
+            raise ConfigError("chunk_bytes", f"{chunk_bytes!r} is not a power of two",
+                              "give a power-of-two multiple of the device's granularity, e.g. 2MiB or 8MiB")
         self.layout: ChunkLayout | None = None
         self.chunks: ChunkMap | None = None
         self.base = None
@@ -54,7 +64,13 @@ class VmmBackend(Backend):
         elif device.type != "cpu":
             raise ConfigError("backend", f"the {self.driver.label} driver backs CPU tensors only; device is {device}",
                               "use device='cpu' with the stand-in, or no driver argument on CUDA")
-        self.layout = ChunkLayout(plan.buffers, self.driver.granularity)
+        g = self.driver.granularity
+        chunk = g if self.chunk_bytes is None else self.chunk_bytes
+        if chunk % g:
+            raise ConfigError("chunk_bytes", f"{chunk} B ({fmt_bytes(chunk)}) is not a multiple of the "
+                              f"{self.driver.label} driver's granularity, {g} B ({fmt_bytes(g)})",
+                              f"give a power-of-two multiple of {fmt_bytes(g)}")
+        self.layout = ChunkLayout(plan.buffers, chunk)
         self.chunks = ChunkMap(self.layout, self.driver, keep_empty_chunks=self.keep_empty_chunks,
                                max_physical_bytes=self.max_physical_bytes)
         pinned = np.union1d(self.layout.pinned_chunks(), [0]).astype(np.int64)  # chunk 0: torch reads
