@@ -22,7 +22,7 @@ G = 64 << 10
 OPTS = dict(chunked_prefill_tokens=300, draft_tokens=3)
 
 
-def make_cache(model="tiny-v4", keep=2, cap=None, chunk=None, **driver):
+def make_cache(model="tiny-v4", keep=2, cap=None, chunk=G, **driver):
     p = kvatlas.budget_for(model, 4, 2048, **OPTS)
     backend = VmmBackend(StandInDriver(granularity=G, **driver), keep_empty_chunks=keep, max_physical_bytes=cap,
                          chunk_bytes=chunk)
@@ -108,7 +108,7 @@ OPS = st.lists(st.tuples(st.sampled_from(["admit", "extend", "step", "step", "ro
 
 @pytest.mark.parametrize("model", ["tiny-v4", "tiny-v4.1"])
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(script=OPS, keep=st.sampled_from([0, 1, 4]), chunk=st.sampled_from([None, 4 * G]))
+@given(script=OPS, keep=st.sampled_from([0, 1, 4]), chunk=st.sampled_from([G, 4 * G]))
 def test_random_lifecycle_live_units_always_backed(model, script, keep, chunk):
     cache = make_cache(model, keep=keep, chunk=chunk)
     stamps = Stamps(cache)
