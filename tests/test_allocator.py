@@ -225,3 +225,15 @@ def test_rollback_belongs_to_the_forward_that_wrote():
     cache.flush()                   # the forward is over: its tokens are committed
     unchanged_after_error(cache, cache.rollback, "a", 1)
     cache.check_integrity()
+
+
+def test_returned_indices_belong_to_the_caller():
+    cache = small_cache()
+    for rid in "ab":
+        cache.admit(rid, 10, 10)
+        cache.extend(rid, 10)
+    want = [cache.allocator.slot_of[r] for r in "ab"]
+    w = cache.step(["a", "b"])
+    w.request_slots[:] = 0            # the caller may scribble on what it was given …
+    assert cache.step(["a", "b"]).request_slots.tolist() == want   # … without reaching the allocator
+    cache.check_integrity()

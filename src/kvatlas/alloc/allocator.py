@@ -166,8 +166,7 @@ class Allocator:
                                     "admit it first") from None
         if len(slots) > 1 and np.bincount(slots, minlength=1).max() > 1:
             raise RequestStateError("request_ids: a request appears twice in one step; list each once")
-        slots.flags.writeable = False   # shared by the memo and returned in WriteIndices
-        self._memo = (self._epoch, key, slots)
+        self._memo = (self._epoch, key, slots)   # never handed out: _indices copies
         return slots
 
     def extend(self, request_id, num_tokens: int) -> WriteIndices:
@@ -372,8 +371,8 @@ class Allocator:
 
     def _indices(self, slots, counts, L0, prefill: bool) -> WriteIndices:
         if isinstance(counts, int):
-            if counts == 1:
-                tok_slots, pos = slots, L0
+            if counts == 1:   # a copy: `slots` may be the memo's or a RequestBatch's array
+                tok_slots, pos = slots.copy(), L0
             else:
                 ramp = np.tile(np.arange(counts, dtype=np.int64), len(slots))
                 tok_slots, pos = np.repeat(slots, counts), np.repeat(L0, counts) + ramp
