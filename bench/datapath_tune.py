@@ -36,26 +36,30 @@ def cases():
     yield "index", ifmt, igeom, ibuf, range(0, dg.FLASH_C4_LAYERS), islots, ix
 
 
-def main() -> None:
-    best = {}
-    for kind, fmt, geom, buf, layers, slots, x in cases():
-        moved = dg.moved_bytes(fmt, layers, slots, x)
-        copy = dg.copy_seconds(moved)
-        for op in ("store", "gather"):
-            key = f"{kind}_{op}"
-            results = []
-            for bt, warps in GRID:
-                ct.CONFIG[key] = (bt, warps)
-                dg.check(geom, buf, layers, slots, x)
-                fn = (lambda: store(geom, buf, layers, slots, x, validate=False)) if op == "store" \
-                    else (lambda: gather(geom, buf, layers, slots, validate=False))
-                t = dg.bench(fn)
-                results.append((t, bt, warps))
-                print(f"{key:15} BT={bt:2d} warps={warps}  {t * 1e6:8.1f} us  vs copy {copy / t:5.2f}")
-            t, bt, warps = min(results)
-            best[key] = (bt, warps)
+def tune(best, kind, fmt, geom, buf, layers, slots, x) -> None:
+    """Time every (tokens per program, warps) for this case's store and gather; keep the best."""
+    moved = dg.moved_bytes(fmt, layers, slots, x)
+    copy = dg.copy_seconds(moved)
+    for op in ("store", "gather"):
+        key = f"{kind}_{op}"
+        results = []
+        for bt, warps in GRID:
             ct.CONFIG[key] = (bt, warps)
-        del buf
+            dg.check(geom, buf, layers, slots, x)
+            fn = (lambda: store(geom, buf, layers, slots, x, validate=False)) if op == "store" \
+                else (lambda: gather(geom, buf, layers, slots, validate=False))
+            t = dg.bench(fn)
+            results.append((t, bt, warps))
+            print(f"{key:15} BT={bt:2d} warps={warps}  {t * 1e6:8.1f} us  vs copy {copy / t:5.2f}")
+        t, bt, warps = min(results)
+        best[key] = ct.CONFIG[key] = (bt, warps)
+
+
+def main() -> None:
+    best: dict = {}
+    for case in cases():
+        tune(best, *case)
+        del case                 # the pool buffer (GBs) goes before the next case is built
         torch.cuda.empty_cache()
     print("best CONFIG =", best)
     dg.main()

@@ -31,6 +31,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 
 import kvatlas  # noqa: E402
+from decode_workload import prefill, start_request  # noqa: E402
 from kvatlas.units import GIB, fmt_bytes  # noqa: E402
 
 DEV = torch.device("cuda", 0)
@@ -67,15 +68,6 @@ def release(*caches) -> None:
 
 def full_used(cache) -> int:
     return cache.allocator.full.used
-
-
-def prefill(cache, rid, tokens: int) -> None:
-    chunk = cache.plan.options.chunked_prefill_tokens
-    done = 0
-    while done < tokens:
-        n = min(chunk, tokens - done)
-        cache.extend(rid, n)
-        done += n
 
 
 def pages_of(cache, rid) -> np.ndarray:
@@ -195,12 +187,8 @@ class Decoder:
             self.start_one()
 
     def start_one(self) -> None:
-        prompt, new = int(self.rng.integers(500, 1500)), int(self.rng.integers(64, 512))
-        rid = self.next_id
+        self.end[self.next_id] = start_request(self.cache, self.next_id, self.rng)
         self.next_id += 1
-        self.cache.admit(rid, prompt, new)
-        prefill(self.cache, rid, prompt)
-        self.end[rid] = prompt + new
 
     def step(self) -> tuple[float, float]:
         """One timed decode step: (allocator seconds, whole step seconds incl. the store)."""

@@ -27,6 +27,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 
 import kvatlas  # noqa: E402
+from decode_workload import start_request  # noqa: E402
 from kvatlas.alloc import Allocator  # noqa: E402
 from kvatlas.ledger import Ledger  # noqa: E402
 from kvatlas.units import parse_bytes  # noqa: E402
@@ -77,22 +78,13 @@ class Decoder:
 
     def __init__(self, alloc: Allocator, seed: int, requests: int) -> None:
         self.a, self.rng, self.requests = alloc, np.random.default_rng(seed), requests
-        self.chunk = alloc.plan.options.chunked_prefill_tokens
         self.end, self.next_id = {}, 0
         while len(self.end) < requests:
             self.start_one()
 
     def start_one(self) -> None:
-        prompt, new = int(self.rng.integers(500, 1500)), int(self.rng.integers(64, 512))
-        rid = self.next_id
+        self.end[self.next_id] = start_request(self.a, self.next_id, self.rng)
         self.next_id += 1
-        self.a.admit(rid, prompt, new)
-        done = 0
-        while done < prompt:
-            n = min(self.chunk, prompt - done)
-            self.a.extend(rid, n)
-            done += n
-        self.end[rid] = prompt + new
 
     def step(self) -> float:
         rids = list(self.end)

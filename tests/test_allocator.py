@@ -9,6 +9,7 @@ torch = pytest.importorskip("torch")
 
 import kvatlas  # noqa: E402
 from kvatlas import KvatlasError, PoolExhaustedError, RequestStateError  # noqa: E402
+from lifecycle import apply_op  # noqa: E402
 
 
 def fingerprint(cache):
@@ -45,7 +46,6 @@ ops = st.lists(st.tuples(st.sampled_from(["admit", "extend", "step", "rollback",
 @given(script=ops)
 def test_random_lifecycles_keep_invariants(model, script):
     cache = small_cache(model)
-    rng = np.random.default_rng(len(script))
     next_id, running = 0, []
     for op, x in script:
         try:
@@ -59,26 +59,16 @@ def test_random_lifecycles_keep_invariants(model, script):
                 except PoolExhaustedError:
                     assert not expect
                 next_id += 1
-            elif op == "extend" and running:
-                cache.extend(running[x % len(running)], 1 + x % 300)
-            elif op == "step" and running:
-                batch = [r for r in running if rng.random() < 0.7] or running[:1]
-                cache.step(batch, 1 + x % 4)
-            elif op == "rollback" and running:
-                rid = running[x % len(running)]
-                cache.rollback(rid, int(x % (1 + cache.allocator.last_write[cache.allocator.slot_of[rid]])))
-            elif op == "finish" and running:
-                cache.finish(running.pop(x % len(running)))
-            elif op == "flush":
-                cache.flush()
-            elif op == "bad":
+            elif op != "bad":
+                apply_op(cache, op, x, running)
+            else:
                 unchanged_after_error(cache, cache.finish, "nobody", error=RequestStateError)
                 unchanged_after_error(cache, cache.step, ["nobody"], error=RequestStateError)
                 if running:
                     unchanged_after_error(cache, cache.extend, running[0], 0)
                     unchanged_after_error(cache, cache.step, [running[0], running[0]], error=RequestStateError)
         except PoolExhaustedError:
-            pass  # a write beyond the reserved length may find the pool full; checked unchanged below
+            pass  # a write beyond the reserved length may find the pool full; integrity is checked below
         cache.check_integrity()
     for rid in running:
         cache.finish(rid)

@@ -3,7 +3,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvatlas
-from kvatlas import BudgetError, ConfigError, formats
+from kvatlas import BudgetError, ConfigError
 from kvatlas.buffers import BUFFER_ALIGN, SLAB_ALIGN
 from kvatlas.plan import chunk_extra_swa_pages, swa_pages_per_step
 

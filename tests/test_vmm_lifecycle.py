@@ -17,6 +17,7 @@ import kvatlas  # noqa: E402
 from kvatlas import KvatlasError, PoolExhaustedError  # noqa: E402
 from kvatlas.buffers import FULL_PAGES, REQUEST_SLOTS, SWA_PAGES  # noqa: E402
 from kvatlas.vmm import StandInDriver, VmmBackend  # noqa: E402
+from lifecycle import apply_op  # noqa: E402
 
 G = 64 << 10
 OPTS = dict(chunked_prefill_tokens=300, draft_tokens=3)
@@ -83,22 +84,12 @@ def apply(cache, op, x, running, next_id):
         cache.admit(next_id, 1 + x % 700, x % 300)
         running.append(next_id)
         return next_id + 1
-    if op == "extend" and running:
-        cache.extend(running[x % len(running)], 1 + x % 300)
-    elif op == "step" and running:
-        batch = [r for i, r in enumerate(running) if (x >> i) & 1] or running[:1]
-        cache.step(batch, 1 + x % 4)
-    elif op == "rollback" and running:
-        rid = running[x % len(running)]
-        cache.rollback(rid, int(x % (1 + cache.allocator.last_write[cache.allocator.slot_of[rid]])))
-    elif op == "finish" and running:
-        cache.finish(running.pop(x % len(running)))
-    elif op == "flush":
-        cache.flush()
-    elif op == "trim":
+    if op == "trim":
         cache.arena.backend.trim()
         cm = chunkmap(cache)
         assert np.array_equal(cm.mapped, cm.refs > 0)           # nothing empty stays mapped
+    else:
+        apply_op(cache, op, x, running)
     return next_id
 
 
