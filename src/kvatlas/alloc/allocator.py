@@ -30,33 +30,8 @@ from ..model import LayerKind
 from ..units import cdiv
 from .freelist import FreeList
 from .lowest import LowestFreeList
+from .arrays import EMPTY, div, mod, ramp, spread
 from .indices import Admission, RequestBatch, WriteIndices
-
-_EMPTY = np.zeros(0, dtype=np.int64)
-
-
-def _div(x: np.ndarray, d: int) -> np.ndarray:
-    """x // d; a shift when d is a power of two (several times faster on int64 arrays)."""
-    return x >> (d.bit_length() - 1) if d & (d - 1) == 0 else x // d
-
-
-def _mod(x: np.ndarray, d: int) -> np.ndarray:
-    return x & (d - 1) if d & (d - 1) == 0 else x % d
-
-
-def _spread(ids: np.ndarray, counts: np.ndarray, start: np.ndarray):
-    """Each id repeated counts times, with start, start+1, … beside it (for table columns).
-    Decode steps mostly need one page per request: that case costs no repeat at all."""
-    if len(counts) == int(counts.sum()):
-        return ids, start
-    return np.repeat(ids, counts), np.repeat(start, counts) + _ramp(counts)
-
-
-def _ramp(counts: np.ndarray) -> np.ndarray:
-    """0..c-1 for each count c, concatenated."""
-    total = int(counts.sum())
-    starts = np.repeat(np.cumsum(counts) - counts, counts)
-    return np.arange(total, dtype=np.int64) - starts
 
 
 class Allocator:
@@ -237,14 +212,14 @@ class Allocator:
     def _retire(self, slots: np.ndarray) -> None:
         if self.swa is None or len(slots) == 0:
             return
-        k = _div(self.length[slots] - (self.window - 1), self.Ps) - self.swa_lo[slots]
+        k = div(self.length[slots] - (self.window - 1), self.Ps) - self.swa_lo[slots]
         i = np.flatnonzero(k > 0)
         if len(i) == 0:
             return
         slots, k = slots[i], k[i]
         total = int(k.sum())
-        rows, logical = _spread(slots, k, self.swa_lo[slots])
-        cols = _mod(logical, self.ring)
+        rows, logical = spread(slots, k, self.swa_lo[slots])
+        cols = mod(logical, self.ring)
         self._free(self.swa, SWA_PAGES, self.swa_table[rows, cols].copy(), defer=True)
         self.swa_table[rows, cols] = 0
         self.swa_lo[slots] += k
@@ -260,15 +235,15 @@ class Allocator:
     def _check_write(self, slots, L1):
         """Which requests need new pages, and how many; raises before anything changes.
         Works on the few requests that cross a page boundary, not on the whole batch."""
-        full = self._need_full(slots, L1) if self.full is not None else (_EMPTY, _EMPTY)
-        swa = self._need_swa(slots, L1) if self.swa is not None else (_EMPTY, _EMPTY)
+        full = self._need_full(slots, L1) if self.full is not None else (EMPTY, EMPTY)
+        swa = self._need_swa(slots, L1) if self.swa is not None else (EMPTY, EMPTY)
         return full, swa
 
     def _need_full(self, slots, L1):
-        need = _div(L1 + (self.P - 1), self.P) - self.full_held[slots]
+        need = div(L1 + (self.P - 1), self.P) - self.full_held[slots]
         i = np.flatnonzero(need)
         if len(i) == 0:          # most decode steps cross few page boundaries
-            return _EMPTY, _EMPTY
+            return EMPTY, EMPTY
         sub, n = slots[i], need[i]
         over = np.maximum(self.full_held[sub] + n - self.reserved[sub], 0) \
             - np.maximum(self.full_held[sub] - self.reserved[sub], 0)
@@ -279,11 +254,11 @@ class Allocator:
         return sub, n
 
     def _need_swa(self, slots, L1):
-        hi = _div(L1 + (self.Ps - 1), self.Ps)
+        hi = div(L1 + (self.Ps - 1), self.Ps)
         need = hi - self.swa_hi[slots]
         i = np.flatnonzero(need)
         if len(i) == 0:
-            return _EMPTY, _EMPTY
+            return EMPTY, EMPTY
         sub, n = slots[i], need[i]
         if int((hi[i] - self.swa_lo[sub]).max()) > self.ring:
             raise KvatlasError(f"one write spans more SWA pages than a request can hold ({self.ring}); keep "
@@ -323,7 +298,7 @@ class Allocator:
         if total == 0:
             return
         before = np.maximum(self.reserved[sub] - self.full_held[sub], 0)
-        rows, cols = _spread(sub, need, self.full_held[sub])
+        rows, cols = spread(sub, need, self.full_held[sub])
         self.full_table[rows, cols] = self.full.pop(total, rows)
         self.full_held[sub] += need
         self.outstanding -= int((before - np.maximum(self.reserved[sub] - self.full_held[sub], 0)).sum())
@@ -334,8 +309,8 @@ class Allocator:
         total = int(need.sum())
         if total == 0:
             return
-        rows, logical = _spread(sub, need, self.swa_hi[sub])
-        self.swa_table[rows, _mod(logical, self.ring)] = self.swa.pop(total, rows)
+        rows, logical = spread(sub, need, self.swa_hi[sub])
+        self.swa_table[rows, mod(logical, self.ring)] = self.swa.pop(total, rows)
         self.swa_hi[sub] += need
         if self.ledger is not None:
             self.ledger.add_units(SWA_PAGES, total)
@@ -367,37 +342,37 @@ class Allocator:
         if self.swa is not None:
             self.ledger.add_entries("swa", sign * written)
         for r in self.ratios:
-            self.ledger.add_entries(_entry_key(r), sign * int((_div(L1, r) - _div(L0, r)).sum()))
+            self.ledger.add_entries(_entry_key(r), sign * int((div(L1, r) - div(L0, r)).sum()))
 
     def _indices(self, slots, counts, L0, prefill: bool) -> WriteIndices:
         if isinstance(counts, int):
             if counts == 1:   # a copy: `slots` may be the memo's or a RequestBatch's array
                 tok_slots, pos = slots.copy(), L0
             else:
-                ramp = np.tile(np.arange(counts, dtype=np.int64), len(slots))
-                tok_slots, pos = np.repeat(slots, counts), np.repeat(L0, counts) + ramp
+                offsets = np.tile(np.arange(counts, dtype=np.int64), len(slots))
+                tok_slots, pos = np.repeat(slots, counts), np.repeat(L0, counts) + offsets
         else:
-            tok_slots, pos = np.repeat(slots, counts), np.repeat(L0, counts) + _ramp(counts)
+            tok_slots, pos = np.repeat(slots, counts), np.repeat(L0, counts) + ramp(counts)
         compressed = {}
         if self.full is not None:   # 1-D takes from the flat tables: cheaper than 2-D fancy indexing
             cols = self.full_table.shape[1]
-            page = self.full_table.ravel().take(tok_slots * cols + _div(pos, self.P))
-            full_slots = page * self.P + _mod(pos, self.P)
+            page = self.full_table.ravel().take(tok_slots * cols + div(pos, self.P))
+            full_slots = page * self.P + mod(pos, self.P)
             pos1 = pos + 1
             for r in self.ratios:  # r divides P, so entry = page * (P // r) + within // r = full_slot // r
-                compressed[r] = (_mod(pos1, r) == 0, _div(full_slots, r))
+                compressed[r] = (mod(pos1, r) == 0, div(full_slots, r))
         if self.swa is not None:
-            page = self.swa_table.ravel().take(tok_slots * self.ring + _mod(_div(pos, self.Ps), self.ring))
-            swa = page * self.Ps + _mod(pos, self.Ps)
+            page = self.swa_table.ravel().take(tok_slots * self.ring + mod(div(pos, self.Ps), self.ring))
+            swa = page * self.Ps + mod(pos, self.Ps)
         else:
-            swa = tok_slots * self.window_rows + _mod(pos, self.window_rows)
+            swa = tok_slots * self.window_rows + mod(pos, self.window_rows)
         by_ring: dict[int, np.ndarray] = {}   # pools with equal rings share one array
         for ring in set(self.rings.values()):
-            by_ring[ring] = tok_slots * ring + _mod(pos, ring)
+            by_ring[ring] = tok_slots * ring + mod(pos, ring)
         rows = {name: by_ring[ring] for name, ring in self.rings.items()}
         if self.full is None:
             full_slots = np.full(len(pos), -1, np.int64)
-        ws = np.arange(len(pos), dtype=np.int64) if prefill and self.window_rows else _EMPTY
+        ws = np.arange(len(pos), dtype=np.int64) if prefill and self.window_rows else EMPTY
         return WriteIndices(request_slots=tok_slots, positions=pos, swa_slots=swa, full_slots=full_slots,
                             compressed=compressed, state_rows=rows, workspace_rows=ws)
 
