@@ -55,8 +55,11 @@ def run(args) -> int:
     print(render(["pool", "planned", "tensor", "reserved", "physical", "addressable", "occupied"], rows))
     print(f"\nmem_usage_gib {snap.mem_usage_gib:.6f}  (planned == tensor: {snap.planned_bytes == snap.tensor_bytes})")
     if growth and snap.backend == "vmm":   # mapped through the driver: torch's counters never see it
-        print(f"mem_get_info() free memory fell {-growth['mem_get_info_free']:,} B (ledger physical "
-              f"{snap.physical_bytes:,} B mapped of {snap.reserved_bytes:,} B reserved address space)")
+        drop, torch_reserved = -growth["mem_get_info_free"], growth["memory_reserved"]
+        rest = drop - snap.physical_bytes - torch_reserved
+        print(f"mem_get_info() free memory fell {drop:,} B = ledger physical {snap.physical_bytes:,} B "
+              f"(mapped of {snap.reserved_bytes:,} B reserved address space) + torch's caching allocator "
+              f"{torch_reserved:,} B" + (f" + {rest:,} B outside both (driver, context)" if rest else ""))
     elif growth:
         print(f"torch.cuda.memory_allocated() grew {growth['memory_allocated']:,} B "
               f"(ledger tensor {snap.tensor_bytes:,} B, ratio {growth['memory_allocated'] / snap.tensor_bytes:.6f})")
