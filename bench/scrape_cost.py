@@ -68,10 +68,13 @@ def measure(cache, url: str, reps: int) -> dict:
             "http": timed(http, reps)}
 
 
-def run(reps: int, rounds: int) -> dict:
-    p = kvatlas.budget_for(MODEL, num_requests=HIGH, context_tokens=256, max_running_requests=HIGH,
-                           online_c128=True, pp=4, pp_rank=0)
-    cache = kvatlas.allocate(p)
+def run(reps: int, rounds: int, full: bool = False, device: str = "cpu") -> dict:
+    if full:   # the whole model, every layer, 128-row C128 rings (~30 GiB: a GPU or a large host)
+        p = kvatlas.budget_for(MODEL, num_requests=HIGH, context_tokens=256, max_running_requests=HIGH)
+    else:
+        p = kvatlas.budget_for(MODEL, num_requests=HIGH, context_tokens=256, max_running_requests=HIGH,
+                               online_c128=True, pp=4, pp_rank=0)
+    cache = kvatlas.allocate(p, device=device)
     running: set = set()
     samples = {LOW: {}, HIGH: {}}
     with server.start(cache) as h:
@@ -81,7 +84,9 @@ def run(reps: int, rounds: int) -> dict:
             for k, v in measure(cache, h.url, reps).items():
                 samples[n].setdefault(k, []).extend(v)
     cache.check_integrity()
-    return {"plan_bytes": p.total_bytes, "samples": samples}
+    config = ("all 61 layers, pp=1, 128-row C128 rings" if full
+              else "pp=4 rank 0, online C128 state")
+    return {"plan_bytes": p.total_bytes, "samples": samples, "config": config, "device": str(cache.device)}
 
 
 def cpu_model() -> str:
@@ -98,7 +103,7 @@ def report(res: dict, reps: int, cmd: str) -> str:
              f"- machine: {os.cpu_count()} CPUs (`nproc` {subprocess.run(['nproc'], capture_output=True, text=True).stdout.strip()}), "
              f"{cpu_model()}; shared with other jobs while measured",
              f"- command: `{cmd}`",
-             f"- {MODEL}, pp=4 rank 0, plan {res['plan_bytes'] / 2**30:.2f} GiB on CPU (online C128 state), 256-token "
+             f"- {MODEL}, {res['config']}, plan {res['plan_bytes'] / 2**30:.2f} GiB on {res['device']}, 256-token "
              f"requests; {reps} scrapes per phase, phases alternating 16 and 1,024 running requests "
              f"({len(s[LOW]['collect']) // reps} of each)", "",
              "| cost | median, 16 running | median, 1,024 running | ratio 1024/16 | p90, 1,024 |",
@@ -115,9 +120,12 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=100, help="scrapes per phase")
     ap.add_argument("--rounds", type=int, default=4, help="16 → 1,024 alternations")
     ap.add_argument("--append", help="append the result section to this markdown file")
+    ap.add_argument("--full", action="store_true", help="the whole model (needs ~30 GiB on --device)")
+    ap.add_argument("--device", default="cpu", help="where the cache lives (cpu or cuda)")
     args = ap.parse_args()
-    res = run(args.reps, args.rounds)
-    text = report(res, args.reps, f"python bench/scrape_cost.py --reps {args.reps} --rounds {args.rounds}")
+    res = run(args.reps, args.rounds, args.full, args.device)
+    flags = (" --full" if args.full else "") + (f" --device {args.device}" if args.device != "cpu" else "")
+    text = report(res, args.reps, f"python bench/scrape_cost.py --reps {args.reps} --rounds {args.rounds}{flags}")
     print(text)
     if args.append:
         with open(args.append, "a", encoding="utf-8") as fh:
