@@ -3,14 +3,13 @@ tensor bytes against the growth of torch.cuda.memory_allocated() (target ratio 1
 reserved against memory_reserved(), and kvatlas.allocate() wall time against one plain
 torch.empty of the same total bytes, both measured in the same fresh process.
 
-    python bench/alloc_gpu.py [--memory 120GiB] [--repeats 5]     (writes $OUT/alloc_gpu.json)
+    python bench/alloc_gpu.py [--memory 120GiB] [--repeats 5] [--json FILE]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -66,6 +65,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--memory", default="120GiB")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--json", metavar="FILE", help="also write every figure to FILE")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
@@ -85,8 +85,8 @@ def main() -> None:
               f"{r['reserved_over_reserved']:.6f} | audit {r['audit_bytes']:,} B | allocate "
               f"{r['allocate_seconds_median'] * 1e3:.2f} ms vs torch.empty {r['torch_empty_seconds_median'] * 1e3:.2f} ms "
               f"({r['allocate_over_empty']:.2f}x)")
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "alloc_gpu.json"), "w") as f:
+    if args.json:
+        with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
 
 

@@ -2,7 +2,7 @@
 dequantize) for V4-Flash shapes, as effective bytes moved per second, against a device-to-device
 torch copy of the same number of bytes measured in the same run.
 
-    python bench/datapath_gpu.py            (writes $OUT/datapath_gpu.json when OUT is set)
+    python bench/datapath_gpu.py [--json FILE]
 
 Bytes counted: store reads the bf16 rows (1024 B per KV entry) and writes the quantized entry
 (data + scale bytes: 584 for fp8_ds_mla, 132 for the fp8 indexer); gather the reverse. A copy moves
@@ -176,7 +176,7 @@ def compress_cases(rows):
                          "seconds": eager(fn)})   # syncs once per call (data-dependent block count)
 
 
-def main() -> None:
+def main(json_path: str | None = None) -> None:
     rows: list[dict] = []
     kv_cases(rows)
     indexer_cases(rows)
@@ -190,10 +190,13 @@ def main() -> None:
     print(f"reference: 4 GiB device copy {ref_copy:.0f} GB/s (read + write)")
     out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows,
            "copy_4gib_gbps": ref_copy}
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "datapath_gpu.json"), "w") as f:
+    if json_path:
+        with open(json_path, "w") as f:
             json.dump(out, f, indent=2)
 
 
 if __name__ == "__main__":
-    main()
+    import argparse
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json", metavar="FILE", help="also write every figure to FILE")
+    main(ap.parse_args().json)

@@ -13,7 +13,7 @@ much memory does a 10%-full 120 GiB V4-Flash cache really hold?
   (d) physical bytes at 10% occupancy of a V4-Flash plan for 120 GiB, vmm vs plain, per chunk size.
 
 Run: python bench/vmm_gpu.py   (needs CUDA, torch, cuda-python; ~1-2 minutes)
-Writes $OUT/vmm.json when OUT is set. Each part reports its own error and the rest still run.
+--json FILE writes every figure there. Each part reports its own error and the rest still run.
 """
 
 from __future__ import annotations
@@ -331,6 +331,10 @@ def table(r: dict) -> None:
 
 
 def main() -> int:
+    import argparse
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json", metavar="FILE", help="also write every figure to FILE")
+    args = ap.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA device", file=sys.stderr)
         return 2
@@ -341,11 +345,10 @@ def main() -> int:
         run_part(name, fn, results)
     print(f"kvatlas vmm on {results['device']} (torch {results['torch']}, {results['total_bytes'] / GIB:.1f} GiB)")
     table(results)
-    out = os.environ.get("OUT")
-    if out:
-        with open(os.path.join(out, "vmm.json"), "w") as f:
+    if args.json:
+        with open(args.json, "w") as f:
             json.dump(results, f, indent=2, default=lambda o: o.item() if hasattr(o, "item") else str(o))
-        print(f"wrote {os.path.join(out, 'vmm.json')}")
+        print(f"wrote {args.json}")
     return 0 if all("error" not in results[k] for k in "abcd") else 1
 
 
