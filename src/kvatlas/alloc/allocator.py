@@ -10,6 +10,7 @@ pass, unless several are grouped under `with allocator.forward():` (a mixed pref
 batch); the indices a call returns stay valid until the next forward begins (or flush()).
 
 Every check happens before any mutation: a refused call leaves every array as it was.
+Rollback, trimming and finish (taking pages back) live in release.py.
 
 Lazily backed arenas (the `vmm` backend) pass `backing` (Backend.allocator_hooks()): ids then
 come lowest-first (LowestFreeList), so live data stays dense and chunks empty out; before units
@@ -28,13 +29,15 @@ from ..buffers import FULL_PAGES, REQUEST_SLOTS, SWA_PAGES
 from ..errors import KvatlasError, PoolExhaustedError, RequestStateError
 from ..model import LayerKind
 from ..units import cdiv
-from .freelist import FreeList
-from .lowest import LowestFreeList
 from .arrays import EMPTY, div, mod, ramp, spread
+from .entries import ratio_key
+from .freelist import FreeList
 from .indices import Admission, RequestBatch, WriteIndices
+from .lowest import LowestFreeList
+from .release import Release
 
 
-class Allocator:
+class Allocator(Release):
     def __init__(self, plan, ledger=None, backing=None) -> None:
         self.plan, self.ledger, self.backing = plan, ledger, backing
         free_list = FreeList if backing is None else LowestFreeList
@@ -333,7 +336,7 @@ class Allocator:
             if self.swa is not None:
                 self.ledger.add_entries("swa", idx.num_tokens)
             for r, (mask, _) in idx.compressed.items():
-                self.ledger.add_entries(_entry_key(r), int(np.count_nonzero(mask)))
+                self.ledger.add_entries(ratio_key(r), int(np.count_nonzero(mask)))
         return idx
 
     def _count_entries(self, L0, L1, written: int, sign: int = 1) -> None:
@@ -342,7 +345,7 @@ class Allocator:
         if self.swa is not None:
             self.ledger.add_entries("swa", sign * written)
         for r in self.ratios:
-            self.ledger.add_entries(_entry_key(r), sign * int((div(L1, r) - div(L0, r)).sum()))
+            self.ledger.add_entries(ratio_key(r), sign * int((div(L1, r) - div(L0, r)).sum()))
 
     def _indices(self, slots, counts, L0, prefill: bool) -> WriteIndices:
         if isinstance(counts, int):
@@ -375,88 +378,3 @@ class Allocator:
         ws = np.arange(len(pos), dtype=np.int64) if prefill and self.window_rows else EMPTY
         return WriteIndices(request_slots=tok_slots, positions=pos, swa_slots=swa, full_slots=full_slots,
                             compressed=compressed, state_rows=rows, workspace_rows=ws)
-
-    # ---------------------------------------------------------------- undo and end
-    def rollback(self, request_id, num_tokens: int) -> None:
-        """Drop the last num_tokens written (rejected drafts); they must come from the last write."""
-        slot = int(self._slots([request_id])[0])
-        if not isinstance(num_tokens, (int, np.integer)) or not 0 <= num_tokens <= self.last_write[slot]:
-            raise KvatlasError(f"num_tokens: {num_tokens!r} is not within the last write of "
-                               f"{int(self.last_write[slot])} tokens; roll back only rejected drafts, before "
-                               "the next forward pass begins (the next step/extend or flush)")
-        if num_tokens == 0:
-            return
-        L1 = self.length[slot:slot + 1]
-        L0 = L1 - num_tokens
-        self._count_entries(L0, L1, int(num_tokens), sign=-1)
-        self.length[slot] = L0[0]
-        self.last_write[slot] -= num_tokens
-        self._trim(slot)
-
-    def _trim(self, slot: int) -> None:
-        """Release pages beyond the request's length (after a rollback)."""
-        L = int(self.length[slot])
-        if self.swa is not None:
-            keep = max(cdiv(L, self.Ps), int(self.swa_lo[slot]))
-            extra = np.arange(keep, self.swa_hi[slot]) % self.ring
-            self._release_swa(slot, extra)
-            self.swa_hi[slot] = keep
-        if self.full is not None:
-            keep = cdiv(L, self.P)
-            held = int(self.full_held[slot])
-            if held > keep:
-                self._free(self.full, FULL_PAGES, self.full_table[slot, keep:held].copy())
-                self.full_table[slot, keep:held] = 0
-                self.outstanding += max(int(self.reserved[slot]) - keep, 0) - max(int(self.reserved[slot]) - held, 0)
-                self.full_held[slot] = keep
-                if self.ledger is not None:
-                    self.ledger.add_units(FULL_PAGES, keep - held)
-
-    def _release_swa(self, slot: int, cols: np.ndarray) -> None:
-        if len(cols) == 0:
-            return
-        self._free(self.swa, SWA_PAGES, self.swa_table[slot, cols].copy())
-        self.swa_table[slot, cols] = 0
-        if self.ledger is not None:
-            self.ledger.add_units(SWA_PAGES, -len(cols))
-
-    def finish(self, request_id) -> None:
-        if request_id not in self.slot_of:
-            raise RequestStateError(f"request_id {request_id!r} is not running (never admitted or already "
-                                    "finished); finish each request once")
-        slot = self.slot_of.pop(request_id)
-        self._epoch += 1
-        L = int(self.length[slot])
-        if self.ledger is not None and self.swa is not None:
-            self.ledger.add_entries("swa", -(L - int(self.swa_lo[slot]) * self.Ps))
-        if self.swa is not None:
-            self._release_swa(slot, np.arange(self.swa_lo[slot], self.swa_hi[slot]) % self.ring)
-            self.swa_hi[slot] = self.swa_lo[slot]
-        self._count_entries(np.zeros(1, np.int64), np.array([L]), 0, sign=-1)
-        self.length[slot] = 0
-        self._trim(slot)
-        self.outstanding -= max(int(self.reserved[slot]) - int(self.full_held[slot]), 0)
-        self.reserved[slot] = self.swa_lo[slot] = self.swa_hi[slot] = self.last_write[slot] = 0
-        self.rid_of[slot] = None
-        self.slots.owner[slot] = 0
-        self._free(self.slots, REQUEST_SLOTS, np.array([slot]))
-        if self.ledger is not None:
-            self.ledger.add_units(REQUEST_SLOTS, -1)
-            self.ledger.running_requests -= 1
-
-
-def request_entries(alloc: "Allocator", slot: int) -> dict[str, int]:
-    """Live entries per layer of one request, by ledger key."""
-    L = int(alloc.length[slot])
-    out = {_entry_key(r): L // r for r in alloc.ratios}
-    if alloc.swa is not None:
-        out["swa"] = L - int(alloc.swa_lo[slot]) * alloc.Ps
-    return out
-
-
-_KEYS = {k.ratio: k.value for k in LayerKind if k.ratio}
-
-
-def _entry_key(ratio: int) -> str:
-    """The ledger counter of a compressed ratio (its layer kind)."""
-    return _KEYS[ratio]

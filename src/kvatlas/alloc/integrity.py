@@ -7,7 +7,7 @@ import numpy as np
 from ..buffers import FULL_PAGES, REQUEST_SLOTS, SWA_PAGES
 from ..ledger import IntegrityError
 from ..units import cdiv
-from .allocator import request_entries
+from .entries import request_entries
 
 
 def allocator_problems(a) -> list[str]:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..alloc import Allocator
-from ..alloc.allocator import request_entries
+from ..alloc.entries import request_entries
 from ..alloc.integrity import check as check_allocator
 from ..arena import Arena
 from ..buffers import FULL_PAGES, REQUEST_SLOTS, SWA_PAGES
