@@ -121,15 +121,21 @@ def test_random_lifecycle_live_units_always_backed(model, script, keep, chunk):
     assert cm.num_mapped == len(cm.pinned) and cache.ledger.snapshot().occupied_bytes == 0
 
 
-def _twin(log, cap):
-    """A cache with the same history (same cap, so the same refusals), then with the cap lifted."""
-    twin = make_cache(cap=cap, keep=3)
+def replay(cache, log):
+    """Apply every (op, x) of log, refusals included; return (running ids, next id)."""
     running, next_id = [], 0
     for op, x in log:
         try:
-            next_id = apply(twin, op, x, running, next_id)
+            next_id = apply(cache, op, x, running, next_id)
         except PoolExhaustedError:
             next_id += op == "admit"
+    return running, next_id
+
+
+def _twin(log, cap):
+    """A cache with the same history (same cap, so the same refusals), then with the cap lifted."""
+    twin = make_cache(cap=cap, keep=3)
+    running, next_id = replay(twin, log)
     chunkmap(twin).max_chunks = None
     return twin, running, next_id
 
@@ -182,12 +188,7 @@ def fingerprint(cache):
 @given(script=OPS, fail_after=st.integers(0, 3), keep=st.sampled_from([0, 2]), prompt=st.integers(1, 700))
 def test_failed_map_leaves_everything_as_it_was(script, fail_after, keep, prompt):
     cache = make_cache(keep=keep)
-    running, next_id = [], 0
-    for op, x in script:
-        try:
-            next_id = apply(cache, op, x, running, next_id)
-        except PoolExhaustedError:
-            next_id += op == "admit"
+    running, next_id = replay(cache, script)
     driver, cm = cache.arena.backend.driver, chunkmap(cache)
     for attempt in (lambda: cache.admit("new", prompt), lambda: cache.extend("new", min(prompt, 300))):
         # a write first retires what the previous forward left out of the window (any next call
