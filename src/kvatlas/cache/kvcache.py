@@ -19,6 +19,7 @@ class KVCache:
         self.plan = plan
         self.arena = Arena(plan, device=device, backend=backend, **backend_options)
         self.pools = build_pools(plan, {n: r.tensor for n, r in self.arena.regions.items()})
+        self._pool_specs = plan.pools()   # request_usage runs per request on every /state
         self.ledger = Ledger(plan, self.arena)
         self.allocator = Allocator(plan, self.ledger, backing=self.arena.backend.allocator_hooks())
         self._by_layer: dict[int, dict[str, object]] = {}
@@ -89,7 +90,7 @@ class KVCache:
         units = {REQUEST_SLOTS: 1, FULL_PAGES: int(a.full_held[slot]),
                  SWA_PAGES: int(a.swa_hi[slot] - a.swa_lo[slot])}
         out: dict[str, dict[str, int]] = {}
-        for name, specs in self.plan.pools().items():
+        for name, specs in self._pool_specs.items():
             held = occupied = 0
             for s in specs:
                 if s.group not in units:
