@@ -20,7 +20,7 @@ import numpy as np
 
 import kvatlas
 from kvatlas.alloc import Allocator
-from kvatlas.ledger import Ledger
+from kvatlas.cache.ledger import Ledger
 
 
 class LoopAllocator:

@@ -27,7 +27,7 @@ import urllib.request
 
 import kvatlas
 from kvatlas import server
-from kvatlas.metrics import KvatlasCollector, registry_for
+from kvatlas.observing.metrics import KvatlasCollector, registry_for
 from prometheus_client import generate_latest
 
 MODEL, LOW, HIGH, PREFILL = "deepseek-v4-pro", 16, 1024, 64

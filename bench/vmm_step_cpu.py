@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import kvatlas  # noqa: E402
 from decode_workload import start_request  # noqa: E402
 from kvatlas.alloc import Allocator  # noqa: E402
-from kvatlas.ledger import Ledger  # noqa: E402
+from kvatlas.cache.ledger import Ledger  # noqa: E402
 from kvatlas.units import parse_bytes  # noqa: E402
 from kvatlas.vmm import ChunkLayout, ChunkMap, StandInDriver  # noqa: E402
 

@@ -5,9 +5,9 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import kvatlas  # noqa: E402
-from kvatlas.arena import cuda_block_bytes, cuda_segment_bytes  # noqa: E402
+from kvatlas.cache.arena import cuda_block_bytes, cuda_segment_bytes  # noqa: E402
 from kvatlas.errors import ConfigError  # noqa: E402
-from kvatlas.formats import LAYOUTS  # noqa: E402
+from kvatlas.planning.formats import LAYOUTS  # noqa: E402
 
 SMALL = dict(max_running_requests=3, max_model_len=4096, chunked_prefill_tokens=512)
 

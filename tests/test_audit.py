@@ -13,7 +13,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from kvatlas.storage_audit import AuditReport, audit  # noqa: E402
+from kvatlas.cache.audit import AuditReport, audit  # noqa: E402
 from kvatlas.errors import ConfigError  # noqa: E402
 
 

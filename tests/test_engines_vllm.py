@@ -6,7 +6,7 @@ from kvatlas import load_model
 from kvatlas.engines import run_engine
 from kvatlas.engines import vllm
 from kvatlas.errors import BudgetError, ConfigError
-from kvatlas.options import ServeOptions
+from kvatlas.planning.options import ServeOptions
 
 GIB = 2**30
 BUDGET = 120 * GIB

@@ -7,8 +7,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import kvatlas
 from kvatlas.errors import ConfigError, PoolExhaustedError
-from kvatlas.ledger import MEASURES
-from kvatlas.metrics import HELP, KvatlasCollector, exposition
+from kvatlas.cache.ledger import MEASURES
+from kvatlas.observing.metrics import HELP, KvatlasCollector, exposition
 
 
 @pytest.fixture(scope="module")

@@ -35,7 +35,7 @@ def test_v41_sources_and_nesting():
 
 def test_load_from_file_and_directory(tmp_path):
     src = load_model("deepseek-v4-pro")
-    from kvatlas.model import PRESET_DIR
+    from kvatlas.planning.model import PRESET_DIR
     import os
     raw = open(os.path.join(PRESET_DIR, "deepseek-v4-pro.json")).read()
     d = tmp_path / "DeepSeek-V4-Pro"
@@ -56,7 +56,7 @@ def test_load_from_file_and_directory(tmp_path):
     (lambda c: c.update(compress_ratios=[0] * 43 + [4]), "compress_ratios"),
 ])
 def test_malformed_configs_name_the_field(tmp_path, mutate, field):
-    from kvatlas.model import PRESET_DIR
+    from kvatlas.planning.model import PRESET_DIR
     import os
     cfg = json.load(open(os.path.join(PRESET_DIR, "deepseek-v4-flash.json")))
     mutate(cfg)

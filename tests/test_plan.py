@@ -3,9 +3,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvatlas
+from kvatlas.planning.model import model_from_config
 from kvatlas import BudgetError, ConfigError
-from kvatlas.buffers import BUFFER_ALIGN, SLAB_ALIGN
-from kvatlas.plan import chunk_extra_swa_pages, swa_pages_per_step
+from kvatlas.planning.buffers import BUFFER_ALIGN, SLAB_ALIGN
+from kvatlas.planning.planner import chunk_extra_swa_pages, swa_pages_per_step
 
 GiB = 2**30
 
@@ -165,7 +166,7 @@ def test_property_map_sums_and_never_exceeds(ratios, layout, indexer, state, dra
     cfg = {"num_hidden_layers": len(ratios), "compress_ratios": ratios + [0], "hidden_size": 64,
            "num_attention_heads": 4, "head_dim": 512, "qk_rope_head_dim": 64, "sliding_window": 128,
            "max_position_embeddings": 1 << 20, "num_nextn_predict_layers": 1}
-    model = kvatlas.model.model_from_config(cfg)
+    model = model_from_config(cfg)
     try:
         p = kvatlas.plan(model, budget, kv_layout=layout, indexer=indexer, state_dtype=state,
                          draft_tokens=draft, max_running_requests=requests, chunked_prefill_tokens=chunk,

@@ -20,9 +20,9 @@ from prometheus_client.parser import text_string_to_metric_families
 import kvatlas
 from kvatlas import server
 from kvatlas.errors import KvatlasError
-from kvatlas.ledger import MEASURES
-from kvatlas.sim import Simulator
-from kvatlas.workload import synthetic
+from kvatlas.cache.ledger import MEASURES
+from kvatlas.driving.sim import Simulator
+from kvatlas.driving.workload import synthetic
 
 PLAN = dict(max_running_requests=8, max_model_len=2048, chunked_prefill_tokens=512)
 

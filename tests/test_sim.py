@@ -11,9 +11,9 @@ import torch
 import kvatlas
 from kvatlas.cli import main
 from kvatlas.datapath import PageGeometry, gather
-from kvatlas.sim import Simulator
-from kvatlas.simwrite import KVWriter
-from kvatlas.workload import Request, synthetic
+from kvatlas.driving.sim import Simulator
+from kvatlas.driving.simwrite import KVWriter
+from kvatlas.driving.workload import Request, synthetic
 
 TINY = dict(max_running_requests=8, max_model_len=2048, chunked_prefill_tokens=512)
 

@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch")
 
 import kvatlas  # noqa: E402
 from kvatlas import KvatlasError, PoolExhaustedError  # noqa: E402
-from kvatlas.buffers import FULL_PAGES, REQUEST_SLOTS, SWA_PAGES  # noqa: E402
+from kvatlas.planning.buffers import FULL_PAGES, REQUEST_SLOTS, SWA_PAGES  # noqa: E402
 from kvatlas.vmm import StandInDriver, VmmBackend  # noqa: E402
 from lifecycle import apply_op  # noqa: E402
 

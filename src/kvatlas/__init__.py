@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 from .errors import BudgetError, ConfigError, KvatlasError, PoolExhaustedError, RequestStateError
-from .model import LayerKind, ModelSpec, load_model, preset_names
-from .options import ServeOptions
-from .plan import Plan, budget_for, max_concurrency, plan
+from .planning import formats
+from .planning.model import LayerKind, ModelSpec, load_model, preset_names
+from .planning.options import ServeOptions
+from .planning.planner import Plan, budget_for, max_concurrency, plan
 
 __version__ = "0.1.0"
 
 
 def audit(obj, **kwargs):
     """Every torch storage reachable from `obj`, each counted once, by attribute path.
-    See kvatlas.storage_audit.audit (imported on first use: `kvatlas plan` never pays for it)."""
-    from .storage_audit import audit as _audit
+    See kvatlas.cache.audit.audit (imported on first use: `kvatlas plan` never pays for it)."""
+    from .cache.audit import audit as _audit
     return _audit(obj, **kwargs)
 
 
@@ -25,7 +26,21 @@ def allocate(plan, device="cpu", backend="plain", **backend_options):
     return _allocate(plan, device=device, backend=backend, **backend_options)
 
 
+# Modules of the public API that live in a story package but keep their short name; imported on
+# first use, so `import kvatlas` stays as light as the plan path.
+_LAZY_MODULES = {"server": ".observing.server", "datapath": ".datapath", "engines": ".engines"}
+
+
+def __getattr__(name):
+    if name in _LAZY_MODULES:
+        import importlib
+        module = importlib.import_module(_LAZY_MODULES[name], __name__)
+        globals()[name] = module
+        return module
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = [
-    "BudgetError", "allocate", "audit", "ConfigError", "KvatlasError", "LayerKind", "ModelSpec", "Plan", "PoolExhaustedError",
+    "BudgetError", "allocate", "audit", "formats", "ConfigError", "KvatlasError", "LayerKind", "ModelSpec", "Plan", "PoolExhaustedError",
     "RequestStateError", "ServeOptions", "budget_for", "load_model", "max_concurrency", "plan", "preset_names",
 ]

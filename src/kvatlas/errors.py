@@ -39,3 +39,7 @@ class PoolExhaustedError(KvatlasError):
 
 class RequestStateError(KvatlasError):
     """An operation names an unknown request or one in the wrong state."""
+
+
+class IntegrityError(KvatlasError):
+    """An accounting invariant does not hold: a bug in kvatlas, reported with the numbers."""

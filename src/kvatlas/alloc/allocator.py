@@ -25,9 +25,9 @@ import contextlib
 
 import numpy as np
 
-from ..buffers import FULL_PAGES, REQUEST_SLOTS, SWA_PAGES
+from ..planning.buffers import FULL_PAGES, REQUEST_SLOTS, SWA_PAGES
 from ..errors import KvatlasError, PoolExhaustedError, RequestStateError
-from ..model import LayerKind
+from ..planning.model import LayerKind
 from ..units import cdiv
 from .arrays import EMPTY, div, mod, ramp, spread
 from .entries import ratio_key

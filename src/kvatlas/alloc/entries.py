@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..model import LayerKind
+from ..planning.model import LayerKind
 
 _KEYS = {k.ratio: k.value for k in LayerKind if k.ratio}
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..buffers import FULL_PAGES, REQUEST_SLOTS, SWA_PAGES
-from ..ledger import IntegrityError
+from ..planning.buffers import FULL_PAGES, REQUEST_SLOTS, SWA_PAGES
+from ..errors import IntegrityError
 from ..units import cdiv
 from .entries import request_entries
 

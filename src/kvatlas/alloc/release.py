@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..buffers import FULL_PAGES, REQUEST_SLOTS, SWA_PAGES
+from ..planning.buffers import FULL_PAGES, REQUEST_SLOTS, SWA_PAGES
 from ..errors import KvatlasError, RequestStateError
 from ..units import cdiv
 

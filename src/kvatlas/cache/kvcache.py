@@ -5,10 +5,10 @@ from __future__ import annotations
 from ..alloc import Allocator
 from ..alloc.entries import request_entries
 from ..alloc.integrity import check as check_allocator
-from ..arena import Arena
-from ..buffers import FULL_PAGES, REQUEST_SLOTS, SWA_PAGES
+from .arena import Arena
+from ..planning.buffers import FULL_PAGES, REQUEST_SLOTS, SWA_PAGES
 from ..errors import RequestStateError
-from ..ledger import Ledger, entry_key
+from .ledger import Ledger, entry_key
 from .pools import build_pools
 
 

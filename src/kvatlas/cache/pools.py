@@ -7,7 +7,7 @@ is still the unit (page or request slot).
 
 from __future__ import annotations
 
-from ..buffers import BufferSpec
+from ..planning.buffers import BufferSpec
 
 
 class Pool:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import time
 
-from ..table import render
+from ..observing.table import render
 from ..units import fmt_bytes
 from .common import add_deployment_args, plan_from_args
 
@@ -21,7 +21,7 @@ def add_parser(p) -> None:
 def _torch_counters(device) -> dict:
     import torch
 
-    from ..arena import parse_device
+    from ..cache.arena import parse_device
     if parse_device(device).type != "cuda":
         return {}
     torch.cuda.synchronize(device)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from ..errors import ConfigError
-from ..options import GPU_MEMORY_BYTES
+from ..planning.options import GPU_MEMORY_BYTES
 from ..units import parse_bytes
 
 
@@ -55,5 +55,5 @@ def options_from_args(args) -> dict:
 
 
 def plan_from_args(args):
-    from ..plan import plan
+    from ..planning.planner import plan
     return plan(args.model, **options_from_args(args))

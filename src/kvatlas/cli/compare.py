@@ -6,7 +6,7 @@ import json
 
 from ..engines import DEFAULT_LINEUP, compare
 from ..engines.base import TABLE_CONTEXTS
-from ..table import render
+from ..observing.table import render
 from ..units import fmt_bytes
 from .common import add_deployment_args, options_from_args
 

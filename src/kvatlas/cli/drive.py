@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 
 from ..errors import ConfigError
-from ..table import render
+from ..observing.table import render
 from ..units import fmt_bytes
 
 
@@ -30,7 +30,7 @@ def add_workload_args(p) -> None:
 
 
 def requests_from_args(args) -> list:
-    from .. import workload
+    from ..driving import workload
     if args.workload == "synthetic":
         return workload.synthetic(rate_per_s=args.rate, duration_s=args.duration, prompt=args.prompt_len,
                                   output=args.output_len, seed=args.seed)
@@ -67,9 +67,9 @@ def build(args, plan_from_args, *, lock=None, record=True):
     requests = requests_from_args(args)
     p = plan_from_args(args)
     import kvatlas
-    from ..arena import parse_device
-    from ..sim import Simulator
-    from ..simwrite import KVWriter
+    from ..cache.arena import parse_device
+    from ..driving.sim import Simulator
+    from ..driving.simwrite import KVWriter
     cache = kvatlas.allocate(p, device=args.device, backend=args.backend)
     layers = write_layers(args, parse_device(args.device))
     writer = KVWriter(cache, layers=layers, seed=args.seed) if layers != 0 else None

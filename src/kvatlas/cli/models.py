@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
-from ..model import LayerKind, load_model, preset_names
-from ..table import render
+from ..planning.model import LayerKind, load_model, preset_names
+from ..observing.table import render
 
 
 def add_parser(p) -> None:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
-from ..capacity import capacity, plan_to_dict
-from ..table import render
+from ..planning.capacity import capacity, plan_to_dict
+from ..observing.table import render
 from ..units import fmt_bytes
 from .common import add_deployment_args, plan_from_args
 
@@ -23,7 +23,7 @@ def run(args) -> int:
     else:
         print(text_report(p))
     if args.plot:
-        from ..plot import plot_plan
+        from ..observing.plan_plot import plot_plan
         plot_plan(p, args.plot)
         if not args.json:
             print(f"\nplot written to {args.plot}")

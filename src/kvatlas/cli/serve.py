@@ -104,7 +104,7 @@ def _drive(sim, args, stop: _Stop, progress: _Progress) -> str:
 
 
 def run(args) -> int:
-    from .. import server
+    from ..observing import server
     lock = threading.Lock()
     cache, sim, writer = build(args, plan_from_args, lock=lock, record=False)
     handle = server.start(cache, args.host, args.port, lock=lock, extra_state=sim.state,

@@ -31,7 +31,7 @@ def run(args) -> int:
     wall = time.perf_counter() - t0
     if sim.done:
         cache.check_integrity()
-    from ..metrics_plot import write_csv, write_png
+    from ..observing.timeline_plot import write_csv, write_png
     csv_path, png_path = f"{args.out}.csv", f"{args.out}.png"
     write_csv(csv_path, sim.timeline)
     written = [csv_path]

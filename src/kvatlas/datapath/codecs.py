@@ -31,7 +31,7 @@ from typing import Callable
 
 import torch
 
-from .. import formats
+from ..planning import formats
 from . import numerics as nm
 
 KV_WIDTH, NOPE, ROPE, INDEX_WIDTH = 512, 448, 64, 128

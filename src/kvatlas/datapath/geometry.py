@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..formats import RowFormat
+from ..planning.formats import RowFormat
 from .errors import SlotError
 
 

@@ -11,8 +11,8 @@ import importlib
 from dataclasses import fields
 
 from ..errors import ConfigError
-from ..model import ModelSpec, load_model
-from ..options import ServeOptions
+from ..planning.model import ModelSpec, load_model
+from ..planning.options import ServeOptions
 from .base import EngineBuffer, EngineResult, Reported
 
 ENGINES = {"kvatlas": "kvatlas.engines.native", "sglang": "kvatlas.engines.sglang", "vllm": "kvatlas.engines.vllm"}

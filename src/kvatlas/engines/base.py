@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .. import formats
-from ..buffers import BufferSpec
+from ..planning import formats
+from ..planning.buffers import BufferSpec
 from ..errors import ConfigError
 
 # contexts the table shows, and the ones the concurrency curve is drawn over

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from ..model import ModelSpec
-from ..options import ServeOptions
-from ..plan import Plan, max_concurrency, plan
+from ..planning.model import ModelSpec
+from ..planning.options import ServeOptions
+from ..planning.planner import Plan, max_concurrency, plan
 from .base import CURVE_CONTEXTS, TABLE_CONTEXTS, EngineBuffer, EngineResult, Reported, split_options
 
 ENGINE = "kvatlas"

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .. import formats
-from ..model import LayerKind, ModelSpec
-from ..options import ServeOptions
+from ..planning import formats
+from ..planning.model import LayerKind, ModelSpec
+from ..planning.options import ServeOptions
 from ..units import cdiv, round_up
 from .base import (CURVE_CONTEXTS, TABLE_CONTEXTS, EngineBuffer, EngineResult, Reported, live_tokens,
                    paged_buffer, row_buffer, split_options, unsupported)

@@ -14,15 +14,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .. import formats
+from ..planning import formats
 from ..errors import BudgetError
-from ..model import LayerKind, ModelSpec
-from ..options import ServeOptions
-from ..plan import swa_pages_per_step
+from ..planning.model import LayerKind, ModelSpec
+from ..planning.options import ServeOptions
+from ..planning.planner import swa_pages_per_step
 from ..units import cdiv, round_up
 from .base import (CURVE_CONTEXTS, TABLE_CONTEXTS, EngineBuffer, EngineResult, Reported, live_tokens,
                    split_options, unsupported)
-from ..buffers import BufferSpec
+from ..planning.buffers import BufferSpec
 
 ENGINE = "vllm 0.33"
 OPTIONS = {"async_scheduling": True, "max_num_batched_tokens": None}

@@ -3,8 +3,8 @@
 Layers, bottom up: `driver` (reserve / map / unmap chunks: CudaDriver over cuda.bindings.driver,
 and `standin.StandInDriver`, an in-memory stand-in for CPU tests), `layout` (where each buffer
 lies in the reservation, which chunks a unit touches), `chunks` (refcounts, mapped set,
-hysteresis, the physical cap), `backend` (VmmBackend, registered as "vmm").
-Importing this package registers the backend; nothing here imports CUDA until allocate().
+hysteresis, the physical cap), `backend` (VmmBackend; the arena names it "vmm" by module path).
+Nothing here imports CUDA until allocate().
 """
 
 from .backend import VmmBackend

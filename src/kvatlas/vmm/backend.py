@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..arena import Backend, register_backend
+from ..cache.arena import Backend
 from ..errors import ConfigError
 from ..units import fmt_bytes, parse_bytes
 from .chunks import ChunkMap
@@ -128,5 +128,3 @@ class VmmBackend(Backend):
         self.layout = self.chunks = None
         self._tensor = 0
 
-
-register_backend("vmm", VmmBackend)

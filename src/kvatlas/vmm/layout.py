@@ -5,7 +5,7 @@ a chunk (granularity) boundary, so a chunk never holds two buffers and unmapping
 chunk can never pull memory from under another. The cost is at most one chunk of tail per
 buffer (9 buffers for V4-Flash: < 18 MiB of address space, no physical memory unless used).
 
-Why unit-major buffers (see kvatlas.buffers) matter here, with V4-Flash numbers at 2 MiB chunks:
+Why unit-major buffers (see kvatlas.planning.buffers) matter here, with V4-Flash numbers at 2 MiB chunks:
 one SWA page of all 43 layers is 43 × 37,440 = 1,609,920 B, one contiguous range, so it touches
 at most 2 chunks (1.77 on average over alignments); one full-token page touches c4_kv
 (21 × 37,440 = 786,240 B), c4_indexer (21 × 8,448 = 177,408 B) and c128_kv (20 × 1,728 = 34,560 B):
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..buffers import WORKSPACE, BufferSpec
+from ..planning.buffers import WORKSPACE, BufferSpec
 from ..units import round_up
 
 

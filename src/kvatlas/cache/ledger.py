@@ -11,15 +11,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .buffers import FULL_PAGES, REQUEST_SLOTS, SWA_PAGES, WORKSPACE, BufferSpec
-from .errors import KvatlasError
+from ..planning.buffers import FULL_PAGES, REQUEST_SLOTS, SWA_PAGES, WORKSPACE, BufferSpec
+from ..errors import IntegrityError, KvatlasError
 
 LEDGER_SCHEMA_VERSION = 1
 MEASURES = ("planned", "tensor", "reserved", "physical", "addressable", "occupied")
-
-
-class IntegrityError(KvatlasError):
-    """An accounting invariant does not hold: a bug in kvatlas, reported with the numbers."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

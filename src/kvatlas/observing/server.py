@@ -19,7 +19,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import numpy as np
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from .errors import KvatlasError
+from ..errors import KvatlasError
 from .metrics import KvatlasCollector, registry_for
 
 STATE_SCHEMA_VERSION = 1
@@ -34,7 +34,7 @@ def state_document(collector: KvatlasCollector, extra=None, requests=None) -> di
 
     `requests`: a callable returning per-request usage for the first cache (the driver knows the
     request progress); otherwise each running request's bytes come from `cache.request_usage`."""
-    from .capacity import plan_to_dict
+    from ..planning.capacity import plan_to_dict
     snaps = collector.snapshots()
     caches = []
     for i, (src, snap) in enumerate(zip(collector.sources, snaps)):

@@ -18,10 +18,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .buffers import BufferSpec
-from .errors import BudgetError, ConfigError
-from .plan import Plan
-from .units import fmt_bytes, round_up
+from ..planning.buffers import BufferSpec
+from ..errors import BudgetError, ConfigError
+from ..planning.planner import Plan
+from ..units import fmt_bytes, round_up
 
 # PyTorch CUDACachingAllocator constants (c10/cuda/CUDACachingAllocator.cpp)
 _SMALL_SIZE, _SMALL_BUFFER = 1 << 20, 2 << 20
@@ -144,24 +144,36 @@ class PlainBackend(Backend):
         self._tensor = self._reserved = self._physical = 0
 
 
-BACKENDS = {"plain": PlainBackend}
+# Backends by name: a class, or "module:attribute" imported on first use. The arena names the
+# backends that build on it (vmm imports this module for Backend) by path, so no import circle.
+BACKENDS: dict[str, object] = {"plain": PlainBackend, "vmm": "kvatlas.vmm.backend:VmmBackend"}
 
 
 def register_backend(name: str, factory) -> None:
+    """`factory`: a Backend class (or callable returning one), or a "module:attribute" path."""
     BACKENDS[name] = factory
 
 
-def make_backend(name: str, **kwargs) -> Backend:
-    from . import vmm  # noqa: F401  registers "vmm"; imports no CUDA until that backend allocates
+def backend_factory(name: str):
     if name not in BACKENDS:
         raise ConfigError("backend", f"{name!r} is not a known arena backend", f"use one of {', '.join(BACKENDS)}")
+    factory = BACKENDS[name]
+    if isinstance(factory, str):
+        import importlib
+        module, _, attr = factory.partition(":")
+        factory = BACKENDS[name] = getattr(importlib.import_module(module), attr)
+    return factory
+
+
+def make_backend(name: str, **kwargs) -> Backend:
+    factory = backend_factory(name)
     import inspect
     try:
-        inspect.signature(BACKENDS[name]).bind(**kwargs)
+        inspect.signature(factory).bind(**kwargs)
     except TypeError:
         raise ConfigError(", ".join(kwargs), f"not an option of the {name!r} backend",
                           "drop it, or choose a backend that takes it (max_physical_bytes: vmm)") from None
-    return BACKENDS[name](**kwargs)
+    return factory(**kwargs)
 
 
 def parse_device(device):

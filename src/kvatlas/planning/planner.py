@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 from . import buffers as bufmod
 from . import formats
 from .buffers import FULL_PAGES, REQUEST_SLOTS, SWA_PAGES, WORKSPACE, BufferSpec
-from .errors import BudgetError, ConfigError
+from ..errors import BudgetError, ConfigError
 from .model import LayerSpec, ModelSpec, load_model
 from .options import ServeOptions
-from .units import cdiv, fmt_bytes
+from ..units import cdiv, fmt_bytes
 
 PLAN_SCHEMA_VERSION = 1
 CONTEXTS = (4096, 32768, 131072, 1048576)

@@ -30,7 +30,7 @@ from collections import deque
 from dataclasses import dataclass, replace
 from typing import Any, Iterator
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 # A path is a chain (parent, segment), rendered only when a tensor is recorded: building full
 # strings per object would cost O(depth) each, O(n^2) on a deep graph like a long linked list.

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .errors import ConfigError
-from .units import round_up
+from ..errors import ConfigError
+from ..units import round_up
 
 FP8_DS_MLA_PAGE_ALIGN = 576  # FlashMLA requires a page's bytes to be a multiple of 576
 

@@ -7,7 +7,7 @@ import json
 from dataclasses import dataclass
 import os
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 
 class LayerKind(str, enum.Enum):

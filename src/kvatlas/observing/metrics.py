@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 
-from .buffers import FULL_PAGES, REQUEST_SLOTS, SWA_PAGES
-from .errors import ConfigError
-from .ledger import MEASURES
-from .model import LayerKind
+from ..planning.buffers import FULL_PAGES, REQUEST_SLOTS, SWA_PAGES
+from ..errors import ConfigError
+from ..cache.ledger import MEASURES
+from ..planning.model import LayerKind
 
 RANK_LABELS = ("tp_rank", "pp_rank", "dp_rank")
 _UNIT_OF_GROUP = {SWA_PAGES: "pages", FULL_PAGES: "pages", REQUEST_SLOTS: "slots"}
@@ -180,7 +180,7 @@ def _cache_samples(f: _Families, cache, snap, rv: list[str], version: str) -> No
 
 
 def _version() -> str:
-    from . import __version__
+    from .. import __version__
     return __version__
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 
 from . import formats
-from .errors import ConfigError
-from .units import parse_bytes
+from ..errors import ConfigError
+from ..units import parse_bytes
 
 # Total memory CUDA reports for each GPU (nvidia-smi's MiB figure).
 GPU_MEMORY_BYTES = {"h200": 143771 * 2**20, "h100": 81559 * 2**20, "h20": 97871 * 2**20}

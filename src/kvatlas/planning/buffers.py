@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 
 from . import formats
 from .model import LayerKind, LayerSpec
-from .units import round_up
+from ..units import round_up
 
 BUFFER_ALIGN = 512  # every buffer starts and ends on 512 B, the CUDA caching allocator's rounding
 # The whole map ends on 2 MiB: the CUDA caching allocator hands a large request its whole

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .plan import CONTEXTS, PLAN_SCHEMA_VERSION, Plan, max_concurrency
+from .planner import CONTEXTS, PLAN_SCHEMA_VERSION, Plan, max_concurrency
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -18,11 +18,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from . import formats
-from .cache.pools import UnifiedKVPool
-from .buffers import FULL_PAGES, REQUEST_SLOTS, SWA_PAGES
-from .datapath import DataPathError, PageGeometry, store
-from .model import LayerKind
+from ..planning import formats
+from ..cache.pools import UnifiedKVPool
+from ..planning.buffers import FULL_PAGES, REQUEST_SLOTS, SWA_PAGES
+from ..datapath import DataPathError, PageGeometry, store
+from ..planning.model import LayerKind
 
 _BANK_ROWS = 4096
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .capacity import capacity
+from ..planning.capacity import capacity
 
 
 def _pyplot():

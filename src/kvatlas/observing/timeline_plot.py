@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import csv
 
-from .ledger import MEASURES
+from ..cache.ledger import MEASURES
 
 
 def timeline_columns(timeline) -> list[str]:
