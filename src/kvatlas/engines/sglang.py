@@ -294,7 +294,7 @@ def run(model: ModelSpec, opts: ServeOptions, budget: int, **engine_options) -> 
                         token_capacity=live_tokens(z.full_tokens, running, s.context_len, s.page),
                         pool_tokens=z.full_tokens, max_running_requests=running,
                         concurrency={c: concurrency(s, z, c) for c in contexts}, reported=reported,
-                        figures=figures, notes=_notes(s), assumes=f"its {eng['platform']} build")
+                        figures=figures, notes=_notes(s), assumes=f"its {eng['platform'].upper()} build")
 
 
 def _variant_suffix(opts: ServeOptions) -> str:

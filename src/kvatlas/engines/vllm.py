@@ -320,7 +320,7 @@ def _setting(opts: ServeOptions, eng: dict, z: Sizing) -> tuple[str, str]:
     return assumes, refused
 
 
-def _figures(z: Sizing, opts: ServeOptions, eng: dict) -> dict:
+def _figures(z: Sizing, opts: ServeOptions, eng: dict, filling: dict) -> dict:
     return {"bytes_per_block": z.bytes_per_block, "num_blocks": z.num_blocks,
             "groups": [{"name": g.name, "layers": len({c.layer for c in g.caches}), "caches": len(g.caches),
                         "block_tokens": g.block_tokens, "page_bytes": g.page_bytes,
@@ -331,7 +331,7 @@ def _figures(z: Sizing, opts: ServeOptions, eng: dict) -> dict:
             "slope_bytes_per_token": z.bytes_per_block / z.page_tokens,
             "gpu": opts.gpu, "entrypoint": eng["entrypoint"], "max_num_batched_tokens": z.batched_tokens,
             "max_num_seqs": z.requests, "default_max_num_seqs": batch_defaults(opts.gpu, eng["entrypoint"])[1],
-            "concurrency_filling": {c: concurrency_filling(z, c) for c in TABLE_CONTEXTS}}
+            "concurrency_filling": filling}
 
 
 def run(model: ModelSpec, opts: ServeOptions, budget: int, **engine_options) -> EngineResult:
@@ -346,14 +346,17 @@ def run(model: ModelSpec, opts: ServeOptions, budget: int, **engine_options) -> 
         gauge_label="none in bytes (vllm:kv_cache_usage_perc is a share of blocks)",
         lines=(f"GPU KV cache size: {z.logged_tokens:,} tokens",
                f"Maximum concurrency for {z.max_model_len:,} tokens per request: {z.logged_concurrency:.2f}x"))
+    filling = {c: concurrency_filling(z, c) for c in TABLE_CONTEXTS}
     notes = ("'GPU KV cache size' is max concurrency × max_model_len: it moves with max_model_len",
-             "each sliding group admits a request only with its reserve free; a decoding request keeps a few blocks")
+             "each sliding group admits a request only with its reserve free; a decoding request keeps a few blocks",
+             "fed same-length prompts from empty it holds " + ", ".join(f"{n:,} @{c:,}" for c, n in filling.items())
+             + ": earlier requests decode, and grow, while later ones prefill")
     return EngineResult(engine=ENGINE, variant="hybrid manager" + _suffix(opts), model=model.name, budget_bytes=budget,
                         buffers=tuple(buffers(z)), pool_tokens=pool_tokens(z),
                         token_capacity=live_tokens(pool_tokens(z), z.requests, z.max_model_len, z.page_tokens),
                         max_running_requests=opts.max_running_requests,
                         concurrency={c: concurrency(z, c) for c in contexts}, reported=reported,
-                        figures=_figures(z, opts, eng), notes=notes, assumes=assumes, refused=refused)
+                        figures=_figures(z, opts, eng, filling), notes=notes, assumes=assumes, refused=refused)
 
 
 def _suffix(opts: ServeOptions) -> str:
