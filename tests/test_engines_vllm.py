@@ -128,6 +128,21 @@ def test_chunk_aligned_prefill_peaks_one_block_under_the_reserve():
     assert small.token_capacity == (42_853 - 1 - 255 * 26 - 6_678) * 256 == 7_562_240 + 1_024
 
 
+def test_prefill_peak_follows_the_span_not_a_rule_of_thumb():
+    def per_group(r, key):
+        return {g["name"]: g[key] for g in r.figures["groups"] if g["name"] != "mla"}
+    # 8,193 tokens in flight (sync): one token spills into a new block, so the peak is the reserve
+    odd = vl(async_scheduling=False, max_num_batched_tokens=8_193)
+    assert per_group(odd, "prefill_peak_blocks") == per_group(odd, "max_blocks_per_request") == \
+        {"swa.0": 131, "swa.1": 131, "c4_state": 2_051, "c128_state": 1_041}
+    # capped by max_model_len: a request prefilled from position 0 spans cdiv(8,192, block) blocks
+    short = vl(max_model_len=8_192)
+    assert per_group(short, "max_blocks_per_request") == {"swa.0": 129, "swa.1": 129, "c4_state": 2_049,
+                                                          "c128_state": 1_025}
+    assert per_group(short, "prefill_peak_blocks") == {"swa.0": 128, "swa.1": 128, "c4_state": 2_048,
+                                                       "c128_state": 1_024}
+
+
 def test_requests_held_at_128k_settled_and_while_filling():
     big, small = vl(), vl(memory=40 * GIB)
     # every request exactly 128K long and settled: 1 + (blocks - 1 - 512 - 6,682) // (512 + 26)

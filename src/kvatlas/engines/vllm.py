@@ -150,19 +150,13 @@ class Sizing:
     bytes_per_block: int
     num_blocks: int
     max_blocks_per_request: dict    # group → blocks one max_model_len request may need
+    prefill_peak_blocks: dict       # sliding group → blocks a request in chunked prefill peaks at
     held_blocks_per_request: dict   # group → blocks a decoding request keeps (sliding groups)
     page_tokens: int
     max_model_len: int
     requests: int
     batched_tokens: int             # max_num_batched_tokens: the prefill tokens of one step
     step_tokens: int                # tokens a decoding request takes from a step (1 + draft tokens)
-
-    @property
-    def prefill_peak_blocks(self) -> dict:
-        """Blocks per sliding group a prefilling request peaks at. The admission reserve's "+ 1"
-        covers a span that starts inside a block; a chunked prefill starts on a multiple of the
-        chunk, itself a multiple of every block, so its span never needs that block."""
-        return {name: n - 1 for name, n in self.max_blocks_per_request.items() if name in self.held_blocks_per_request}
 
     @property
     def usable_blocks(self) -> int:
@@ -187,15 +181,20 @@ def configure(model: ModelSpec, opts: ServeOptions, eng: dict, budget: int) -> S
     batched = eng["max_num_batched_tokens"] or batch_defaults(opts.gpu, eng["entrypoint"])[0]
     in_flight = (2 if eng["async_scheduling"] else 1) * batched
     max_len, step = opts.max_model_len, 1 + opts.draft_tokens
-    cap, held = {}, {}
+    cap, peak, held = {}, {}, {}
     for g in gs:
+        b = g.block_tokens
         if g.window is None:
-            cap[g.name] = cdiv(max_len, g.block_tokens)
+            cap[g.name] = cdiv(max_len, b)
         else:
-            cap[g.name] = cdiv(min(g.window - 1 + in_flight, max_len), g.block_tokens) + 1
-            held[g.name] = swa_pages_per_step(g.window, step, g.block_tokens)
+            cap[g.name] = cdiv(min(g.window - 1 + in_flight, max_len), b) + 1
+            # the reserve's "+ 1" covers a span starting inside a block; a chunked prefill starts
+            # on a chunk boundary, a multiple of every block, so it spans the window's blocks
+            # before it and its own in-flight tokens' blocks: one fewer whenever those fill blocks
+            peak[g.name] = min(cdiv(g.window - 1, b) + cdiv(in_flight, b), cdiv(max_len, b))
+            held[g.name] = swa_pages_per_step(g.window, step, b)
     return Sizing(groups=gs, bytes_per_block=bpb, num_blocks=budget // bpb, max_blocks_per_request=cap,
-                  held_blocks_per_request=held, page_tokens=opts.page_tokens, max_model_len=max_len,
+                  prefill_peak_blocks=peak, held_blocks_per_request=held, page_tokens=opts.page_tokens, max_model_len=max_len,
                   requests=opts.max_running_requests, batched_tokens=batched, step_tokens=step)
 
 
