@@ -12,8 +12,11 @@ from ..units import fmt_bytes
 
 def add_workload_args(p) -> None:
     g = p.add_argument_group("workload")
-    g.add_argument("--workload", default="synthetic", help="synthetic (default) or a JSONL trace file "
-                   '(one {"arrival_s", "prompt_tokens", "output_tokens"} per line)')
+    g.add_argument("--workload", default="synthetic", help="synthetic (default) or a JSONL trace file: "
+                   'kvatlas (one {"arrival_s", "prompt_tokens", "output_tokens"} per line) or Mooncake '
+                   '(one {"timestamp" ms, "input_length", "output_length", "hash_ids"} per line)')
+    g.add_argument("--trace-format", default="auto", choices=("auto", "kvatlas", "mooncake"),
+                   help="format of the trace's lines (default auto: Mooncake when a line has its fields)")
     g.add_argument("--rate", type=float, default=4.0, help="synthetic: arrivals per second (Poisson, default 4)")
     g.add_argument("--duration", type=float, default=10.0, help="synthetic: seconds of arrivals (default 10)")
     g.add_argument("--prompt-len", default="uniform:64:1024",
@@ -35,11 +38,26 @@ def requests_from_args(args) -> list:
         return workload.synthetic(rate_per_s=args.rate, duration_s=args.duration, prompt=args.prompt_len,
                                   output=args.output_len, seed=args.seed)
 
-    def report(line_no: int, problem: str) -> None:
-        print(f"{args.workload}:{line_no}: skipped: {problem}", file=sys.stderr)
+    from ..driving import traces
+    skipped = {"count": 0, "last": 0}   # counters, not a list: a file of garbage has many bad lines
 
-    reqs, _ = workload.read_trace(args.workload, strict=args.strict_trace, on_error=report)
+    def report(line_no: int, problem: str) -> None:
+        skipped["count"] += 1
+        skipped["last"] = line_no
+        if skipped["count"] <= _SHOWN_PROBLEMS:
+            print(f"{args.workload}:{line_no}: skipped: {problem}", file=sys.stderr)
+
+    reqs, _ = traces.read_trace(args.workload, fmt=args.trace_format, strict=args.strict_trace, on_error=report)
+    if skipped["count"] > _SHOWN_PROBLEMS:
+        print(f"{args.workload}: {skipped['count'] - _SHOWN_PROBLEMS:,} more lines skipped, the last on line "
+              f"{skipped['last']}", file=sys.stderr)
+    if not reqs:
+        raise ConfigError("--workload", f"{args.workload!r} holds no request ({skipped['count']:,} lines skipped)",
+                          "give a trace with at least one valid line")
     return reqs
+
+
+_SHOWN_PROBLEMS = 20
 
 
 def write_layers(args, device) -> int | None:

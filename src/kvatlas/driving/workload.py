@@ -1,45 +1,52 @@
-"""Workloads: a synthetic request stream, or a JSONL trace.
+"""Workloads: requests, synthetic request streams (`synthetic`; sessions and shared system
+prompts in `sessions`), and traces (`traces`: kvatlas's JSONL and Mooncake's).
 
-A request is (id, arrival_s, prompt_tokens, output_tokens). Synthetic arrivals are a Poisson
-process of `rate_per_s` over `duration_s`; lengths come from a distribution given as text, so the
-same spec works on the command line and in Python:
+A request is (id, arrival_s, prompt_tokens, output_tokens), optionally with content: the block ids
+whose deterministic tokens (`content`) make its prompt, so a content-addressed cache sees the
+prefixes requests share. Synthetic arrivals are a Poisson process of `rate_per_s` over
+`duration_s`; lengths come from a distribution given as text, so the same spec works on the
+command line and in Python:
 
     "512"                    every request 512 tokens
     "uniform:64:2048"        uniform integers in [64, 2048]
     "exp:300"                exponential with mean 300 (at least 1)
     "lognormal:1024:0.8"     log-normal with median 1024 and sigma 0.8 (at least 1)
-
-A trace has one JSON object per line: {"arrival_s": 0.12, "prompt_tokens": 900, "output_tokens": 128}
-(an optional "id"); blank lines and lines starting with '#' are ignored. A malformed line is
-reported with its line number and skipped, or, with strict=True, fatal.
 """
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 
 import numpy as np
 
 from ..errors import ConfigError
-
-
-class TraceError(ConfigError):
-    """A line of a JSONL trace is malformed."""
-
-    def __init__(self, path: str, line_no: int, problem: str) -> None:
-        self.line_no = line_no
-        super().__init__(f"{path}:{line_no}", problem,
-                         'write one object per line: {"arrival_s": 0.5, "prompt_tokens": 900, "output_tokens": 128}')
+from .content import prompt_tokens_of
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Request:
+    """One request. `blocks` (optional) is its prompt's content: block ids whose tokens
+    (`driving.content`) make the prompt, each a whole 512-token block or, with `block_lens`, the
+    first block_lens[i] tokens of block i. `after` (optional) is the id of the request this one
+    follows (the previous turn of a session): it arrives `think_s` after that one finishes, and
+    not before `arrival_s`."""
+
     id: str
     arrival_s: float
     prompt_tokens: int
     output_tokens: int
+    blocks: tuple[int, ...] | None = None
+    block_lens: tuple[int, ...] | None = None
+    after: str | None = None
+    think_s: float = 0.0
+
+    def token_ids(self) -> np.ndarray | None:
+        """The prompt's token ids (int32, prompt_tokens of them), the same for equal blocks in any
+        run; None when the request carries no content (a plain length-only workload)."""
+        if self.blocks is None:
+            return None
+        return prompt_tokens_of(self.blocks, self.block_lens, self.prompt_tokens)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -95,60 +102,3 @@ def synthetic(*, rate_per_s: float, duration_s: float, prompt: str | LengthDist 
     prompts, outputs = pd.sample(rng, n), od.sample(rng, n)
     return [Request(id=f"r{i}", arrival_s=float(arrivals[i]), prompt_tokens=int(prompts[i]),
                     output_tokens=int(outputs[i])) for i in range(n)]
-
-
-def _positive_int(obj: dict, key: str) -> int:
-    v = obj.get(key)
-    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-        raise ValueError(f"{key!r} must be an integer ≥ 1, got {v!r}")
-    return v
-
-
-def parse_trace_line(line: str, line_no: int) -> Request:
-    """One trace line as a Request; ValueError says what is wrong with it."""
-    try:
-        obj = json.loads(line)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"not JSON ({exc.msg} at column {exc.colno})") from None
-    if not isinstance(obj, dict):
-        raise ValueError("not a JSON object")
-    t = obj.get("arrival_s")
-    if not isinstance(t, (int, float)) or isinstance(t, bool) or not math.isfinite(t) or t < 0:
-        raise ValueError(f"'arrival_s' must be a number ≥ 0 (seconds), got {t!r}")
-    rid = obj.get("id", f"line{line_no}")
-    return Request(id=str(rid), arrival_s=float(t), prompt_tokens=_positive_int(obj, "prompt_tokens"),
-                   output_tokens=_positive_int(obj, "output_tokens"))
-
-
-def read_trace(path: str, *, strict: bool = False, on_error=None) -> tuple[list[Request], list[tuple[int, str]]]:
-    """(requests sorted by arrival, [(line number, problem)] of the skipped lines).
-
-    strict=True raises TraceError at the first malformed line; otherwise each is reported through
-    `on_error(line_no, problem)` (if given) and skipped."""
-    requests, problems = [], []
-    try:
-        fh = open(path, encoding="utf-8")
-    except OSError as exc:
-        raise ConfigError("workload", f"cannot read {path!r} ({exc.strerror})", "give an existing JSONL file") from None
-    with fh:
-        for line_no, line in enumerate(fh, 1):
-            text = line.strip()
-            if not text or text.startswith("#"):
-                continue
-            try:
-                requests.append(parse_trace_line(text, line_no))
-            except ValueError as exc:
-                if strict:
-                    raise TraceError(path, line_no, str(exc)) from None
-                problems.append((line_no, str(exc)))
-                if on_error is not None:
-                    on_error(line_no, str(exc))
-    requests.sort(key=lambda r: r.arrival_s)
-    return requests, problems
-
-
-def write_trace(path: str, requests: list[Request]) -> None:
-    with open(path, "w", encoding="utf-8") as fh:
-        for r in requests:
-            fh.write(json.dumps({"id": r.id, "arrival_s": r.arrival_s, "prompt_tokens": r.prompt_tokens,
-                                 "output_tokens": r.output_tokens}) + "\n")
