@@ -3,6 +3,7 @@ simulator and its writer, and the end-of-run summary."""
 
 from __future__ import annotations
 
+import math
 import sys
 
 from ..errors import ConfigError
@@ -25,11 +26,20 @@ def add_workload_args(p) -> None:
     g.add_argument("--seed", type=int, default=0, help="seed of arrivals, lengths and draft acceptance")
     g.add_argument("--strict-trace", action="store_true", help="a malformed trace line is fatal (default: skip it)")
     g.add_argument("--accept-rate", type=float, default=0.7, help="probability each draft token is accepted")
-    g.add_argument("--step-ms", type=float, default=20.0, help="time of one forward pass (default 20 ms)")
+    g = p.add_argument_group("time model (one forward pass = step + prefill × tokens + decode × tokens)")
+    g.add_argument("--step-ms", type=float, default=20.0, help="fixed time of every forward pass (default 20 ms)")
+    g.add_argument("--prefill-us-per-token", type=float, default=40.0,
+                   help="time per prompt token computed; cache hits are not computed (default 40 µs)")
+    g.add_argument("--decode-us-per-token", type=float, default=100.0,
+                   help="time per token a decoding request writes (default 100 µs)")
+    g.add_argument("--sample-ms", type=float, default=None,
+                   help="simulate: a timeline point at most every this many ms of virtual time "
+                        "(default: 1/2000 of the workload's span)")
     g.add_argument("--write-layers", default=None,
                    help="layers per pool that get real KV writes: N or 'all' (default: 1 on CPU, all on CUDA)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
-    p.add_argument("--backend", default="plain", help="arena backend: plain (default) or vmm (CUDA)")
+    p.add_argument("--backend", default="plain", help="arena backend: plain (default), vmm (CUDA), or none: "
+                   "allocator and ledger only, no pool tensors (any plan size; no KV writes)")
 
 
 def requests_from_args(args) -> list:
@@ -80,8 +90,10 @@ def build(args, plan_from_args, *, lock=None, record=True):
     """(cache, simulator, writer) for the parsed arguments; the cache is allocated for real."""
     if not 0.0 <= args.accept_rate <= 1.0:
         raise ConfigError("--accept-rate", f"{args.accept_rate}", "give a probability in [0, 1]")
-    if not args.step_ms > 0:
-        raise ConfigError("--step-ms", f"{args.step_ms}", "give a positive number of milliseconds")
+    tm = time_model(args)
+    if args.backend == "none" and args.write_layers not in (None, "0"):
+        raise ConfigError("--write-layers", f"{args.write_layers!r} with --backend none",
+                          "drop --write-layers: the bookkeeping backend holds no rows to write")
     requests = requests_from_args(args)
     p = plan_from_args(args)
     import kvatlas
@@ -89,11 +101,34 @@ def build(args, plan_from_args, *, lock=None, record=True):
     from ..driving.sim import Simulator
     from ..driving.simwrite import KVWriter
     cache = kvatlas.allocate(p, device=args.device, backend=args.backend)
-    layers = write_layers(args, parse_device(args.device))
+    layers = write_layers(args, parse_device(args.device)) if cache.arena.backend.holds_memory else 0
     writer = KVWriter(cache, layers=layers, seed=args.seed) if layers != 0 else None
     sim = Simulator(cache, requests, accept_rate=args.accept_rate, seed=args.seed, writer=writer, lock=lock,
-                    step_s=args.step_ms / 1e3, record=record)
+                    record=record, time_model=tm, sample_s=sample_s(args, requests))
     return cache, sim, writer
+
+
+_TIME_FLAGS = {"pass_s": "--step-ms", "prefill_s_per_token": "--prefill-us-per-token",
+               "decode_s_per_token": "--decode-us-per-token"}
+
+
+def time_model(args):
+    from ..driving.timemodel import TimeModel
+    try:
+        return TimeModel(pass_s=args.step_ms / 1e3, prefill_s_per_token=args.prefill_us_per_token / 1e6,
+                         decode_s_per_token=args.decode_us_per_token / 1e6)
+    except ConfigError as exc:   # name the flag the user typed
+        raise ConfigError(_TIME_FLAGS[exc.field], exc.problem, exc.fix) from None
+
+
+def sample_s(args, requests) -> float:
+    """A long trace would otherwise put every pass (tens of thousands) on the timeline."""
+    if args.sample_ms is not None:
+        if not (math.isfinite(args.sample_ms) and args.sample_ms >= 0):
+            raise ConfigError("--sample-ms", f"{args.sample_ms}", "give a finite number of milliseconds ≥ 0")
+        return args.sample_ms / 1e3
+    span = max((r.arrival_s for r in requests), default=0.0)
+    return span / 2000
 
 
 def summary(cache, sim, writer, wall_s: float, how: str) -> str:
@@ -110,17 +145,26 @@ def summary(cache, sim, writer, wall_s: float, how: str) -> str:
                  f"({100 * s.peak_occupied_bytes / addr:.1f}% of addressable)"],
         ["end", f"{snap.running_requests} running, {fmt_bytes(snap.occupied_bytes)} occupied "
                 f"({snap.occupied_bytes:,} B)"],
-        ["cache", f"{fmt_bytes(snap.tensor_bytes)} tensor on {snap.device} ({snap.backend}), "
-                  f"{fmt_bytes(snap.addressable_bytes)} addressable"],
+        ["cache", _cache_line(cache, snap)],
         ["KV writes", _writes(writer)],
+        ["time model", sim.time_model.describe()],
         ["wall time", f"{wall_s:.2f} s ({how})"],
     ]
     return render(["", "summary"], rows, title=f"kvatlas — {cache.plan.model.name}")
 
 
+def _cache_line(cache, snap) -> str:
+    if not cache.arena.backend.holds_memory:
+        return (f"NO POOL TENSORS (backend none): allocator and ledger only; {fmt_bytes(snap.planned_bytes)} "
+                f"planned, {fmt_bytes(snap.addressable_bytes)} addressable, 0 B allocated "
+                "(tensor, reserved and physical are 0)")
+    return (f"{fmt_bytes(snap.tensor_bytes)} tensor on {snap.device} ({snap.backend}), "
+            f"{fmt_bytes(snap.addressable_bytes)} addressable")
+
+
 def _writes(writer) -> str:
     if writer is None:
-        return "none (--write-layers 0): allocator and ledger only"
+        return "none: allocator and ledger only"
     layers = writer.layers_written
     text = f"{writer.rows_written:,} rows stored through kvatlas.datapath; layers per pool: " + \
         ", ".join(f"{k} {v}" for k, v in layers.items())
