@@ -23,6 +23,14 @@ def add_workload_args(p) -> None:
     g.add_argument("--prompt-len", default="uniform:64:1024",
                    help="synthetic prompt lengths: N, uniform:LO:HI, exp:MEAN, lognormal:MEDIAN:SIGMA")
     g.add_argument("--output-len", default="uniform:16:256", help="synthetic output lengths (same forms)")
+    g.add_argument("--turns", default="1", help="synthetic: turns per session (same forms; default 1). Turn k's "
+                   "prompt = turn k-1's prompt + its output + a follow-up; --rate then counts sessions")
+    g.add_argument("--followup-len", default="uniform:16:256", help="synthetic: tokens a user adds per later turn")
+    g.add_argument("--think", default="exp:5", help="synthetic: seconds from a turn's end to the next turn "
+                   "(same forms, e.g. exp:5 or 0; default exp:5)")
+    g.add_argument("--system-prompts", type=int, default=0, help="synthetic: N distinct system prompts, one "
+                   "opening every session (uniformly chosen), shared as a prefix (default 0: none)")
+    g.add_argument("--system-prompt-len", default="2048", help="synthetic: system prompt lengths (same forms)")
     g.add_argument("--seed", type=int, default=0, help="seed of arrivals, lengths and draft acceptance")
     g.add_argument("--strict-trace", action="store_true", help="a malformed trace line is fatal (default: skip it)")
     g.add_argument("--accept-rate", type=float, default=0.7, help="probability each draft token is accepted")
@@ -44,6 +52,11 @@ def add_workload_args(p) -> None:
 
 def requests_from_args(args) -> list:
     from ..driving import workload
+    if args.workload == "synthetic" and (args.turns.strip() != "1" or args.system_prompts != 0):
+        from ..driving.sessions import sessions
+        return sessions(rate_per_s=args.rate, duration_s=args.duration, turns=args.turns, first_len=args.prompt_len,
+                        followup_len=args.followup_len, output=args.output_len, think=args.think,
+                        system_prompts=args.system_prompts, system_len=args.system_prompt_len, seed=args.seed)
     if args.workload == "synthetic":
         return workload.synthetic(rate_per_s=args.rate, duration_s=args.duration, prompt=args.prompt_len,
                                   output=args.output_len, seed=args.seed)

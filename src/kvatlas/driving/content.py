@@ -15,7 +15,9 @@ finaliser) of the block's mixed id plus the position, reduced to the vocabulary.
   cache sees exactly the sharing the trace records, no more.
 
 Synthetic workloads (sessions, shared system prompts) use the same scheme with pieces shorter
-than a block: a piece is (block id, tokens), the first `tokens` tokens of that block.
+than a block: a piece is (block id, tokens), the first `tokens` tokens of that block. Their
+content also covers each request's output (the tokens the next turn sends back), so a cache can
+key the pages a request writes while it decodes.
 """
 
 from __future__ import annotations
@@ -62,14 +64,20 @@ def block_tokens(block_ids, lengths=None, *, seed: int = 0, vocab_size: int = VO
     return (mixed % np.uint64(vocab_size)).astype(np.int32)
 
 
-def prompt_tokens_of(block_ids, lengths, prompt_tokens: int, **kw) -> np.ndarray:
-    """A prompt's token ids: its pieces' tokens, cut to prompt_tokens (Mooncake's last block is
+def covered_tokens(block_ids, lengths) -> int:
+    return BLOCK_TOKENS * len(block_ids) if lengths is None else int(sum(lengths))
+
+
+def prompt_tokens_of(block_ids, lengths, prompt_tokens: int, start: int = 0, **kw) -> np.ndarray:
+    """Tokens [start, prompt_tokens) of the pieces' concatenation (Mooncake's last block is
     partial: ceil(input_length / 512) ids cover input_length tokens)."""
     ids = np.asarray(block_ids, dtype=np.int64).reshape(-1)
-    if lengths is None:   # whole blocks: generate only the blocks the prompt reaches
-        need = -(-prompt_tokens // BLOCK_TOKENS)
-        ids = ids[:need]
+    if lengths is None:   # whole blocks: generate only the blocks the range reaches
+        first = start // BLOCK_TOKENS
+        ids = ids[first: -(-prompt_tokens // BLOCK_TOKENS)]
+        start -= first * BLOCK_TOKENS
+        prompt_tokens -= first * BLOCK_TOKENS
     toks = block_tokens(ids, lengths, **kw)
     if toks.size < prompt_tokens:
-        raise ValueError(f"the blocks cover {toks.size} tokens, fewer than the prompt's {prompt_tokens}")
-    return toks[:prompt_tokens]
+        raise ValueError(f"the blocks cover {toks.size} tokens, fewer than the {prompt_tokens} asked for")
+    return toks[start:prompt_tokens]

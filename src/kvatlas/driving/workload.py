@@ -21,14 +21,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import ConfigError
-from .content import prompt_tokens_of
+from .content import covered_tokens, prompt_tokens_of
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Request:
-    """One request. `blocks` (optional) is its prompt's content: block ids whose tokens
-    (`driving.content`) make the prompt, each a whole 512-token block or, with `block_lens`, the
-    first block_lens[i] tokens of block i. `after` (optional) is the id of the request this one
+    """One request. `blocks` (optional) is its content: block ids whose tokens (`driving.content`)
+    make the prompt (and, when they cover more, the output), each a whole 512-token block or,
+    with `block_lens`, the first block_lens[i] tokens of block i. `after` (optional) is the id of the request this one
     follows (the previous turn of a session): it arrives `think_s` after that one finishes, and
     not before `arrival_s`."""
 
@@ -48,6 +48,14 @@ class Request:
             return None
         return prompt_tokens_of(self.blocks, self.block_lens, self.prompt_tokens)
 
+    def output_token_ids(self) -> np.ndarray | None:
+        """The tokens this request generates, when its content says (a synthetic session's turn:
+        the next turn's prompt repeats them); None otherwise (Mooncake traces give prompts only)."""
+        end = self.prompt_tokens + self.output_tokens
+        if self.blocks is None or covered_tokens(self.blocks, self.block_lens) < end:
+            return None
+        return prompt_tokens_of(self.blocks, self.block_lens, end, start=self.prompt_tokens)
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class LengthDist:
@@ -56,20 +64,28 @@ class LengthDist:
     b: float = 0.0
 
     def sample(self, rng: np.random.Generator, n: int) -> np.ndarray:
-        if self.kind == "fixed":
-            x = np.full(n, self.a)
-        elif self.kind == "uniform":
+        """Whole token counts ≥ 1."""
+        if self.kind == "uniform":
             x = rng.integers(int(self.a), int(self.b) + 1, n)
-        elif self.kind == "exp":
-            x = rng.exponential(self.a, n)
         else:
-            x = rng.lognormal(math.log(self.a), self.b, n)
+            x = self.sample_real(rng, n)
         return np.maximum(np.rint(x), 1).astype(np.int64)
 
+    def sample_real(self, rng: np.random.Generator, n: int) -> np.ndarray:
+        """Real values (think times in seconds): uniform is continuous here."""
+        if self.kind == "fixed":
+            return np.full(n, float(self.a))
+        if self.kind == "uniform":
+            return rng.uniform(self.a, self.b, n)
+        if self.kind == "exp":
+            return rng.exponential(self.a, n) if self.a > 0 else np.zeros(n)
+        return rng.lognormal(math.log(self.a), self.b, n)
 
-def parse_length(text: str, field: str = "length") -> LengthDist:
-    """Parse a length distribution spec (see the module doc)."""
-    fix = "write N, uniform:LO:HI, exp:MEAN or lognormal:MEDIAN:SIGMA (token counts ≥ 1)"
+
+def parse_length(text: str, field: str = "length", minimum: float = 1) -> LengthDist:
+    """Parse a length distribution spec (see the module doc); its first parameter ≥ minimum
+    (token counts: 1; think times in seconds: 0)."""
+    fix = f"write N, uniform:LO:HI, exp:MEAN or lognormal:MEDIAN:SIGMA (values ≥ {minimum:g})"
     parts = str(text).strip().split(":")
     try:
         nums = [float(p) for p in parts[1:]] if len(parts) > 1 else [float(parts[0])]
@@ -79,7 +95,8 @@ def parse_length(text: str, field: str = "length") -> LengthDist:
     arity = {"fixed": 1, "uniform": 2, "exp": 1, "lognormal": 2}
     if kind not in arity or len(nums) != arity[kind]:
         raise ConfigError(field, f"{text!r} is not a length distribution", fix)
-    if nums[0] < 1 or (kind == "uniform" and nums[1] < nums[0]) or (kind == "lognormal" and nums[1] < 0):
+    if not all(math.isfinite(x) for x in nums) or nums[0] < minimum or (kind == "uniform" and nums[1] < nums[0]) \
+            or (kind == "lognormal" and (nums[1] < 0 or nums[0] <= 0)):
         raise ConfigError(field, f"{text!r} has an out-of-range parameter", fix)
     return LengthDist(kind=kind, a=nums[0], b=nums[1] if len(nums) > 1 else 0.0)
 
