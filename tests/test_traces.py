@@ -220,3 +220,16 @@ def test_bad_content_and_links(tmp_path):
                         (2, "'blocks' cover 2 tokens, fewer than 'prompt_tokens' 6"),
                         (3, "'after' 'w' names no request on an earlier line"),
                         (4, "'block_lens' needs 'blocks'")]
+
+
+def test_simulate_replays_a_mooncake_trace_with_books_only(tmp_path, capsys):
+    from kvatlas.cli import main
+    args = ["simulate", "deepseek-v4-flash", "--memory", "16GiB", "--backend", "none", "--workload", MOONCAKE,
+            "--max-steps", "40", "--no-plot", "--out", str(tmp_path / "run")]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "NO POOL TENSORS (backend none)" in out and "prefilled" in out
+    assert main(args + ["--trace-format", "kvatlas"]) == 2        # every line refused: no request left
+    err = capsys.readouterr().err
+    assert f"{MOONCAKE}:1: skipped: 'arrival_s'" in err and "180 more lines skipped, the last on line 200" in err
+    assert "holds no request (200 lines skipped)" in err

@@ -153,7 +153,7 @@ def summary(cache, sim, writer, wall_s: float, how: str) -> str:
                      f"{len(sim.waiting) + len(sim.pending)} never admitted, {len(sim.running)} still running"],
         ["tokens", f"{s.prefill_tokens:,} prefilled, {s.decode_tokens:,} decoded "
                    f"({s.drafts_accepted:,} drafts accepted, {s.drafts_rejected:,} rolled back)"],
-        ["forward passes", f"{s.steps:,} ({s.blocked_steps:,} with the queue head waiting for memory)"],
+        ["forward passes", f"{s.steps:,} ({s.blocked_steps:,} with the queue head waiting for a slot or memory)"],
         ["peak", f"{s.peak_running} running, {fmt_bytes(s.peak_occupied_bytes)} occupied "
                  f"({100 * s.peak_occupied_bytes / addr:.1f}% of addressable)"],
         ["end", f"{snap.running_requests} running, {fmt_bytes(snap.occupied_bytes)} occupied "
