@@ -3,8 +3,8 @@
 A trace such as Mooncake's says which prompts share content by giving each 512-token block of a
 prompt an id: two requests whose id lists start alike share that prefix. To drive a
 content-addressed cache with it, every block id must stand for fixed tokens. Here the tokens of
-block b are a pure function of (seed, b, position in the block): a 64-bit mix (splitmix64's
-finaliser) of the block's mixed id plus the position, reduced to the vocabulary. So
+block b are a pure function of (seed, b, position in the block): token i is output i of
+splitmix64 started from a 64-bit mix of (b, seed), reduced to the vocabulary. So
 
 - the same id always yields the same tokens, in any request, process or machine (no state, no
   cache to warm: a 128K-token prompt is one vectorised pass of numpy over its tokens);
@@ -57,10 +57,11 @@ def block_tokens(block_ids, lengths=None, *, seed: int = 0, vocab_size: int = VO
         raise ValueError(f"a piece holds 0..{BLOCK_TOKENS} tokens of its block, got {int(n.min())}..{int(n.max())}")
     total = int(n.sum())
     with np.errstate(over="ignore"):
-        base = _mix(ids.astype(np.uint64) + np.uint64(seed) * _GOLDEN) * _GOLDEN
+        # the block's state: its id mixed with the seed; then splitmix64's stream from that state
+        base = _mix((ids.astype(np.uint64) + np.uint64(1)) * _GOLDEN ^ _mix(np.full(1, seed, np.uint64) + _GOLDEN))
         starts = np.cumsum(n) - n
-        offset = np.arange(total, dtype=np.uint64) - np.repeat(starts, n).astype(np.uint64)
-        mixed = _mix(np.repeat(base, n) + offset)
+        step = np.arange(1, total + 1, dtype=np.uint64) - np.repeat(starts, n).astype(np.uint64)
+        mixed = _mix(np.repeat(base, n) + step * _GOLDEN)
     return (mixed % np.uint64(vocab_size)).astype(np.int32)
 
 
