@@ -34,6 +34,8 @@ def add_workload_args(p) -> None:
     g.add_argument("--seed", type=int, default=0, help="seed of arrivals, lengths and draft acceptance")
     g.add_argument("--strict-trace", action="store_true", help="a malformed trace line is fatal (default: skip it)")
     g.add_argument("--accept-rate", type=float, default=0.7, help="probability each draft token is accepted")
+    g.add_argument("--write-layers", default=None,
+                   help="layers per pool that get real KV writes: N or 'all' (default: 1 on CPU, all on CUDA)")
     g = p.add_argument_group("time model (one forward pass = step + prefill × tokens + decode × tokens)")
     g.add_argument("--step-ms", type=float, default=20.0, help="fixed time of every forward pass (default 20 ms)")
     g.add_argument("--prefill-us-per-token", type=float, default=40.0,
@@ -43,8 +45,6 @@ def add_workload_args(p) -> None:
     g.add_argument("--sample-ms", type=float, default=None,
                    help="simulate: a timeline point at most every this many ms of virtual time "
                         "(default: 1/2000 of the workload's span)")
-    g.add_argument("--write-layers", default=None,
-                   help="layers per pool that get real KV writes: N or 'all' (default: 1 on CPU, all on CUDA)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
     p.add_argument("--backend", default="plain", help="arena backend: plain (default), vmm (CUDA), or none: "
                    "allocator and ledger only, no pool tensors (any plan size; no KV writes)")
