@@ -39,8 +39,8 @@ class Measures:
         m = self
         chain = [("occupied", m.occupied_bytes), ("addressable", m.addressable_bytes),
                  ("tensor", m.tensor_bytes), ("reserved", m.reserved_bytes)]
-        if not backed:
-            chain = chain[:2] + [("planned", m.planned_bytes)]
+        if not backed:   # by name, so a measure added to the chain's head keeps its place
+            chain = [c for c in chain if c[0] not in ("tensor", "reserved")] + [("planned", m.planned_bytes)]
             if m.tensor_bytes or m.reserved_bytes or m.physical_bytes:
                 return [f"{where}: nothing is allocated, yet tensor/reserved/physical = {m.tensor_bytes}/"
                         f"{m.reserved_bytes}/{m.physical_bytes}"]
