@@ -3,7 +3,8 @@
     PYTHONPATH=src python3 bench/sim_trace.py --trace mooncake_synthetic.jsonl [--memory 120GiB]
 
 One run, three phases on the same requests:
-  (a) token ids of every prompt (what a content-addressed cache would hash), timed;
+  (a) token ids of every prompt (what a content-addressed cache would hash), timed, and the
+      trace's unbounded-cache ceiling (driving.content.prefix_ceiling_blocks);
   (b) the simulator with the bookkeeping backend ("none"), a timeline sample at most every
       1/2000 of the trace's span (what `kvatlas simulate` does by default);
   (c) baseline: the same run with a full ledger snapshot on the timeline after every pass (what
@@ -21,6 +22,7 @@ import sys
 import time
 
 import kvatlas
+from kvatlas.driving.content import prefix_ceiling_blocks
 from kvatlas.driving.sim import Simulator
 from kvatlas.driving.timemodel import default_time_model
 from kvatlas.driving.traces import read_trace
@@ -59,13 +61,16 @@ def main(argv=None) -> int:
     span = max(r.arrival_s for r in reqs)
     fast = run_sim(plan, reqs, span / 2000)
     base = None if args.no_baseline else run_sim(plan, reqs, 0.0)
+    hit, blocks = prefix_ceiling_blocks(reqs)
     out = {"requests": len(reqs), "bad_lines": len(problems), "read_s": read_wall, "prompt_tokens": toks,
+           "ceiling_hit_blocks": hit, "prompt_blocks": blocks,
            "token_ids_wall_s": tok_wall, "token_ids_cpu_s": tok_cpu, "plan_bytes": plan.total_bytes,
            "sampled": fast, "every_pass": base,
            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
     print(json.dumps(out, indent=1))
     print(f"\n{len(reqs)} requests, {toks:,} prompt tokens; token ids {tok_wall:.2f} s "
-          f"({toks / tok_wall / 1e6:.0f} M tokens/s)", file=sys.stderr)
+          f"({toks / tok_wall / 1e6:.0f} M tokens/s); unbounded-cache ceiling {hit:,} of {blocks:,} blocks "
+          f"({100 * hit / blocks:.2f}%)", file=sys.stderr)
     print(f"simulate (sampled): {fast['wall_s']:.1f} s wall, {fast['cpu_s']:.1f} s CPU, {fast['passes']:,} passes, "
           f"{fast['virtual_s']:.0f} s virtual ({fast['virtual_s'] / fast['wall_s']:.0f}x real time)", file=sys.stderr)
     if base:

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvatlas.driving.content import BLOCK_TOKENS, VOCAB_SIZE, block_tokens, prompt_tokens_of
+from kvatlas.driving.content import BLOCK_TOKENS, VOCAB_SIZE, block_tokens, prefix_ceiling_blocks, prompt_tokens_of
 from kvatlas.driving.traces import TraceError, iter_trace, read_trace, write_trace
 from kvatlas.driving.workload import Request
 from kvatlas.errors import ConfigError
@@ -237,3 +237,13 @@ def test_simulate_replays_a_mooncake_trace_with_books_only(tmp_path, capsys):
     err = capsys.readouterr().err
     assert f"{MOONCAKE}:1: skipped: 'arrival_s'" in err and "180 more lines skipped, the last on line 200" in err
     assert "holds no request (200 lines skipped)" in err
+
+
+def test_prefix_ceiling_counts_leading_blocks_seen_before():
+    def r(rid, blocks):
+        return Request(id=rid, arrival_s=0, prompt_tokens=BLOCK_TOKENS * len(blocks), output_tokens=1, blocks=blocks)
+    reqs = [r("a", (1, 2, 3)), r("b", (1, 2, 4)), r("c", (5, 1)), r("d", (1, 2, 3, 6)),
+            Request(id="e", arrival_s=0, prompt_tokens=5, output_tokens=1)]
+    assert prefix_ceiling_blocks(reqs) == (0 + 2 + 0 + 3, 3 + 3 + 2 + 4)
+    hit, total = prefix_ceiling_blocks(read_trace(MOONCAKE)[0])
+    assert total == sum(len(x["hash_ids"]) for x in _mooncake_lines(200)) and 0 < hit < total

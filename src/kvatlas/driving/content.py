@@ -82,3 +82,24 @@ def prompt_tokens_of(block_ids, lengths, prompt_tokens: int, start: int = 0, **k
     if toks.size < prompt_tokens:
         raise ValueError(f"the blocks cover {toks.size} tokens, fewer than the {prompt_tokens} asked for")
     return toks[start:prompt_tokens]
+
+
+def prefix_ceiling_blocks(requests) -> tuple[int, int]:
+    """(blocks an unbounded prefix cache hits, all prompt blocks) over requests in arrival
+    order: a block counts when it and every block before it in its request were seen in an
+    earlier request. The ceiling any prefix cache can reach on a block-id trace (Mooncake's
+    synthetic trace: 77,953 of 121,877, 63.96%). Requests without content are skipped."""
+    seen: set[int] = set()
+    hit = total = 0
+    for r in requests:
+        if r.blocks is None:
+            continue
+        n = -(-r.prompt_tokens // BLOCK_TOKENS) if r.block_lens is None else len(r.blocks)
+        blocks = r.blocks[:n]
+        for b in blocks:
+            if b not in seen:
+                break
+            hit += 1
+        total += len(blocks)
+        seen.update(blocks)
+    return hit, total
