@@ -247,3 +247,15 @@ def test_prefix_ceiling_counts_leading_blocks_seen_before():
     assert prefix_ceiling_blocks(reqs) == (0 + 2 + 0 + 3, 3 + 3 + 2 + 4)
     hit, total = prefix_ceiling_blocks(read_trace(MOONCAKE)[0])
     assert total == sum(len(x["hash_ids"]) for x in _mooncake_lines(200)) and 0 < hit < total
+
+
+@pytest.mark.parametrize("kw, field", [({"prompt_tokens": 0}, "prompt_tokens"), ({"output_tokens": 1.5}, "output_tokens"),
+                                       ({"arrival_s": float("nan")}, "arrival_s"), ({"think_s": -1}, "think_s"),
+                                       ({"blocks": (1,), "prompt_tokens": 513}, "blocks"),
+                                       ({"block_lens": (5,)}, "block_lens"),
+                                       ({"blocks": (1, 2), "block_lens": (5,)}, "block_lens")])
+def test_requests_refuse_values_that_would_break_a_run(kw, field):
+    args = dict(id="r", arrival_s=0.0, prompt_tokens=5, output_tokens=1) | kw
+    with pytest.raises(ConfigError) as exc:
+        Request(**args)
+    assert exc.value.field == field and "'r'" in str(exc.value)

@@ -41,6 +41,23 @@ class Request:
     after: str | None = None
     think_s: float = 0.0
 
+    def __post_init__(self) -> None:
+        """Refuse what would break a run later (a NaN arrival, a length of 0, content too short)."""
+        for name in ("prompt_tokens", "output_tokens"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+                raise ConfigError(name, f"{v!r} in request {self.id!r}", "give a whole number of tokens ≥ 1")
+        for name in ("arrival_s", "think_s"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                raise ConfigError(name, f"{v!r} in request {self.id!r}", "give a finite number of seconds ≥ 0")
+        if self.block_lens is not None and (self.blocks is None or len(self.block_lens) != len(self.blocks)):
+            raise ConfigError("block_lens", f"does not match blocks in request {self.id!r}",
+                              "give one length per block id")
+        if self.blocks is not None and covered_tokens(self.blocks, self.block_lens) < self.prompt_tokens:
+            raise ConfigError("blocks", f"cover fewer tokens than prompt_tokens={self.prompt_tokens} in request "
+                              f"{self.id!r}", "give enough block ids (one per 512 tokens)")
+
     def token_ids(self) -> np.ndarray | None:
         """The prompt's token ids (int32, prompt_tokens of them), the same for equal blocks in any
         run; None when the request carries no content (a plain length-only workload)."""
