@@ -191,6 +191,14 @@ def test_a_non_utf8_trace_is_refused_cleanly(tmp_path):
     assert len(reqs) == 1 and problems == [(2, "not UTF-8 (byte 0xff at column 16)")]
 
 
+def test_a_byte_order_mark_and_crlf_are_accepted(tmp_path):
+    path = tmp_path / "t.jsonl"
+    path.write_bytes(b'\xef\xbb\xbf{"arrival_s": 0, "prompt_tokens": 5, "output_tokens": 1}\r\n'
+                     b'{"arrival_s": 1, "prompt_tokens": 6, "output_tokens": 1}\r\n')
+    reqs, problems = read_trace(str(path))
+    assert problems == [] and [r.prompt_tokens for r in reqs] == [5, 6]
+
+
 def test_iter_trace_streams_in_file_order(tmp_path):
     path = tmp_path / "t.jsonl"
     path.write_text('{"arrival_s": 5, "prompt_tokens": 5, "output_tokens": 1}\n' * 3)

@@ -212,6 +212,8 @@ def _parse(data, size: int, line_no: int, fmt: str, max_line_bytes: int, seen: d
         raise ValueError(f"line of {size:,} bytes is longer than the {max_line_bytes:,}-byte bound; "
                          "write one request per line")
     text = _decode(data).strip()
+    if line_no == 1:
+        text = text.removeprefix("\ufeff")   # a byte-order mark some editors write
     if not text or text.startswith("#"):
         return None
     req = parse_trace_line(text, line_no, fmt)
