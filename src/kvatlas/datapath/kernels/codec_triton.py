@@ -80,6 +80,14 @@ def _ds_mla_store(val_ptr, v_sl, v_sn, buf_ptr, b_su, b_sl, slots_ptr, n, layer0
                   BT: tl.constexpr, HW: tl.constexpr):
     t, ok, base, off = _tokens(slots_ptr, n, buf_ptr, b_su, b_sl, layer0, P, BT)
     row = val_ptr + tl.program_id(1).to(tl.int64) * v_sl + t * v_sn                  # [BT]
+    ds_mla_store_rows(row, ok, base, off, scale_region, NOPE, ROPE, TILE, NT, DATA, SCALE, Q_EXP, Q_MANT, HW)
+
+
+@triton.jit
+def ds_mla_store_rows(row, ok, base, off, scale_region, NOPE: tl.constexpr, ROPE: tl.constexpr,
+                      TILE: tl.constexpr, NT: tl.constexpr, DATA: tl.constexpr, SCALE: tl.constexpr,
+                      Q_EXP: tl.constexpr, Q_MANT: tl.constexpr, HW: tl.constexpr):
+    """Quantize the bf16 rows at `row` [BT] (masked by `ok`) into entries `off` of pages `base`."""
     r = tl.arange(0, NT)
     c = tl.arange(0, TILE)
     idx = (r[:, None] * TILE + c[None, :])[None, :, :]                               # [1, NT, TILE]

@@ -1,0 +1,238 @@
+"""The fused per-layer write (`datapath.write.write_layer`): one kernel, programs in five segments.
+
+    [SWA store: BT tokens each | KV pooling: one (token, 64-channel tile) each | indexer pooling:
+     one token each | KV ring append: one token each | indexer ring append: one token each]
+
+A pooling program whose token does not complete a block does nothing, so the launch's size
+depends only on the token count and no host ever counts completed blocks: a CUDA graph can hold
+it. Pooling follows `compressor.pool` operation by operation — max, exp (libdevice's expf, the
+function CUDA's expf is), sum of pairs (w, w + W/2) repeated, IEEE division — and the launch turns
+off mul-add fusion, so the pooled fp32 values, and so the stored bytes, equal the torch
+reference's on the same GPU. Quantization mirrors `codec_triton` (shared helpers).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from ..codecs import DS_MLA_TILE, INDEX_WIDTH, NOPE, ROPE
+from ..step import FIRST, LAST, POS, REQ, SWA
+from .codec_triton import HW_CAST, _E4M3_EXP, _Q_MANT, _e4m3_exponent, _to_e4m3, ds_mla_store_rows
+from .compress_triton import _to_state, bf16_round
+
+# SWA tokens per program and warps per program; set from bench/datapath_layer_gpu.py --tune on an H200
+CONFIG = {"swa_bt": 4, "num_warps": 4}
+
+
+@triton.jit
+def _halve(x, H: tl.constexpr, C: tl.constexpr):
+    return tl.sum(tl.reshape(x, (2, H, C)), axis=0)   # row w + row w + H: one addition each
+
+
+@triton.jit
+def _tree_sum(x, W: tl.constexpr, C: tl.constexpr):
+    """[W, C] -> [C] in `compressor.tree_sum`'s order (W a power of two, at most 256)."""
+    if W >= 256:
+        x = _halve(x, 128, C)
+    if W >= 128:
+        x = _halve(x, 64, C)
+    if W >= 64:
+        x = _halve(x, 32, C)
+    if W >= 32:
+        x = _halve(x, 16, C)
+    if W >= 16:
+        x = _halve(x, 8, C)
+    if W >= 8:
+        x = _halve(x, 4, C)
+    if W >= 4:
+        x = _halve(x, 2, C)
+    if W >= 2:
+        x = _halve(x, 1, C)
+    return tl.reshape(x, (C,))
+
+
+@triton.jit
+def _pool(idx_ptr, n, t, p_end, ch, kv_ptr, kv_sn, sc_ptr, sc_sn, ape_ptr, st_ptr, st_s, st_r, RING,
+          D: tl.constexpr, CD: tl.constexpr, RATIO: tl.constexpr, W: tl.constexpr, OVERLAP: tl.constexpr,
+          HAS_APE: tl.constexpr, C: tl.constexpr):
+    """Channels `ch` of the entry of the block token t completes: window rows from this step's
+    inputs (positions >= the run's first) or the ring (older), cleared below position 0."""
+    first = tl.load(idx_ptr + FIRST * n + t)
+    req = tl.load(idx_ptr + REQ * n + t)
+    w = tl.arange(0, W)
+    q = p_end - (W - 1) + w
+    if OVERLAP:   # previous block's rows read [:D], current block's rows [D:] (overlap_transform)
+        half = tl.where(w < RATIO, 0, D)
+    else:
+        half = w * 0
+    col = half[:, None] + ch[None, :]
+    in_b = (q >= first)[:, None] & (col >= 0)
+    from_ring = ((q < first) & (q >= 0))[:, None] & (col >= 0)
+    qc = tl.where(q >= 0, q, 0)
+    src = tl.where(q >= first, t - (p_end - q), 0)
+    kv_in = tl.load(kv_ptr + src[:, None] * kv_sn + col, mask=in_b, other=0.0).to(tl.float32)
+    sc_in = tl.load(sc_ptr + src[:, None] * sc_sn + col, mask=in_b, other=0.0).to(tl.float32)
+    if HAS_APE:
+        sc_in += tl.load(ape_ptr + (qc % RATIO)[:, None] * CD + col, mask=in_b, other=0.0)
+    srow = st_ptr + req * st_s + (qc % RING)[:, None] * st_r + col
+    kv_st = tl.load(srow, mask=from_ring, other=0.0).to(tl.float32)             # cleared: kv 0
+    sc_st = tl.load(srow + CD, mask=from_ring, other=float("-inf")).to(tl.float32)  # score -inf
+    kv = tl.where(in_b, _to_state(kv_in, st_ptr), kv_st)
+    sc = tl.where(in_b, _to_state(sc_in, st_ptr), sc_st)
+    e = libdevice.exp(sc - tl.max(sc, axis=0)[None, :])
+    return tl.div_rn(_tree_sum(e * kv, W, C), _tree_sum(e, W, C))
+
+
+@triton.jit
+def _append(idx_ptr, n, t, kv_ptr, kv_sn, sc_ptr, sc_sn, ape_ptr, st_ptr, st_s, st_r, RING,
+            CD: tl.constexpr, RATIO: tl.constexpr, HAS_APE: tl.constexpr):
+    p = tl.load(idx_ptr + POS * n + t)
+    if p > tl.load(idx_ptr + LAST * n + t) - RING:   # a long run keeps only its last RING rows
+        req = tl.load(idx_ptr + REQ * n + t)
+        cols = tl.arange(0, CD)
+        kv = tl.load(kv_ptr + t * kv_sn + cols).to(tl.float32)
+        sc = tl.load(sc_ptr + t * sc_sn + cols).to(tl.float32)
+        if HAS_APE:
+            sc += tl.load(ape_ptr + (p % RATIO) * CD + cols)
+        row = st_ptr + req * st_s + (p % RING) * st_r
+        tl.store(row + cols, _to_state(kv, st_ptr).to(st_ptr.dtype.element_ty))
+        tl.store(row + CD + cols, _to_state(sc, st_ptr).to(st_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _ds_mla_tile(x, c, data, scale, TILE: tl.constexpr, NT: tl.constexpr, Q_EXP: tl.constexpr,
+                 Q_MANT: tl.constexpr, HW: tl.constexpr):
+    """Tile c of a pooled entry, rounded to bf16: a nope tile as fp8 + its exponent byte, or the
+    rope tile as bf16 bits (that program also writes the pad byte after the 7 exponents)."""
+    x = bf16_round(x)
+    k = tl.arange(0, TILE)
+    if c < NT:
+        e = _e4m3_exponent(tl.maximum(tl.max(tl.abs(x), axis=0), 1e-4), Q_EXP, Q_MANT)
+        inv = ((254 - e) << 23).to(tl.float32, bitcast=True)
+        tl.store(data + c * TILE + k, _to_e4m3(tl.minimum(tl.maximum(x * inv, -448.0), 448.0), HW))
+        tl.store(scale + c, e.to(tl.uint8))
+    else:
+        bits = (x.to(tl.int32, bitcast=True) >> 16).to(tl.uint16)
+        tl.store((data + NT * TILE).to(tl.pointer_type(tl.uint16)) + k, bits)
+        tl.store(scale + NT, tl.full([], 0, tl.uint8))
+
+
+@triton.jit
+def _index_tile(x, data, scale, WIDTH: tl.constexpr, Q_EXP: tl.constexpr, Q_MANT: tl.constexpr,
+                HW: tl.constexpr):
+    x = bf16_round(x)
+    e = _e4m3_exponent(tl.maximum(tl.max(tl.abs(x), axis=0), 1e-4), Q_EXP, Q_MANT)
+    inv = ((254 - e) << 23).to(tl.float32, bitcast=True)
+    tl.store(data + tl.arange(0, WIDTH), _to_e4m3(tl.minimum(tl.maximum(x * inv, -448.0), 448.0), HW))
+    tl.store(scale.to(tl.pointer_type(tl.float32)), (e << 23).to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def _write_layer(idx_ptr, n,
+                 sw_val, sw_vsn, sw_buf, sw_su, sw_P, sw_sr,
+                 kv_ptr, kv_sn, sc_ptr, sc_sn, ape_ptr, st_ptr, st_s, st_r, RING, c_buf, c_su, c_P, c_sr, E_ROW,
+                 ikv_ptr, ikv_sn, isc_ptr, isc_sn, iape_ptr, ist_ptr, ist_s, ist_r, IRING, x_buf, x_su, x_P, x_sr,
+                 IE_ROW, end_swa, end_pool, end_ipool, end_app, end_iapp,
+                 HAS_CMP: tl.constexpr, RATIO: tl.constexpr, W: tl.constexpr, OVERLAP: tl.constexpr,
+                 CD: tl.constexpr, HAS_APE: tl.constexpr, HAS_IDX: tl.constexpr, HAS_IAPE: tl.constexpr,
+                 D: tl.constexpr, TILE: tl.constexpr, NT: tl.constexpr, DATA: tl.constexpr, SCALE: tl.constexpr,
+                 ID: tl.constexpr, IDATA: tl.constexpr, ISCALE: tl.constexpr, ROPE_W: tl.constexpr,
+                 Q_EXP: tl.constexpr, Q_MANT: tl.constexpr, BT: tl.constexpr, HW: tl.constexpr):
+    pid = tl.program_id(0)
+    if pid < end_swa:
+        t = (pid * BT + tl.arange(0, BT)).to(tl.int64)
+        ok = t < n
+        slot = tl.load(idx_ptr + SWA * n + t, mask=ok, other=0)
+        ds_mla_store_rows(sw_val + t * sw_vsn, ok, sw_buf + (slot // sw_P) * sw_su, slot % sw_P, sw_sr,
+                          NT * TILE, ROPE_W, TILE, NT + 1, DATA, SCALE, Q_EXP, Q_MANT, HW)
+    elif pid < end_pool:
+        if HAS_CMP:
+            k = pid - end_swa
+            t = (k // (NT + 1)).to(tl.int64)
+            c = k % (NT + 1)
+            p_end = tl.load(idx_ptr + POS * n + t)
+            if (p_end + 1) % RATIO == 0:
+                out = _pool(idx_ptr, n, t, p_end, c * TILE + tl.arange(0, TILE), kv_ptr, kv_sn, sc_ptr, sc_sn,
+                            ape_ptr, st_ptr, st_s, st_r, RING, D, CD, RATIO, W, OVERLAP, HAS_APE, TILE)
+                ent = tl.load(idx_ptr + E_ROW * n + t)
+                base = c_buf + (ent // c_P) * c_su
+                _ds_mla_tile(out, c, base + (ent % c_P) * DATA, base + c_sr + (ent % c_P) * SCALE,
+                             TILE, NT, Q_EXP, Q_MANT, HW)
+    elif pid < end_ipool:
+        if HAS_IDX:
+            t = (pid - end_pool).to(tl.int64)
+            p_end = tl.load(idx_ptr + POS * n + t)
+            if (p_end + 1) % RATIO == 0:
+                out = _pool(idx_ptr, n, t, p_end, tl.arange(0, ID), ikv_ptr, ikv_sn, isc_ptr, isc_sn,
+                            iape_ptr, ist_ptr, ist_s, ist_r, IRING, ID, 2 * ID, RATIO, W, OVERLAP, HAS_IAPE, ID)
+                ent = tl.load(idx_ptr + IE_ROW * n + t)
+                base = x_buf + (ent // x_P) * x_su
+                _index_tile(out, base + (ent % x_P) * IDATA, base + x_sr + (ent % x_P) * ISCALE,
+                            ID, Q_EXP, Q_MANT, HW)
+    elif pid < end_app:
+        if HAS_CMP:
+            _append(idx_ptr, n, (pid - end_ipool).to(tl.int64), kv_ptr, kv_sn, sc_ptr, sc_sn, ape_ptr,
+                    st_ptr, st_s, st_r, RING, CD, RATIO, HAS_APE)
+    elif pid < end_iapp:
+        if HAS_IDX:
+            _append(idx_ptr, n, (pid - end_app).to(tl.int64), ikv_ptr, ikv_sn, isc_ptr, isc_sn, iape_ptr,
+                    ist_ptr, ist_s, ist_r, IRING, 2 * ID, RATIO, HAS_IAPE)
+
+
+def _ring_args(step, ring, kv, score):
+    """Pointer and stride arguments of one ring (kv, score, ape, state layer, pool layer)."""
+    st = ring.state[:, ring.layer]
+    kv, score = kv.contiguous(), score.contiguous()
+    ape = ring.ape.float().contiguous() if ring.ape is not None else kv
+    p = ring.pool
+    return (kv, kv.stride(0), score, score.stride(0), ape, st, st.stride(0), st.stride(1), st.shape[1],
+            p.buffer[:, p.layer], p.buffer.stride(0), p.geom.entries, p.geom.scale_region,
+            step.entry_row(ring.ratio))
+
+
+def _dummy_ring(like):
+    return (like, 0, like, 0, like, like, 0, 0, 1, like, 0, 1, 0, 0)
+
+
+def _ends(n: int, bt: int, has_kv: bool, has_idx: bool, pooled: bool, appended: bool) -> list[int]:
+    """Cumulative program counts of the five segments for one launch."""
+    sizes = [triton.cdiv(n, bt) if pooled else 0,
+             n * (NOPE // DS_MLA_TILE + 1) if pooled and has_kv else 0,
+             n if pooled and has_idx else 0,
+             n if appended and has_kv else 0,
+             n if appended and has_idx else 0]
+    out, total = [], 0
+    for s in sizes:
+        total += s
+        out.append(total)
+    return out
+
+
+def write_layer(step, targets, swa_kv, rings) -> None:
+    """Launch the fused write of one layer (`rings`: (name, RingTarget, kv, score) from write.py)."""
+    by_name = {name: r for name, *r in rings}
+    kv_ring, ix_ring = by_name.get(""), by_name.get("index_")
+    s, n = targets.swa, step.num_tokens
+    vals = swa_kv.to(torch.bfloat16).contiguous()
+    spec = (kv_ring or ix_ring)[0].spec if rings else None
+    one = all(step.max_run_tokens <= r.state.shape[2] - r.spec.window + 1 for _, r, _, _ in rings)
+    bt, warps = CONFIG["swa_bt"], CONFIG["num_warps"]
+    const = dict(HAS_CMP=kv_ring is not None, RATIO=spec.ratio if spec else 4, W=spec.window if spec else 8,
+                 OVERLAP=bool(spec and spec.overlap), CD=spec.coff * 512 if spec else 1024,
+                 HAS_APE=bool(kv_ring and kv_ring[0].ape is not None), HAS_IDX=ix_ring is not None,
+                 HAS_IAPE=bool(ix_ring and ix_ring[0].ape is not None), D=512, TILE=DS_MLA_TILE,
+                 NT=NOPE // DS_MLA_TILE, DATA=s.geom.fmt.data_bytes, SCALE=s.geom.fmt.scale_bytes,
+                 ID=INDEX_WIDTH, IDATA=ix_ring[0].pool.geom.fmt.data_bytes if ix_ring else 128,
+                 ISCALE=ix_ring[0].pool.geom.fmt.scale_bytes if ix_ring else 4, ROPE_W=ROPE,
+                 Q_EXP=_E4M3_EXP, Q_MANT=_Q_MANT, BT=bt, HW=HW_CAST)
+    head = (step.table, n, vals, vals.stride(0), s.buffer[:, s.layer], s.buffer.stride(0), s.geom.entries,
+            s.geom.scale_region)
+    args = (*(_ring_args(step, *kv_ring) if kv_ring else _dummy_ring(vals)),
+            *(_ring_args(step, *ix_ring) if ix_ring else _dummy_ring(vals)))
+    phases = [(True, True)] if one else [(True, False), (False, True)]
+    for pooled, appended in phases:   # pool before append: a long run overwrites rows it reads
+        ends = _ends(n, bt, kv_ring is not None, ix_ring is not None, pooled, appended)
+        _write_layer[(ends[-1],)](*head, *args, *ends, **const, num_warps=warps, enable_fp_fusion=False)
