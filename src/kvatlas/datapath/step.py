@@ -57,8 +57,10 @@ class StepIndices:
         self.device = torch.device(device)
         rows = _FIXED_ROWS + len(self.ratios)
         self.table = torch.zeros((rows, num_tokens), dtype=torch.int64, device=self.device)
+        self.device = self.table.device   # "cuda" -> "cuda:0": compared with the pools' devices
         pin = self.device.type == "cuda"
         self._host = torch.zeros((rows, num_tokens), dtype=torch.int64, pin_memory=pin)
+        self._copied = torch.cuda.Event() if pin else None
         self.max_run_tokens = 0
         self.loaded = False
 
@@ -83,11 +85,15 @@ class StepIndices:
             raise DataPathError("indices", f"no entries of ratio {missing}", "prepare only the ratios this rank has")
         rs, pos = np.asarray(indices.request_slots), np.asarray(indices.positions)
         first, last, self.max_run_tokens = _runs(rs, pos)
+        if self._copied is not None:
+            self._copied.synchronize()   # the last step's copy may still read the staging buffer
         h = self._host.numpy()
         h[REQ], h[POS], h[FIRST], h[LAST], h[SWA] = rs, pos, first, last, indices.swa_slots
         for r in self.ratios:
             h[self.entry_row(r)] = indices.compressed[r][1]
         self.table.copy_(self._host, non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
         self.loaded = True
         return self
 

@@ -19,9 +19,12 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from ..codecs import DS_MLA_TILE, INDEX_WIDTH, NOPE, ROPE
-from ..step import FIRST, LAST, POS, REQ, SWA
+from .. import step as _rows
 from .codec_triton import HW_CAST, _E4M3_EXP, _Q_MANT, _e4m3_exponent, _to_e4m3, ds_mla_store_rows
 from .compress_triton import _to_state, bf16_round
+
+# rows of StepIndices.table, as constants a kernel may read
+REQ, POS, FIRST, LAST, SWA = (tl.constexpr(getattr(_rows, k)) for k in ("REQ", "POS", "FIRST", "LAST", "SWA"))
 
 # SWA tokens per program and warps per program; set from bench/datapath_layer_gpu.py --tune on an H200
 CONFIG = {"swa_bt": 4, "num_warps": 4}
@@ -55,9 +58,17 @@ def _tree_sum(x, W: tl.constexpr, C: tl.constexpr):
 
 
 @triton.jit
+def _exp(x, HW: tl.constexpr):
+    """expf as CUDA's libm computes it (torch.exp on CUDA); the CPU interpreter has no libdevice."""
+    if HW:
+        return libdevice.exp(x)
+    return tl.exp(x)
+
+
+@triton.jit
 def _pool(idx_ptr, n, t, p_end, ch, kv_ptr, kv_sn, sc_ptr, sc_sn, ape_ptr, st_ptr, st_s, st_r, RING,
           D: tl.constexpr, CD: tl.constexpr, RATIO: tl.constexpr, W: tl.constexpr, OVERLAP: tl.constexpr,
-          HAS_APE: tl.constexpr, C: tl.constexpr):
+          HAS_APE: tl.constexpr, C: tl.constexpr, HW: tl.constexpr):
     """Channels `ch` of the entry of the block token t completes: window rows from this step's
     inputs (positions >= the run's first) or the ring (older), cleared below position 0."""
     first = tl.load(idx_ptr + FIRST * n + t)
@@ -82,7 +93,7 @@ def _pool(idx_ptr, n, t, p_end, ch, kv_ptr, kv_sn, sc_ptr, sc_sn, ape_ptr, st_pt
     sc_st = tl.load(srow + CD, mask=from_ring, other=float("-inf")).to(tl.float32)  # score -inf
     kv = tl.where(in_b, _to_state(kv_in, st_ptr), kv_st)
     sc = tl.where(in_b, _to_state(sc_in, st_ptr), sc_st)
-    e = libdevice.exp(sc - tl.max(sc, axis=0)[None, :])
+    e = _exp(sc - tl.max(sc, axis=0)[None, :], HW)
     return tl.div_rn(_tree_sum(e * kv, W, C), _tree_sum(e, W, C))
 
 
@@ -156,7 +167,7 @@ def _write_layer(idx_ptr, n,
             p_end = tl.load(idx_ptr + POS * n + t)
             if (p_end + 1) % RATIO == 0:
                 out = _pool(idx_ptr, n, t, p_end, c * TILE + tl.arange(0, TILE), kv_ptr, kv_sn, sc_ptr, sc_sn,
-                            ape_ptr, st_ptr, st_s, st_r, RING, D, CD, RATIO, W, OVERLAP, HAS_APE, TILE)
+                            ape_ptr, st_ptr, st_s, st_r, RING, D, CD, RATIO, W, OVERLAP, HAS_APE, TILE, HW)
                 ent = tl.load(idx_ptr + E_ROW * n + t)
                 base = c_buf + (ent // c_P) * c_su
                 _ds_mla_tile(out, c, base + (ent % c_P) * DATA, base + c_sr + (ent % c_P) * SCALE,
@@ -167,7 +178,7 @@ def _write_layer(idx_ptr, n,
             p_end = tl.load(idx_ptr + POS * n + t)
             if (p_end + 1) % RATIO == 0:
                 out = _pool(idx_ptr, n, t, p_end, tl.arange(0, ID), ikv_ptr, ikv_sn, isc_ptr, isc_sn,
-                            iape_ptr, ist_ptr, ist_s, ist_r, IRING, ID, 2 * ID, RATIO, W, OVERLAP, HAS_IAPE, ID)
+                            iape_ptr, ist_ptr, ist_s, ist_r, IRING, ID, 2 * ID, RATIO, W, OVERLAP, HAS_IAPE, ID, HW)
                 ent = tl.load(idx_ptr + IE_ROW * n + t)
                 base = x_buf + (ent // x_P) * x_su
                 _index_tile(out, base + (ent % x_P) * IDATA, base + x_sr + (ent % x_P) * ISCALE,
