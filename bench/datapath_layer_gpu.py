@@ -135,17 +135,32 @@ def decode_cases(rows, cache, tune: bool) -> None:
         spot_check(step, tg[l], xs[l])
     sizes = [moved_bytes(w, tg[l], xs[l]) for l in layers]
 
-    def write_all():
-        for l in layers:
+    def write_all(sel=layers):
+        for l in sel:
             write_layer(step, tg[l], validate=False, **xs[l])
     if tune:
-        for bt in (1, 2, 4, 8):
-            for warps in (2, 4, 8):
-                write_triton.CONFIG.update(swa_bt=bt, num_warps=warps)
-                print(f"tune write bt={bt} warps={warps}: {bench(write_all) * 1e6:.1f} us", flush=True)
-        write_triton.CONFIG.update(swa_bt=4, num_warps=4)
+        tune_write(write_all)
     row(rows, "decode write, 1024 req, 43 layers (1 launch each)", bench(write_all), copies(sizes), sum(sizes))
+    for kind, sel in (("C4", [l for l in layers if tg[l].index is not None]),
+                      ("C128", [l for l in layers if tg[l].kv is not None and tg[l].index is None])):
+        row(rows, f"  of which the {len(sel)} {kind} layers", bench(lambda: write_all(sel)),
+            copies([sizes[l] for l in sel]), sum(sizes[l] for l in sel))
     swa_cases(rows, cache, w, tg, xs, tune)
+
+
+def tune_write(fn) -> None:
+    """Tokens per program and warps first, then the number of pool programs."""
+    best = None
+    for bt in (1, 2, 4, 8):
+        for warps in (2, 4, 8):
+            write_triton.CONFIG.update(swa_bt=bt, num_warps=warps)
+            t = bench(fn)
+            print(f"tune write bt={bt} warps={warps}: {t * 1e6:.1f} us", flush=True)
+            best = min(best or (t, bt, warps), (t, bt, warps))
+    write_triton.CONFIG.update(swa_bt=best[1], num_warps=best[2])
+    for programs in (256, 512, 2048, 1024):
+        write_triton.CONFIG.update(pool_programs=programs)
+        print(f"tune write_pool programs={programs}: {bench(fn) * 1e6:.1f} us", flush=True)
 
 
 def swa_cases(rows, cache, w, tg, xs, tune: bool) -> None:
@@ -170,8 +185,8 @@ def swa_cases(rows, cache, w, tg, xs, tune: bool) -> None:
             gather(s.geom, s.buffer, l, slots, validate=False)
     if tune:
         for name, fn in (("ds_mla_store", st), ("ds_mla_gather", ga)):
-            for bt in (1, 2, 4, 8, 16):
-                for warps in (1, 2, 4, 8):
+            for bt in (1, 2, 4, 8):
+                for warps in (1, 2, 4):
                     codec_triton.CONFIG_ONE_LAYER[name] = (bt, warps)
                     print(f"tune {name} bt={bt} warps={warps}: {bench(fn) * 1e6:.1f} us", flush=True)
         codec_triton.CONFIG_ONE_LAYER.update(ds_mla_store=(4, 4), ds_mla_gather=(4, 2))
@@ -182,7 +197,7 @@ def swa_cases(rows, cache, w, tg, xs, tune: bool) -> None:
 
 
 def prefill_cases(rows, cache) -> None:
-    cache.admit("long", CHUNK, 64)
+    cache.admit("long", CHUNK, 0)
     w = cache.extend("long", CHUNK)
     step = StepIndices.of(w, "cuda", ratios=(4, 128))
     for layer, name in ((0, "SWA store (write_layer)"), (2, "C4 layer write"), (3, "C128 layer write")):

@@ -7,7 +7,10 @@ graph captured over a step's writes reads them, and the next step only refills t
 Per token the table holds: request slot, position, the first and last position of the token's
 run in this step (a request's tokens are one run of consecutive positions: a decode token, a
 prefill chunk, a verify batch of drafts), the SWA slot, and per compression ratio the entry the
-token belongs to (`full_slot // r`, written only by the token that completes it).
+token belongs to (`full_slot // r`, written only by the token that completes it). Per ratio it
+also lists the tokens that complete a block, and (last row) how many: the allocator computes
+these masks on the host anyway, so the device reads the count instead of every token asking;
+the launch's size never depends on it, so a captured graph replays any step of the same shape.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from .errors import DataPathError, SlotError
 from .geometry import PageGeometry
 
 REQ, POS, FIRST, LAST, SWA = range(5)
-_FIXED_ROWS = 5
+_FIXED_ROWS = 5   # then per ratio: entry of each token, completing tokens; last row: their counts
 
 
 def _runs(request_slots: np.ndarray, positions: np.ndarray):
@@ -46,8 +49,8 @@ def _runs(request_slots: np.ndarray, positions: np.ndarray):
 class StepIndices:
     """A step's indices on `device`, in persistent tensors for a fixed number of tokens.
 
-    `table` is int64 [5 + len(ratios), num_tokens]; `max_run_tokens` (host) is the longest run,
-    which decides whether a layer's write fits one launch (see `write_layer`)."""
+    `table` is int64 [5 + 2·len(ratios) + 1, max(num_tokens, len(ratios))]; `max_run_tokens`
+    (host) is the longest run, which decides whether a layer's write fits one launch."""
 
     def __init__(self, num_tokens: int, device, ratios=(4, 128)) -> None:
         if num_tokens < 1:
@@ -55,11 +58,12 @@ class StepIndices:
         self.ratios = tuple(sorted(set(ratios)))
         self.num_tokens = num_tokens
         self.device = torch.device(device)
-        rows = _FIXED_ROWS + len(self.ratios)
-        self.table = torch.zeros((rows, num_tokens), dtype=torch.int64, device=self.device)
+        rows = _FIXED_ROWS + 2 * len(self.ratios) + 1
+        cols = max(num_tokens, len(self.ratios))
+        self.table = torch.zeros((rows, cols), dtype=torch.int64, device=self.device)
         self.device = self.table.device   # "cuda" -> "cuda:0": compared with the pools' devices
         pin = self.device.type == "cuda"
-        self._host = torch.zeros((rows, num_tokens), dtype=torch.int64, pin_memory=pin)
+        self._host = torch.zeros((rows, cols), dtype=torch.int64, pin_memory=pin)
         self._copied = torch.cuda.Event() if pin else None
         self.max_run_tokens = 0
         self.loaded = False
@@ -73,7 +77,19 @@ class StepIndices:
         if ratio not in self.ratios:
             raise DataPathError("ratio", f"{ratio} not among this step's ratios {self.ratios}",
                                 "prepare StepIndices with every compression ratio the layers use")
-        return _FIXED_ROWS + self.ratios.index(ratio)
+        return _FIXED_ROWS + 2 * self.ratios.index(ratio)
+
+    def done_row(self, ratio: int) -> int:
+        """Row listing the tokens that complete a block of `ratio` (count: count_at(ratio))."""
+        return self.entry_row(ratio) + 1
+
+    @property
+    def count_row(self) -> int:
+        return self.table.shape[0] - 1
+
+    def count_at(self, ratio: int) -> int:
+        """Column of `count_row` holding the number of tokens that complete a block of `ratio`."""
+        return self.ratios.index(ratio)
 
     def load(self, indices) -> "StepIndices":
         """Refill the table from an allocator `WriteIndices` (one host-to-device copy, no sync)."""
@@ -87,10 +103,13 @@ class StepIndices:
         first, last, self.max_run_tokens = _runs(rs, pos)
         if self._copied is not None:
             self._copied.synchronize()   # the last step's copy may still read the staging buffer
-        h = self._host.numpy()
-        h[REQ], h[POS], h[FIRST], h[LAST], h[SWA] = rs, pos, first, last, indices.swa_slots
+        h, n = self._host.numpy(), self.num_tokens
+        h[REQ, :n], h[POS, :n], h[FIRST, :n], h[LAST, :n], h[SWA, :n] = rs, pos, first, last, indices.swa_slots
         for r in self.ratios:
-            h[self.entry_row(r)] = indices.compressed[r][1]
+            h[self.entry_row(r), :n] = indices.compressed[r][1]
+            done = np.flatnonzero((pos + 1) % r == 0)
+            h[self.done_row(r), :len(done)] = done
+            h[self.count_row, self.count_at(r)] = len(done)
         self.table.copy_(self._host, non_blocking=True)
         if self._copied is not None:
             self._copied.record()
@@ -98,7 +117,7 @@ class StepIndices:
         return self
 
     def row(self, which: int) -> torch.Tensor:
-        return self.table[which]
+        return self.table[which, :self.num_tokens]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

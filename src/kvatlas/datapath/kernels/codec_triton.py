@@ -63,7 +63,7 @@ def _to_e4m3(y, HW: tl.constexpr):
 
 
 @triton.jit
-def _tokens(slots_ptr, n, buf_ptr, b_su, b_sl, layer0, P, BT: tl.constexpr):
+def _tokens(slots_ptr, n, buf_ptr, b_su, b_sl, layer0, P: tl.constexpr, BT: tl.constexpr):
     """BT tokens of one layer per program: the slots, each token's page base and in-page offset.
     Several tokens per program keep more bytes in flight than one small row per program."""
     t = tl.program_id(0) * BT + tl.arange(0, BT)
@@ -74,7 +74,7 @@ def _tokens(slots_ptr, n, buf_ptr, b_su, b_sl, layer0, P, BT: tl.constexpr):
 
 
 @triton.jit
-def _ds_mla_store(val_ptr, v_sl, v_sn, buf_ptr, b_su, b_sl, slots_ptr, n, layer0, P, scale_region,
+def _ds_mla_store(val_ptr, v_sl, v_sn, buf_ptr, b_su, b_sl, slots_ptr, n, layer0, P: tl.constexpr, scale_region,
                   NOPE: tl.constexpr, ROPE: tl.constexpr, TILE: tl.constexpr, NT: tl.constexpr,
                   DATA: tl.constexpr, SCALE: tl.constexpr, Q_EXP: tl.constexpr, Q_MANT: tl.constexpr,
                   BT: tl.constexpr, HW: tl.constexpr):
@@ -87,27 +87,28 @@ def _ds_mla_store(val_ptr, v_sl, v_sn, buf_ptr, b_su, b_sl, slots_ptr, n, layer0
 def ds_mla_store_rows(row, ok, base, off, scale_region, NOPE: tl.constexpr, ROPE: tl.constexpr,
                       TILE: tl.constexpr, NT: tl.constexpr, DATA: tl.constexpr, SCALE: tl.constexpr,
                       Q_EXP: tl.constexpr, Q_MANT: tl.constexpr, HW: tl.constexpr):
-    """Quantize the bf16 rows at `row` [BT] (masked by `ok`) into entries `off` of pages `base`."""
+    """Quantize the bf16 rows at `row` [BT] (masked by `ok`) into entries `off` of pages `base`.
+    Both loads are issued before any store: a load after a store waits a second memory trip."""
     r = tl.arange(0, NT)
     c = tl.arange(0, TILE)
     idx = (r[:, None] * TILE + c[None, :])[None, :, :]                               # [1, NT, TILE]
     m = ok[:, None, None] & (r < NOPE // TILE)[None, :, None]
     x = tl.load(row[:, None, None] + idx, mask=m, other=0.0).to(tl.float32)
+    k = tl.arange(0, ROPE)[None, :]
+    rope = tl.load(row.to(tl.pointer_type(tl.uint16))[:, None] + NOPE + k, mask=ok[:, None])  # bf16 bits
     amax = tl.maximum(tl.max(tl.abs(x), axis=2), 1e-4)   # official act_quant floor on amax
     e = _e4m3_exponent(amax, Q_EXP, Q_MANT)                                          # [BT, NT]
     inv = ((254 - e) << 23).to(tl.float32, bitcast=True)
     q = _to_e4m3(tl.minimum(tl.maximum(x * inv[:, :, None], -448.0), 448.0), HW)
     data = base + off * DATA
     tl.store(data[:, None, None] + idx, q, mask=m)
-    k = tl.arange(0, ROPE)[None, :]
-    rope = tl.load(row.to(tl.pointer_type(tl.uint16))[:, None] + NOPE + k, mask=ok[:, None])  # bf16 bits
     tl.store((data + NOPE).to(tl.pointer_type(tl.uint16))[:, None] + k, rope, mask=ok[:, None])
     sc = (base + scale_region + off * SCALE)[:, None] + r[None, :]
     tl.store(sc, tl.where((r < NOPE // TILE)[None, :], e, 0).to(tl.uint8), mask=ok[:, None])
 
 
 @triton.jit
-def _ds_mla_gather(out_ptr, o_sl, o_sn, buf_ptr, b_su, b_sl, slots_ptr, n, layer0, P, scale_region,
+def _ds_mla_gather(out_ptr, o_sl, o_sn, buf_ptr, b_su, b_sl, slots_ptr, n, layer0, P: tl.constexpr, scale_region,
                    NOPE: tl.constexpr, ROPE: tl.constexpr, TILE: tl.constexpr, NT: tl.constexpr,
                    DATA: tl.constexpr, SCALE: tl.constexpr, BT: tl.constexpr):
     t, ok, base, off = _tokens(slots_ptr, n, buf_ptr, b_su, b_sl, layer0, P, BT)
@@ -119,16 +120,16 @@ def _ds_mla_gather(out_ptr, o_sl, o_sn, buf_ptr, b_su, b_sl, slots_ptr, n, layer
     data = base + off * DATA
     q = tl.load(data[:, None, None] + idx, mask=m, other=0)
     e = tl.load((base + scale_region + off * SCALE)[:, None] + r[None, :], mask=ok[:, None], other=0).to(tl.int32)
+    k = tl.arange(0, ROPE)[None, :]
+    rope = tl.load((data + NOPE).to(tl.pointer_type(tl.uint16))[:, None] + k, mask=ok[:, None])
     scale = (e << 23).to(tl.float32, bitcast=True)                   # byte 0 reads as 0
     y = q.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale[:, :, None]
     tl.store(row[:, None, None] + idx, y.to(tl.bfloat16), mask=m)
-    k = tl.arange(0, ROPE)[None, :]
-    rope = tl.load((data + NOPE).to(tl.pointer_type(tl.uint16))[:, None] + k, mask=ok[:, None])
     tl.store(row.to(tl.pointer_type(tl.uint16))[:, None] + NOPE + k, rope, mask=ok[:, None])
 
 
 @triton.jit
-def _index_fp8_store(val_ptr, v_sl, v_sn, buf_ptr, b_su, b_sl, slots_ptr, n, layer0, P, scale_region,
+def _index_fp8_store(val_ptr, v_sl, v_sn, buf_ptr, b_su, b_sl, slots_ptr, n, layer0, P: tl.constexpr, scale_region,
                      WIDTH: tl.constexpr, DATA: tl.constexpr, SCALE: tl.constexpr,
                      Q_EXP: tl.constexpr, Q_MANT: tl.constexpr, BT: tl.constexpr, HW: tl.constexpr):
     t, ok, base, off = _tokens(slots_ptr, n, buf_ptr, b_su, b_sl, layer0, P, BT)
@@ -144,7 +145,7 @@ def _index_fp8_store(val_ptr, v_sl, v_sn, buf_ptr, b_su, b_sl, slots_ptr, n, lay
 
 
 @triton.jit
-def _index_fp8_gather(out_ptr, o_sl, o_sn, buf_ptr, b_su, b_sl, slots_ptr, n, layer0, P, scale_region,
+def _index_fp8_gather(out_ptr, o_sl, o_sn, buf_ptr, b_su, b_sl, slots_ptr, n, layer0, P: tl.constexpr, scale_region,
                       WIDTH: tl.constexpr, DATA: tl.constexpr, SCALE: tl.constexpr, BT: tl.constexpr):
     t, ok, base, off = _tokens(slots_ptr, n, buf_ptr, b_su, b_sl, layer0, P, BT)
     row = out_ptr + tl.program_id(1).to(tl.int64) * o_sl + t * o_sn

@@ -1,11 +1,16 @@
-"""The fused per-layer write (`datapath.write.write_layer`): one kernel, programs in five segments.
+"""The fused per-layer write (`datapath.write.write_layer`): one kernel, programs in two groups.
 
-    [SWA store: BT tokens each | KV pooling: one (token, 64-channel tile) each | indexer pooling:
-     one token each | KV ring append: one token each | indexer ring append: one token each]
+    [token programs: BT tokens each — SWA store, attention and indexer ring appends
+     | pool programs: a fixed number, sharing the step's completed blocks]
 
-A pooling program whose token does not complete a block does nothing, so the launch's size
-depends only on the token count and no host ever counts completed blocks: a CUDA graph can hold
-it. Pooling follows `compressor.pool` operation by operation — max, exp (libdevice's expf, the
+Completed blocks are listed (and counted) in the step's table: the pool programs read the count
+on the device and take work items (block, 64-channel tile) for the KV and one item per block for
+the indexer keys, striding by the number of pool programs. The launch's size depends only on the
+token count, so a CUDA graph holds it and replays any step of that shape. (A first version gave
+every token its own pooling programs that mostly did nothing: 11,000 programs per C4 layer of a
+1,024-request decode step, three times the copy time of its bytes on an H200.)
+
+Pooling follows `compressor.pool` operation by operation — max, exp (libdevice's expf, the
 function CUDA's expf is), sum of pairs (w, w + W/2) repeated, IEEE division — and the launch turns
 off mul-add fusion, so the pooled fp32 values, and so the stored bytes, equal the torch
 reference's on the same GPU. Quantization mirrors `codec_triton` (shared helpers).
@@ -27,7 +32,7 @@ from .compress_triton import _to_state, bf16_round
 REQ, POS, FIRST, LAST, SWA = (tl.constexpr(getattr(_rows, k)) for k in ("REQ", "POS", "FIRST", "LAST", "SWA"))
 
 # SWA tokens per program and warps per program; set from bench/datapath_layer_gpu.py --tune on an H200
-CONFIG = {"swa_bt": 4, "num_warps": 4}
+CONFIG = {"swa_bt": 4, "num_warps": 4, "pool_programs": 1024}
 
 
 @triton.jit
@@ -66,13 +71,13 @@ def _exp(x, HW: tl.constexpr):
 
 
 @triton.jit
-def _pool(idx_ptr, n, t, p_end, ch, kv_ptr, kv_sn, sc_ptr, sc_sn, ape_ptr, st_ptr, st_s, st_r, RING,
+def _pool(idx_ptr, ld, t, p_end, ch, kv_ptr, kv_sn, sc_ptr, sc_sn, ape_ptr, st_ptr, st_s, st_r, RING: tl.constexpr,
           D: tl.constexpr, CD: tl.constexpr, RATIO: tl.constexpr, W: tl.constexpr, OVERLAP: tl.constexpr,
           HAS_APE: tl.constexpr, C: tl.constexpr, HW: tl.constexpr):
     """Channels `ch` of the entry of the block token t completes: window rows from this step's
     inputs (positions >= the run's first) or the ring (older), cleared below position 0."""
-    first = tl.load(idx_ptr + FIRST * n + t)
-    req = tl.load(idx_ptr + REQ * n + t)
+    first = tl.load(idx_ptr + FIRST * ld + t)
+    req = tl.load(idx_ptr + REQ * ld + t)
     w = tl.arange(0, W)
     q = p_end - (W - 1) + w
     if OVERLAP:   # previous block's rows read [:D], current block's rows [D:] (overlap_transform)
@@ -98,19 +103,21 @@ def _pool(idx_ptr, n, t, p_end, ch, kv_ptr, kv_sn, sc_ptr, sc_sn, ape_ptr, st_pt
 
 
 @triton.jit
-def _append(idx_ptr, n, t, kv_ptr, kv_sn, sc_ptr, sc_sn, ape_ptr, st_ptr, st_s, st_r, RING,
+def _append(idx_ptr, ld, t, ok, kv_ptr, kv_sn, sc_ptr, sc_sn, ape_ptr, st_ptr, st_s, st_r, RING: tl.constexpr,
             CD: tl.constexpr, RATIO: tl.constexpr, HAS_APE: tl.constexpr):
-    p = tl.load(idx_ptr + POS * n + t)
-    if p > tl.load(idx_ptr + LAST * n + t) - RING:   # a long run keeps only its last RING rows
-        req = tl.load(idx_ptr + REQ * n + t)
-        cols = tl.arange(0, CD)
-        kv = tl.load(kv_ptr + t * kv_sn + cols).to(tl.float32)
-        sc = tl.load(sc_ptr + t * sc_sn + cols).to(tl.float32)
-        if HAS_APE:
-            sc += tl.load(ape_ptr + (p % RATIO) * CD + cols)
-        row = st_ptr + req * st_s + (p % RING) * st_r
-        tl.store(row + cols, _to_state(kv, st_ptr).to(st_ptr.dtype.element_ty))
-        tl.store(row + CD + cols, _to_state(sc, st_ptr).to(st_ptr.dtype.element_ty))
+    """Ring rows of tokens t [TB]: kv, then score + ape, through the state dtype."""
+    p = tl.load(idx_ptr + POS * ld + t, mask=ok, other=0)
+    keep = ok & (p > tl.load(idx_ptr + LAST * ld + t, mask=ok, other=0) - RING)  # a long run: last RING
+    req = tl.load(idx_ptr + REQ * ld + t, mask=ok, other=0)
+    cols = tl.arange(0, CD)[None, :]
+    m = keep[:, None] & (cols >= 0)
+    kv = tl.load(kv_ptr + t[:, None] * kv_sn + cols, mask=m, other=0.0).to(tl.float32)
+    sc = tl.load(sc_ptr + t[:, None] * sc_sn + cols, mask=m, other=0.0).to(tl.float32)
+    if HAS_APE:
+        sc += tl.load(ape_ptr + (p % RATIO)[:, None] * CD + cols, mask=m, other=0.0)
+    row = st_ptr + req[:, None] * st_s + (p % RING)[:, None] * st_r + cols
+    tl.store(row, _to_state(kv, st_ptr).to(st_ptr.dtype.element_ty), mask=m)
+    tl.store(row + CD, _to_state(sc, st_ptr).to(st_ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit
@@ -142,55 +149,68 @@ def _index_tile(x, data, scale, WIDTH: tl.constexpr, Q_EXP: tl.constexpr, Q_MANT
 
 
 @triton.jit
-def _write_layer(idx_ptr, n,
-                 sw_val, sw_vsn, sw_buf, sw_su, sw_P, sw_sr,
-                 kv_ptr, kv_sn, sc_ptr, sc_sn, ape_ptr, st_ptr, st_s, st_r, RING, c_buf, c_su, c_P, c_sr, E_ROW,
-                 ikv_ptr, ikv_sn, isc_ptr, isc_sn, iape_ptr, ist_ptr, ist_s, ist_r, IRING, x_buf, x_su, x_P, x_sr,
-                 IE_ROW, end_swa, end_pool, end_ipool, end_app, end_iapp,
+def _write_layer(idx_ptr, ld, n, cnt_ptr,
+                 sw_val, sw_vsn, sw_buf, sw_su, sw_P: tl.constexpr, sw_sr,
+                 kv_ptr, kv_sn, sc_ptr, sc_sn, ape_ptr, st_ptr, st_s, st_r, RING: tl.constexpr, c_buf, c_su,
+                 c_P: tl.constexpr, c_sr, E_ROW,
+                 ikv_ptr, ikv_sn, isc_ptr, isc_sn, iape_ptr, ist_ptr, ist_s, ist_r, IRING: tl.constexpr, x_buf, x_su,
+                 x_P: tl.constexpr, x_sr,
+                 IE_ROW, DONE_ROW, end_tok, n_pool, do_swa, do_app,
                  HAS_CMP: tl.constexpr, RATIO: tl.constexpr, W: tl.constexpr, OVERLAP: tl.constexpr,
                  CD: tl.constexpr, HAS_APE: tl.constexpr, HAS_IDX: tl.constexpr, HAS_IAPE: tl.constexpr,
                  D: tl.constexpr, TILE: tl.constexpr, NT: tl.constexpr, DATA: tl.constexpr, SCALE: tl.constexpr,
                  ID: tl.constexpr, IDATA: tl.constexpr, ISCALE: tl.constexpr, ROPE_W: tl.constexpr,
                  Q_EXP: tl.constexpr, Q_MANT: tl.constexpr, BT: tl.constexpr, HW: tl.constexpr):
+    """Programs [0, end_tok): BT tokens each (SWA store, ring appends). Then n_pool programs
+    share the completed blocks' work items, (block, 64-channel tile) for the KV and one per
+    block for the indexer keys, as many as the device-side count says."""
     pid = tl.program_id(0)
-    if pid < end_swa:
+    if pid < end_tok:
         t = (pid * BT + tl.arange(0, BT)).to(tl.int64)
         ok = t < n
-        slot = tl.load(idx_ptr + SWA * n + t, mask=ok, other=0)
-        ds_mla_store_rows(sw_val + t * sw_vsn, ok, sw_buf + (slot // sw_P) * sw_su, slot % sw_P, sw_sr,
-                          NT * TILE, ROPE_W, TILE, NT + 1, DATA, SCALE, Q_EXP, Q_MANT, HW)
-    elif pid < end_pool:
+        if do_swa != 0:
+            slot = tl.load(idx_ptr + SWA * ld + t, mask=ok, other=0)
+            ds_mla_store_rows(sw_val + t * sw_vsn, ok, sw_buf + (slot // sw_P) * sw_su, slot % sw_P, sw_sr,
+                              NT * TILE, ROPE_W, TILE, NT + 1, DATA, SCALE, Q_EXP, Q_MANT, HW)
+        if do_app != 0:
+            if HAS_CMP:
+                _append(idx_ptr, ld, t, ok, kv_ptr, kv_sn, sc_ptr, sc_sn, ape_ptr, st_ptr, st_s, st_r, RING,
+                        CD, RATIO, HAS_APE)
+            if HAS_IDX:
+                _append(idx_ptr, ld, t, ok, ikv_ptr, ikv_sn, isc_ptr, isc_sn, iape_ptr, ist_ptr, ist_s, ist_r,
+                        IRING, 2 * ID, RATIO, HAS_IAPE)
+    else:
+        cnt = tl.load(cnt_ptr).to(tl.int32)
+        kv_items = cnt * 0
         if HAS_CMP:
-            k = pid - end_swa
-            t = (k // (NT + 1)).to(tl.int64)
-            c = k % (NT + 1)
-            p_end = tl.load(idx_ptr + POS * n + t)
-            if (p_end + 1) % RATIO == 0:
-                out = _pool(idx_ptr, n, t, p_end, c * TILE + tl.arange(0, TILE), kv_ptr, kv_sn, sc_ptr, sc_sn,
-                            ape_ptr, st_ptr, st_s, st_r, RING, D, CD, RATIO, W, OVERLAP, HAS_APE, TILE, HW)
-                ent = tl.load(idx_ptr + E_ROW * n + t)
-                base = c_buf + (ent // c_P) * c_su
-                _ds_mla_tile(out, c, base + (ent % c_P) * DATA, base + c_sr + (ent % c_P) * SCALE,
-                             TILE, NT, Q_EXP, Q_MANT, HW)
-    elif pid < end_ipool:
+            kv_items = cnt * (NT + 1)
+        total = kv_items
         if HAS_IDX:
-            t = (pid - end_pool).to(tl.int64)
-            p_end = tl.load(idx_ptr + POS * n + t)
-            if (p_end + 1) % RATIO == 0:
-                out = _pool(idx_ptr, n, t, p_end, tl.arange(0, ID), ikv_ptr, ikv_sn, isc_ptr, isc_sn,
-                            iape_ptr, ist_ptr, ist_s, ist_r, IRING, ID, 2 * ID, RATIO, W, OVERLAP, HAS_IAPE, ID, HW)
-                ent = tl.load(idx_ptr + IE_ROW * n + t)
-                base = x_buf + (ent // x_P) * x_su
-                _index_tile(out, base + (ent % x_P) * IDATA, base + x_sr + (ent % x_P) * ISCALE,
-                            ID, Q_EXP, Q_MANT, HW)
-    elif pid < end_app:
-        if HAS_CMP:
-            _append(idx_ptr, n, (pid - end_ipool).to(tl.int64), kv_ptr, kv_sn, sc_ptr, sc_sn, ape_ptr,
-                    st_ptr, st_s, st_r, RING, CD, RATIO, HAS_APE)
-    elif pid < end_iapp:
-        if HAS_IDX:
-            _append(idx_ptr, n, (pid - end_app).to(tl.int64), ikv_ptr, ikv_sn, isc_ptr, isc_sn, iape_ptr,
-                    ist_ptr, ist_s, ist_r, IRING, 2 * ID, RATIO, HAS_IAPE)
+            total = kv_items + cnt
+        i = pid - end_tok
+        while i < total:   # (a while loop: the CPU interpreter cannot range() over device scalars)
+            if i < kv_items:
+                if HAS_CMP:
+                    t = tl.load(idx_ptr + DONE_ROW * ld + i // (NT + 1))
+                    c = i % (NT + 1)
+                    ent = tl.load(idx_ptr + E_ROW * ld + t)
+                    out = _pool(idx_ptr, ld, t, tl.load(idx_ptr + POS * ld + t), c * TILE + tl.arange(0, TILE),
+                                kv_ptr, kv_sn, sc_ptr, sc_sn, ape_ptr, st_ptr, st_s, st_r, RING, D, CD, RATIO, W,
+                                OVERLAP, HAS_APE, TILE, HW)
+                    base = c_buf + (ent // c_P) * c_su
+                    _ds_mla_tile(out, c, base + (ent % c_P) * DATA, base + c_sr + (ent % c_P) * SCALE,
+                                 TILE, NT, Q_EXP, Q_MANT, HW)
+            else:
+                if HAS_IDX:
+                    t = tl.load(idx_ptr + DONE_ROW * ld + (i - kv_items))
+                    ent = tl.load(idx_ptr + IE_ROW * ld + t)
+                    out = _pool(idx_ptr, ld, t, tl.load(idx_ptr + POS * ld + t), tl.arange(0, ID), ikv_ptr,
+                                ikv_sn, isc_ptr, isc_sn, iape_ptr, ist_ptr, ist_s, ist_r, IRING, ID, 2 * ID, RATIO,
+                                W, OVERLAP, HAS_IAPE, ID, HW)
+                    base = x_buf + (ent // x_P) * x_su
+                    _index_tile(out, base + (ent % x_P) * IDATA, base + x_sr + (ent % x_P) * ISCALE,
+                                ID, Q_EXP, Q_MANT, HW)
+            i += n_pool
 
 
 def _ring_args(step, ring, kv, score):
@@ -206,20 +226,6 @@ def _ring_args(step, ring, kv, score):
 
 def _dummy_ring(like):
     return (like, 0, like, 0, like, like, 0, 0, 1, like, 0, 1, 0, 0)
-
-
-def _ends(n: int, bt: int, has_kv: bool, has_idx: bool, pooled: bool, appended: bool) -> list[int]:
-    """Cumulative program counts of the five segments for one launch."""
-    sizes = [triton.cdiv(n, bt) if pooled else 0,
-             n * (NOPE // DS_MLA_TILE + 1) if pooled and has_kv else 0,
-             n if pooled and has_idx else 0,
-             n if appended and has_kv else 0,
-             n if appended and has_idx else 0]
-    out, total = [], 0
-    for s in sizes:
-        total += s
-        out.append(total)
-    return out
 
 
 def write_layer(step, targets, swa_kv, rings) -> None:
@@ -239,11 +245,16 @@ def write_layer(step, targets, swa_kv, rings) -> None:
                  ID=INDEX_WIDTH, IDATA=ix_ring[0].pool.geom.fmt.data_bytes if ix_ring else 128,
                  ISCALE=ix_ring[0].pool.geom.fmt.scale_bytes if ix_ring else 4, ROPE_W=ROPE,
                  Q_EXP=_E4M3_EXP, Q_MANT=_Q_MANT, BT=bt, HW=HW_CAST)
-    head = (step.table, n, vals, vals.stride(0), s.buffer[:, s.layer], s.buffer.stride(0), s.geom.entries,
-            s.geom.scale_region)
+    ratio = spec.ratio if spec else 4
+    cnt = step.table[step.count_row, step.count_at(ratio):] if rings else step.table[0]
+    head = (step.table, step.table.stride(0), n, cnt, vals, vals.stride(0), s.buffer[:, s.layer],
+            s.buffer.stride(0), s.geom.entries, s.geom.scale_region)
     args = (*(_ring_args(step, *kv_ring) if kv_ring else _dummy_ring(vals)),
-            *(_ring_args(step, *ix_ring) if ix_ring else _dummy_ring(vals)))
-    phases = [(True, True)] if one else [(True, False), (False, True)]
-    for pooled, appended in phases:   # pool before append: a long run overwrites rows it reads
-        ends = _ends(n, bt, kv_ring is not None, ix_ring is not None, pooled, appended)
-        _write_layer[(ends[-1],)](*head, *args, *ends, **const, num_warps=warps, enable_fp_fusion=False)
+            *(_ring_args(step, *ix_ring) if ix_ring else _dummy_ring(vals)),
+            step.done_row(ratio) if rings else 0)
+    tok = triton.cdiv(n, bt)
+    pool = min(CONFIG["pool_programs"], n * (NOPE // DS_MLA_TILE + 2)) if rings else 0
+    phases = [(tok, pool, 1, 1)] if one else [(tok, pool, 1, 0), (tok, 0, 0, 1)]
+    for end_tok, n_pool, do_swa, do_app in phases:   # pool before append: a long run overwrites rows it reads
+        _write_layer[(end_tok + n_pool,)](*head, *args, end_tok, max(n_pool, 1), do_swa, do_app, **const,
+                                          num_warps=warps, enable_fp_fusion=False)
