@@ -149,6 +149,36 @@ def _index_tile(x, data, scale, WIDTH: tl.constexpr, Q_EXP: tl.constexpr, Q_MANT
 
 
 @triton.jit
+def _kv_item(idx_ptr, ld, i, DONE_ROW, E_ROW, kv_ptr, kv_sn, sc_ptr, sc_sn, ape_ptr, st_ptr, st_s, st_r,
+             RING: tl.constexpr, c_buf, c_su, c_P: tl.constexpr, c_sr, RATIO: tl.constexpr, W: tl.constexpr,
+             OVERLAP: tl.constexpr, CD: tl.constexpr, HAS_APE: tl.constexpr, D: tl.constexpr,
+             TILE: tl.constexpr, NT: tl.constexpr, DATA: tl.constexpr, SCALE: tl.constexpr,
+             Q_EXP: tl.constexpr, Q_MANT: tl.constexpr, HW: tl.constexpr):
+    """Work item i of the attention KV: tile i % 8 of the i // 8-th completed block."""
+    t = tl.load(idx_ptr + DONE_ROW * ld + i // (NT + 1))
+    c = i % (NT + 1)
+    ent = tl.load(idx_ptr + E_ROW * ld + t)
+    out = _pool(idx_ptr, ld, t, tl.load(idx_ptr + POS * ld + t), c * TILE + tl.arange(0, TILE), kv_ptr, kv_sn,
+                sc_ptr, sc_sn, ape_ptr, st_ptr, st_s, st_r, RING, D, CD, RATIO, W, OVERLAP, HAS_APE, TILE, HW)
+    base = c_buf + (ent // c_P) * c_su
+    _ds_mla_tile(out, c, base + (ent % c_P) * DATA, base + c_sr + (ent % c_P) * SCALE, TILE, NT, Q_EXP, Q_MANT, HW)
+
+
+@triton.jit
+def _index_item(idx_ptr, ld, j, DONE_ROW, IE_ROW, kv_ptr, kv_sn, sc_ptr, sc_sn, ape_ptr, st_ptr, st_s, st_r,
+                RING: tl.constexpr, x_buf, x_su, x_P: tl.constexpr, x_sr, RATIO: tl.constexpr, W: tl.constexpr,
+                OVERLAP: tl.constexpr, HAS_APE: tl.constexpr, ID: tl.constexpr, IDATA: tl.constexpr,
+                ISCALE: tl.constexpr, Q_EXP: tl.constexpr, Q_MANT: tl.constexpr, HW: tl.constexpr):
+    """Work item j of the indexer: the j-th completed block's key."""
+    t = tl.load(idx_ptr + DONE_ROW * ld + j)
+    ent = tl.load(idx_ptr + IE_ROW * ld + t)
+    out = _pool(idx_ptr, ld, t, tl.load(idx_ptr + POS * ld + t), tl.arange(0, ID), kv_ptr, kv_sn, sc_ptr, sc_sn,
+                ape_ptr, st_ptr, st_s, st_r, RING, ID, 2 * ID, RATIO, W, OVERLAP, HAS_APE, ID, HW)
+    base = x_buf + (ent // x_P) * x_su
+    _index_tile(out, base + (ent % x_P) * IDATA, base + x_sr + (ent % x_P) * ISCALE, ID, Q_EXP, Q_MANT, HW)
+
+
+@triton.jit
 def _write_layer(idx_ptr, ld, n, cnt_ptr,
                  sw_val, sw_vsn, sw_buf, sw_su, sw_P: tl.constexpr, sw_sr,
                  kv_ptr, kv_sn, sc_ptr, sc_sn, ape_ptr, st_ptr, st_s, st_r, RING: tl.constexpr, c_buf, c_su,
@@ -191,25 +221,14 @@ def _write_layer(idx_ptr, ld, n, cnt_ptr,
         while i < total:   # (a while loop: the CPU interpreter cannot range() over device scalars)
             if i < kv_items:
                 if HAS_CMP:
-                    t = tl.load(idx_ptr + DONE_ROW * ld + i // (NT + 1))
-                    c = i % (NT + 1)
-                    ent = tl.load(idx_ptr + E_ROW * ld + t)
-                    out = _pool(idx_ptr, ld, t, tl.load(idx_ptr + POS * ld + t), c * TILE + tl.arange(0, TILE),
-                                kv_ptr, kv_sn, sc_ptr, sc_sn, ape_ptr, st_ptr, st_s, st_r, RING, D, CD, RATIO, W,
-                                OVERLAP, HAS_APE, TILE, HW)
-                    base = c_buf + (ent // c_P) * c_su
-                    _ds_mla_tile(out, c, base + (ent % c_P) * DATA, base + c_sr + (ent % c_P) * SCALE,
-                                 TILE, NT, Q_EXP, Q_MANT, HW)
+                    _kv_item(idx_ptr, ld, i, DONE_ROW, E_ROW, kv_ptr, kv_sn, sc_ptr, sc_sn, ape_ptr, st_ptr, st_s,
+                             st_r, RING, c_buf, c_su, c_P, c_sr, RATIO, W, OVERLAP, CD, HAS_APE, D, TILE, NT, DATA,
+                             SCALE, Q_EXP, Q_MANT, HW)
             else:
                 if HAS_IDX:
-                    t = tl.load(idx_ptr + DONE_ROW * ld + (i - kv_items))
-                    ent = tl.load(idx_ptr + IE_ROW * ld + t)
-                    out = _pool(idx_ptr, ld, t, tl.load(idx_ptr + POS * ld + t), tl.arange(0, ID), ikv_ptr,
-                                ikv_sn, isc_ptr, isc_sn, iape_ptr, ist_ptr, ist_s, ist_r, IRING, ID, 2 * ID, RATIO,
-                                W, OVERLAP, HAS_IAPE, ID, HW)
-                    base = x_buf + (ent // x_P) * x_su
-                    _index_tile(out, base + (ent % x_P) * IDATA, base + x_sr + (ent % x_P) * ISCALE,
-                                ID, Q_EXP, Q_MANT, HW)
+                    _index_item(idx_ptr, ld, i - kv_items, DONE_ROW, IE_ROW, ikv_ptr, ikv_sn, isc_ptr, isc_sn,
+                                iape_ptr, ist_ptr, ist_s, ist_r, IRING, x_buf, x_su, x_P, x_sr, RATIO, W, OVERLAP,
+                                HAS_IAPE, ID, IDATA, ISCALE, Q_EXP, Q_MANT, HW)
             i += n_pool
 
 
