@@ -14,8 +14,9 @@ Bytes counted per layer: inputs read once (bf16 SWA rows, kv/score rows), entrie
 scale bytes), ring rows written (tokens kept) and ring rows read by pooling (window rows older
 than the step: half a C4 row, a whole C128 row). The copy baseline moves the same count (it reads
 and writes half each), one copy_ per layer into buffers of its own. `--tune` sweeps the launch
-configurations first and prints each. Before timing, one layer of each kind is written by Triton
-and by the torch reference from the same state, and the bytes are compared.
+configurations of the fused write first (each printed; the figures use the best). Before timing,
+one layer of each kind is written by Triton and by the torch reference from the same state, and
+the bytes are compared.
 """
 
 from __future__ import annotations
@@ -145,25 +146,29 @@ def decode_cases(rows, cache, tune: bool) -> None:
                       ("C128", [l for l in layers if tg[l].kv is not None and tg[l].index is None])):
         row(rows, f"  of which the {len(sel)} {kind} layers", bench(lambda: write_all(sel)),
             copies([sizes[l] for l in sel]), sum(sizes[l] for l in sel))
-    swa_cases(rows, cache, w, tg, xs, tune)
+    swa_cases(rows, cache, w, tg, xs)
 
 
 def tune_write(fn) -> None:
     """Tokens per program and warps first, then the number of pool programs."""
     best = None
-    for bt in (1, 2, 4, 8):
-        for warps in (2, 4, 8):
+    for bt in (4, 8):
+        for warps in (4, 8):
             write_triton.CONFIG.update(swa_bt=bt, num_warps=warps)
             t = bench(fn)
             print(f"tune write bt={bt} warps={warps}: {t * 1e6:.1f} us", flush=True)
             best = min(best or (t, bt, warps), (t, bt, warps))
     write_triton.CONFIG.update(swa_bt=best[1], num_warps=best[2])
-    for programs in (256, 512, 2048, 1024):
+    best = None
+    for programs in (512, 1024, 2048):
         write_triton.CONFIG.update(pool_programs=programs)
-        print(f"tune write_pool programs={programs}: {bench(fn) * 1e6:.1f} us", flush=True)
+        t = bench(fn)
+        print(f"tune write_pool programs={programs}: {t * 1e6:.1f} us", flush=True)
+        best = min(best or (t, programs), (t, programs))
+    write_triton.CONFIG.update(pool_programs=best[1])
 
 
-def swa_cases(rows, cache, w, tg, xs, tune: bool) -> None:
+def swa_cases(rows, cache, w, tg, xs) -> None:
     s = tg[0].swa
     slots = torch.as_tensor(w.swa_slots, device="cuda")
     fmt = s.geom.fmt
@@ -183,13 +188,6 @@ def swa_cases(rows, cache, w, tg, xs, tune: bool) -> None:
     def ga():
         for l in range(MAIN_LAYERS):
             gather(s.geom, s.buffer, l, slots, validate=False)
-    if tune:
-        for name, fn in (("ds_mla_store", st), ("ds_mla_gather", ga)):
-            for bt in (1, 2, 4, 8):
-                for warps in (1, 2, 4):
-                    codec_triton.CONFIG_ONE_LAYER[name] = (bt, warps)
-                    print(f"tune {name} bt={bt} warps={warps}: {bench(fn) * 1e6:.1f} us", flush=True)
-        codec_triton.CONFIG_ONE_LAYER.update(ds_mla_store=(4, 4), ds_mla_gather=(4, 2))
     t_copy = copies(sizes)
     row(rows, "SWA store alone, 1024 req, 43 layers (store per layer)", bench(st), t_copy, sum(sizes))
     row(rows, "SWA store alone, 1024 req, 43 layers (write_layer)", bench(wl), t_copy, sum(sizes))

@@ -10,7 +10,8 @@ from kvatlas.datapath import (DataPathError, LayerTargets, StepIndices, compress
 
 from write_steps import assert_same, clones, inputs, make_cache, run, schedule, targets
 
-CASES = [dict(), dict(kv_layout="unified-fp8", indexer="fp4"), dict(kv_layout="bf16", indexer="bf16", state_dtype="bf16"),
+CASES = [dict(), dict(kv_layout="unified-fp8", indexer="fp4"),
+         dict(kv_layout="bf16", indexer="bf16", state_dtype="bf16"),
          dict(kv_layout="uniform-fp8", draft_tokens=2), dict(kv_layout="unified-bf16")]
 
 

@@ -154,7 +154,8 @@ class RingTarget:
             raise DataPathError("state", f"head dim {spec.head_dim}, pool rows {self.pool.codec.width} wide",
                                 "pair the ring with the pool of its entries")
         if self.ape is not None and tuple(self.ape.shape) != (self.ratio, spec.coff * spec.head_dim):
-            raise DataPathError("ape", f"shape {tuple(self.ape.shape)}", f"pass [{self.ratio}, {spec.coff * spec.head_dim}]")
+            raise DataPathError("ape", f"shape {tuple(self.ape.shape)}",
+                                f"pass [{self.ratio}, {spec.coff * spec.head_dim}]")
 
     @property
     def spec(self) -> CompressorSpec:

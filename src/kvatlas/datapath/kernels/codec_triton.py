@@ -160,7 +160,7 @@ def _index_fp8_gather(out_ptr, o_sl, o_sn, buf_ptr, b_su, b_sl, slots_ptr, n, la
 CONFIG = {"ds_mla_store": (32, 8), "ds_mla_gather": (4, 2), "index_store": (16, 4), "index_gather": (8, 4)}
 # one layer per launch (how an engine calls it, layer by layer) has 1/43 of the programs of the
 # tuned multi-layer launch, so fewer tokens per program: set from bench/datapath_layer_gpu.py --tune
-CONFIG_ONE_LAYER = {"ds_mla_store": (4, 4), "ds_mla_gather": (4, 2), "index_store": (4, 4), "index_gather": (4, 4)}
+CONFIG_ONE_LAYER = {"ds_mla_store": (1, 1), "ds_mla_gather": (4, 4), "index_store": (4, 4), "index_gather": (4, 4)}
 
 
 def _config(name: str, layers: range):

@@ -25,6 +25,7 @@ from triton.language.extra import libdevice
 
 from ..codecs import DS_MLA_TILE, INDEX_WIDTH, NOPE, ROPE
 from .. import step as _rows
+from . import codec_triton
 from .codec_triton import HW_CAST, _E4M3_EXP, _Q_MANT, _e4m3_exponent, _to_e4m3, ds_mla_store_rows
 from .compress_triton import _to_state, bf16_round
 
@@ -32,7 +33,7 @@ from .compress_triton import _to_state, bf16_round
 REQ, POS, FIRST, LAST, SWA = (tl.constexpr(getattr(_rows, k)) for k in ("REQ", "POS", "FIRST", "LAST", "SWA"))
 
 # SWA tokens per program and warps per program; set from bench/datapath_layer_gpu.py --tune on an H200
-CONFIG = {"swa_bt": 4, "num_warps": 4, "pool_programs": 1024}
+CONFIG = {"swa_bt": 8, "num_warps": 4, "pool_programs": 1024}
 
 
 @triton.jit
@@ -121,21 +122,22 @@ def _append(idx_ptr, ld, t, ok, kv_ptr, kv_sn, sc_ptr, sc_sn, ape_ptr, st_ptr, s
 
 
 @triton.jit
-def _ds_mla_tile(x, c, data, scale, TILE: tl.constexpr, NT: tl.constexpr, Q_EXP: tl.constexpr,
-                 Q_MANT: tl.constexpr, HW: tl.constexpr):
-    """Tile c of a pooled entry, rounded to bf16: a nope tile as fp8 + its exponent byte, or the
-    rope tile as bf16 bits (that program also writes the pad byte after the 7 exponents)."""
-    x = bf16_round(x)
-    k = tl.arange(0, TILE)
-    if c < NT:
-        e = _e4m3_exponent(tl.maximum(tl.max(tl.abs(x), axis=0), 1e-4), Q_EXP, Q_MANT)
-        inv = ((254 - e) << 23).to(tl.float32, bitcast=True)
-        tl.store(data + c * TILE + k, _to_e4m3(tl.minimum(tl.maximum(x * inv, -448.0), 448.0), HW))
-        tl.store(scale + c, e.to(tl.uint8))
-    else:
-        bits = (x.to(tl.int32, bitcast=True) >> 16).to(tl.uint16)
-        tl.store((data + NT * TILE).to(tl.pointer_type(tl.uint16)) + k, bits)
-        tl.store(scale + NT, tl.full([], 0, tl.uint8))
+def _ds_mla_tiles(x, c0, data, scale, TPI: tl.constexpr, TILE: tl.constexpr, NT: tl.constexpr,
+                  Q_EXP: tl.constexpr, Q_MANT: tl.constexpr, HW: tl.constexpr):
+    """Tiles c0 .. c0 + TPI - 1 of a pooled entry (x: [TPI·TILE]), rounded to bf16: a nope tile as
+    fp8 + its exponent byte, the rope tile (NT) as bf16 bits and 0 for the pad byte after the
+    exponents — `codecs._ds_mla_encode` for a whole entry (TPI 8) or one tile (TPI 1)."""
+    x = tl.reshape(bf16_round(x), (TPI, TILE))
+    r = c0 + tl.arange(0, TPI)
+    k = tl.arange(0, TILE)[None, :]
+    e = _e4m3_exponent(tl.maximum(tl.max(tl.abs(x), axis=1), 1e-4), Q_EXP, Q_MANT)
+    inv = ((254 - e) << 23).to(tl.float32, bitcast=True)
+    q = _to_e4m3(tl.minimum(tl.maximum(x * inv[:, None], -448.0), 448.0), HW)
+    tl.store(data + r[:, None] * TILE + k, q, mask=(r < NT)[:, None] & (k >= 0))
+    bits = (x.to(tl.int32, bitcast=True) >> 16).to(tl.uint16)
+    rope = (data + NT * TILE).to(tl.pointer_type(tl.uint16))
+    tl.store(rope + (r - NT)[:, None] * TILE + k, bits, mask=(r == NT)[:, None] & (k >= 0))
+    tl.store(scale + r, tl.where(r < NT, e, 0).to(tl.uint8))
 
 
 @triton.jit
@@ -152,16 +154,20 @@ def _index_tile(x, data, scale, WIDTH: tl.constexpr, Q_EXP: tl.constexpr, Q_MANT
 def _kv_item(idx_ptr, ld, i, DONE_ROW, E_ROW, kv_ptr, kv_sn, sc_ptr, sc_sn, ape_ptr, st_ptr, st_s, st_r,
              RING: tl.constexpr, c_buf, c_su, c_P: tl.constexpr, c_sr, RATIO: tl.constexpr, W: tl.constexpr,
              OVERLAP: tl.constexpr, CD: tl.constexpr, HAS_APE: tl.constexpr, D: tl.constexpr,
-             TILE: tl.constexpr, NT: tl.constexpr, DATA: tl.constexpr, SCALE: tl.constexpr,
+             TILE: tl.constexpr, NT: tl.constexpr, TPI: tl.constexpr, DATA: tl.constexpr, SCALE: tl.constexpr,
              Q_EXP: tl.constexpr, Q_MANT: tl.constexpr, HW: tl.constexpr):
-    """Work item i of the attention KV: tile i % 8 of the i // 8-th completed block."""
-    t = tl.load(idx_ptr + DONE_ROW * ld + i // (NT + 1))
-    c = i % (NT + 1)
+    """Work item i of the attention KV: TPI 64-channel tiles of one completed block (a whole C4
+    entry: its 8-row window is small; one tile of a C128 entry: its window has 128 rows)."""
+    IPB: tl.constexpr = (NT + 1) // TPI
+    t = tl.load(idx_ptr + DONE_ROW * ld + i // IPB)
+    c0 = (i % IPB) * TPI
     ent = tl.load(idx_ptr + E_ROW * ld + t)
-    out = _pool(idx_ptr, ld, t, tl.load(idx_ptr + POS * ld + t), c * TILE + tl.arange(0, TILE), kv_ptr, kv_sn,
-                sc_ptr, sc_sn, ape_ptr, st_ptr, st_s, st_r, RING, D, CD, RATIO, W, OVERLAP, HAS_APE, TILE, HW)
+    out = _pool(idx_ptr, ld, t, tl.load(idx_ptr + POS * ld + t), c0 * TILE + tl.arange(0, TPI * TILE), kv_ptr,
+                kv_sn, sc_ptr, sc_sn, ape_ptr, st_ptr, st_s, st_r, RING, D, CD, RATIO, W, OVERLAP, HAS_APE,
+                TPI * TILE, HW)
     base = c_buf + (ent // c_P) * c_su
-    _ds_mla_tile(out, c, base + (ent % c_P) * DATA, base + c_sr + (ent % c_P) * SCALE, TILE, NT, Q_EXP, Q_MANT, HW)
+    _ds_mla_tiles(out, c0, base + (ent % c_P) * DATA, base + c_sr + (ent % c_P) * SCALE, TPI, TILE, NT,
+                  Q_EXP, Q_MANT, HW)
 
 
 @triton.jit
@@ -190,9 +196,10 @@ def _write_layer(idx_ptr, ld, n, cnt_ptr,
                  CD: tl.constexpr, HAS_APE: tl.constexpr, HAS_IDX: tl.constexpr, HAS_IAPE: tl.constexpr,
                  D: tl.constexpr, TILE: tl.constexpr, NT: tl.constexpr, DATA: tl.constexpr, SCALE: tl.constexpr,
                  ID: tl.constexpr, IDATA: tl.constexpr, ISCALE: tl.constexpr, ROPE_W: tl.constexpr,
-                 Q_EXP: tl.constexpr, Q_MANT: tl.constexpr, BT: tl.constexpr, HW: tl.constexpr):
+                 Q_EXP: tl.constexpr, Q_MANT: tl.constexpr, BT: tl.constexpr, HW: tl.constexpr,
+                 TPI: tl.constexpr):
     """Programs [0, end_tok): BT tokens each (SWA store, ring appends). Then n_pool programs
-    share the completed blocks' work items, (block, 64-channel tile) for the KV and one per
+    share the completed blocks' work items, (block, TPI 64-channel tiles) for the KV and one per
     block for the indexer keys, as many as the device-side count says."""
     pid = tl.program_id(0)
     if pid < end_tok:
@@ -213,7 +220,7 @@ def _write_layer(idx_ptr, ld, n, cnt_ptr,
         cnt = tl.load(cnt_ptr).to(tl.int32)
         kv_items = cnt * 0
         if HAS_CMP:
-            kv_items = cnt * (NT + 1)
+            kv_items = cnt * ((NT + 1) // TPI)
         total = kv_items
         if HAS_IDX:
             total = kv_items + cnt
@@ -222,8 +229,8 @@ def _write_layer(idx_ptr, ld, n, cnt_ptr,
             if i < kv_items:
                 if HAS_CMP:
                     _kv_item(idx_ptr, ld, i, DONE_ROW, E_ROW, kv_ptr, kv_sn, sc_ptr, sc_sn, ape_ptr, st_ptr, st_s,
-                             st_r, RING, c_buf, c_su, c_P, c_sr, RATIO, W, OVERLAP, CD, HAS_APE, D, TILE, NT, DATA,
-                             SCALE, Q_EXP, Q_MANT, HW)
+                             st_r, RING, c_buf, c_su, c_P, c_sr, RATIO, W, OVERLAP, CD, HAS_APE, D, TILE, NT, TPI,
+                             DATA, SCALE, Q_EXP, Q_MANT, HW)
             else:
                 if HAS_IDX:
                     _index_item(idx_ptr, ld, i - kv_items, DONE_ROW, IE_ROW, ikv_ptr, ikv_sn, isc_ptr, isc_sn,
@@ -249,6 +256,10 @@ def _dummy_ring(like):
 
 def write_layer(step, targets, swa_kv, rings) -> None:
     """Launch the fused write of one layer (`rings`: (name, RingTarget, kv, score) from write.py)."""
+    if not rings:   # an SWA-only layer is one store: the kernel tuned for it
+        s = targets.swa
+        return codec_triton.store(s.codec, s.geom, s.buffer, range(s.layer, s.layer + 1), step.row(_rows.SWA),
+                                  swa_kv[None])
     by_name = {name: r for name, *r in rings}
     kv_ring, ix_ring = by_name.get(""), by_name.get("index_")
     s, n = targets.swa, step.num_tokens
@@ -263,7 +274,8 @@ def write_layer(step, targets, swa_kv, rings) -> None:
                  NT=NOPE // DS_MLA_TILE, DATA=s.geom.fmt.data_bytes, SCALE=s.geom.fmt.scale_bytes,
                  ID=INDEX_WIDTH, IDATA=ix_ring[0].pool.geom.fmt.data_bytes if ix_ring else 128,
                  ISCALE=ix_ring[0].pool.geom.fmt.scale_bytes if ix_ring else 4, ROPE_W=ROPE,
-                 Q_EXP=_E4M3_EXP, Q_MANT=_Q_MANT, BT=bt, HW=HW_CAST)
+                 Q_EXP=_E4M3_EXP, Q_MANT=_Q_MANT, BT=bt, HW=HW_CAST,
+                 TPI=NOPE // DS_MLA_TILE + 1 if spec and spec.window <= 16 else 1)
     ratio = spec.ratio if spec else 4
     cnt = step.table[step.count_row, step.count_at(ratio):] if rings else step.table[0]
     head = (step.table, step.table.stride(0), n, cnt, vals, vals.stride(0), s.buffer[:, s.layer],
@@ -272,7 +284,8 @@ def write_layer(step, targets, swa_kv, rings) -> None:
             *(_ring_args(step, *ix_ring) if ix_ring else _dummy_ring(vals)),
             step.done_row(ratio) if rings else 0)
     tok = triton.cdiv(n, bt)
-    pool = min(CONFIG["pool_programs"], n * (NOPE // DS_MLA_TILE + 2)) if rings else 0
+    items = (NOPE // DS_MLA_TILE + 1) // const["TPI"] + 1     # per completed block, KV + indexer
+    pool = min(CONFIG["pool_programs"], n * items) if rings else 0
     phases = [(tok, pool, 1, 1)] if one else [(tok, pool, 1, 0), (tok, 0, 0, 1)]
     for end_tok, n_pool, do_swa, do_app in phases:   # pool before append: a long run overwrites rows it reads
         _write_layer[(end_tok + n_pool,)](*head, *args, end_tok, max(n_pool, 1), do_swa, do_app, **const,
