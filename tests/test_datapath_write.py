@@ -5,6 +5,8 @@ import numpy as np
 import pytest
 import torch
 
+import kvatlas
+
 from kvatlas.datapath import (DataPathError, LayerTargets, StepIndices, compress_batch, compressed_slots,
                               store, write_layer)
 
@@ -79,3 +81,6 @@ def test_refusals_name_the_field():
         write_layer(StepIndices.of(w, "cpu", ratios=(128,)), t, **x)
     with pytest.raises(DataPathError, match="ape"):
         LayerTargets.of_cache(cache, 1, ape=torch.zeros(4, 512))
+    v41 = kvatlas.allocate(kvatlas.budget_for("tiny-v4.1", 2, 4096, chunked_prefill_tokens=512))
+    with pytest.raises(DataPathError, match="V4.1"):
+        LayerTargets.of_cache(v41, 1)

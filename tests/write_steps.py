@@ -82,7 +82,7 @@ def schedule(cache, draft_tokens=0):
     yield cache.extend("a", 140)
     with cache.allocator.forward():     # one forward pass: two requests' chunks in one write
         yield concat(cache.extend("b", 140), cache.extend("c", 9))
-    for _ in range(5):
+    for _ in range(3):
         yield cache.step(list(REQUESTS), 1 + draft_tokens)
 
 

@@ -52,8 +52,10 @@ def _check(step: StepIndices, t: LayerTargets, swa_kv, rings) -> None:
         _check_input(f"{name}kv", kv, n, cd)
         _check_input(f"{name}score", score, n, cd)
         step.entry_row(ring.ratio)   # raises if the step lacks this ratio's entries
-        if ring.state.device != step.device:
-            raise DataPathError("step", f"indices on {step.device}, state on {ring.state.device}",
+    held = [t.swa.buffer] if t.swa is not None else []
+    for dev in {x.device for x in held + [r.state for _, r, _, _ in rings]}:
+        if dev != step.device:
+            raise DataPathError("step", f"indices on {step.device}, pools on {dev}",
                                 "prepare StepIndices on the cache's device")
 
 

@@ -159,12 +159,21 @@ def _index_fp8_gather(out_ptr, o_sl, o_sn, buf_ptr, b_su, b_sl, slots_ptr, n, la
 # tokens per program and warps, per kernel: set from bench/datapath_tune.py on an H200
 CONFIG = {"ds_mla_store": (32, 8), "ds_mla_gather": (4, 2), "index_store": (16, 4), "index_gather": (8, 4)}
 # one layer per launch (how an engine calls it, layer by layer) has 1/43 of the programs of the
-# tuned multi-layer launch, so fewer tokens per program: set from bench/datapath_layer_gpu.py --tune
-CONFIG_ONE_LAYER = {"ds_mla_store": (1, 1), "ds_mla_gather": (4, 4), "index_store": (4, 4), "index_gather": (4, 4)}
+# tuned multi-layer launch, so fewer tokens per program: from bench/datapath_layer_gpu.py on an
+# H200 (a 1,024-token decode step). A one-layer prefill chunk has programs enough again: 8 tokens
+# and 4 warps per program stored 8,192 tokens at 0.84 of copy bandwidth, 1 and 1 at 0.56.
+CONFIG_ONE_LAYER = {"ds_mla_store": (1, 1), "ds_mla_gather": (4, 4),
+                    "index_store": (4, 4), "index_gather": (4, 4)}
+CONFIG_ONE_LAYER_CHUNK = {"ds_mla_store": (8, 4)}
+CHUNK_TOKENS = 4096
 
 
-def _config(name: str, layers: range):
-    return (CONFIG_ONE_LAYER if len(layers) == 1 else CONFIG)[name]
+def _config(name: str, layers: range, tokens: int):
+    if len(layers) > 1:
+        return CONFIG[name]
+    if tokens >= CHUNK_TOKENS and name in CONFIG_ONE_LAYER_CHUNK:
+        return CONFIG_ONE_LAYER_CHUNK[name]
+    return CONFIG_ONE_LAYER[name]
 
 
 def _common(geom, buffer, layers: range, slots):
@@ -178,12 +187,12 @@ def store(codec, geom, buffer, layers: range, slots, values) -> None:
     vals = values.to(torch.bfloat16).contiguous()          # [L, n, width]
     args = (vals, vals.stride(0), vals.stride(1), *_common(geom, buffer, layers, slots))
     if codec.fmt.name == "fp8_ds_mla":
-        bt, warps = _config("ds_mla_store", layers)
+        bt, warps = _config("ds_mla_store", layers, slots.numel())
         _ds_mla_store[(triton.cdiv(vals.shape[1], bt), vals.shape[0])](
             *args, NOPE=NOPE, ROPE=ROPE, TILE=DS_MLA_TILE, NT=8, DATA=geom.fmt.data_bytes,
             SCALE=geom.fmt.scale_bytes, Q_EXP=_E4M3_EXP, Q_MANT=_Q_MANT, BT=bt, HW=HW_CAST, num_warps=warps)
     else:
-        bt, warps = _config("index_store", layers)
+        bt, warps = _config("index_store", layers, slots.numel())
         _index_fp8_store[(triton.cdiv(vals.shape[1], bt), vals.shape[0])](
             *args, WIDTH=INDEX_WIDTH, DATA=geom.fmt.data_bytes, SCALE=geom.fmt.scale_bytes,
             Q_EXP=_E4M3_EXP, Q_MANT=_Q_MANT, BT=bt, HW=HW_CAST, num_warps=warps)
@@ -195,12 +204,12 @@ def gather(codec, geom, buffer, layers: range, slots):
         return out
     args = (out, out.stride(0), out.stride(1), *_common(geom, buffer, layers, slots))
     if codec.fmt.name == "fp8_ds_mla":
-        bt, warps = _config("ds_mla_gather", layers)
+        bt, warps = _config("ds_mla_gather", layers, slots.numel())
         _ds_mla_gather[(triton.cdiv(slots.numel(), bt), len(layers))](
             *args, NOPE=NOPE, ROPE=ROPE, TILE=DS_MLA_TILE, NT=8, DATA=geom.fmt.data_bytes,
             SCALE=geom.fmt.scale_bytes, BT=bt, num_warps=warps)
     else:
-        bt, warps = _config("index_gather", layers)
+        bt, warps = _config("index_gather", layers, slots.numel())
         _index_fp8_gather[(triton.cdiv(slots.numel(), bt), len(layers))](
             *args, WIDTH=INDEX_WIDTH, DATA=geom.fmt.data_bytes, SCALE=geom.fmt.scale_bytes,
             BT=bt, num_warps=warps)

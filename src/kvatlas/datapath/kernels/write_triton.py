@@ -33,7 +33,7 @@ from .compress_triton import _to_state, bf16_round
 REQ, POS, FIRST, LAST, SWA = (tl.constexpr(getattr(_rows, k)) for k in ("REQ", "POS", "FIRST", "LAST", "SWA"))
 
 # SWA tokens per program and warps per program; set from bench/datapath_layer_gpu.py --tune on an H200
-CONFIG = {"swa_bt": 8, "num_warps": 4, "pool_programs": 1024}
+CONFIG = {"swa_bt": 8, "num_warps": 4, "pool_programs": 512}
 
 
 @triton.jit
