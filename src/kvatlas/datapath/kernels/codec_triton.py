@@ -160,8 +160,9 @@ def _index_fp8_gather(out_ptr, o_sl, o_sn, buf_ptr, b_su, b_sl, slots_ptr, n, la
 CONFIG = {"ds_mla_store": (32, 8), "ds_mla_gather": (4, 2), "index_store": (16, 4), "index_gather": (8, 4)}
 # one layer per launch (how an engine calls it, layer by layer) has 1/43 of the programs of the
 # tuned multi-layer launch, so fewer tokens per program: from bench/datapath_layer_gpu.py on an
-# H200 (a 1,024-token decode step). A one-layer prefill chunk has programs enough again: 8 tokens
-# and 4 warps per program stored 8,192 tokens at 0.84 of copy bandwidth, 1 and 1 at 0.56.
+# H200 (a 1,024-token decode step). A one-layer prefill chunk has programs enough again: rows of
+# 8 tokens and 4 warps per program (the fused write's SWA rows, same code) stored 8,192 tokens at
+# 0.84 of copy bandwidth, 1 and 1 at 0.56 (bench/RESULTS.md, issue 15).
 CONFIG_ONE_LAYER = {"ds_mla_store": (1, 1), "ds_mla_gather": (4, 4),
                     "index_store": (4, 4), "index_gather": (4, 4)}
 CONFIG_ONE_LAYER_CHUNK = {"ds_mla_store": (8, 4)}
