@@ -183,8 +183,8 @@ def write_gauges(snap: ForeignSnapshot) -> int:
 
 
 def _write_occupancy(snap: ForeignSnapshot, eng: list[str], ranks: list[str]) -> int:
-    """used/free/total per index space, named by its unit (pages or slots), labelled by the first
-    pool that follows it (its layer kind is that pool's)."""
+    """used/free/total per index space (full pages, SWA pages, request slots), named by its unit;
+    several pools follow one index space, so the `pool` label names the index space."""
     n, seen = 0, set()
     labels = ("pool", "layer_kind", "engine") + RANK_LABELS
     for name, p in snap.pools.items():
@@ -193,7 +193,8 @@ def _write_occupancy(snap: ForeignSnapshot, eng: list[str], ranks: list[str]) ->
             continue
         seen.add(p.index_space)
         for what, v in (("used", p.units_used), ("free", p.units_total - p.units_used), ("total", p.units_total)):
-            _gauge(f"kvatlas_pool_{what}_{unit}", labels).labels(p.index_space, p.layer_kind, *eng, *ranks).set(v)
+            kind = "swa" if p.index_space == "swa_pages" else "all"
+            _gauge(f"kvatlas_pool_{what}_{unit}", labels).labels(p.index_space, kind, *eng, *ranks).set(v)
             n += 1
     return n
 

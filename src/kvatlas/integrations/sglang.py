@@ -434,7 +434,7 @@ def build_offline(model, memory_bytes, *, max_running_requests: int = 256, chunk
         raise ConfigError("swa_mode", f"{swa_mode!r} is not an SGLang sizing mode", "use ratio or cap")
     if sglang_version() != SUPPORTED_VERSION:
         raise ConfigError("sglang", f"SGLang {sglang_version() or '(not installed)'} is not {SUPPORTED_VERSION}",
-                          f"pip install --no-deps sglang=={SUPPORTED_VERSION} (see tests/sglang/setup_env.sh)")
+                          f"pip install --no-deps sglang=={SUPPORTED_VERSION} (see tests/sglang_plugin/setup_env.sh)")
     with tempfile.TemporaryDirectory(prefix="kvatlas-sglang-") as tmp:
         model_dir = _model_dir(model, tmp)
         argv = ["--model-path", model_dir, "--skip-tokenizer-init", "--device", "cpu", "--page-size", "256",

@@ -32,7 +32,7 @@ $PIP install -q -e '.[sglang,test]'
 # a stand-in for torchvision: SGLang imports torchvision.transforms at module level for multimodal
 # preprocessing, PyPI's builds need a CUDA torch, and nothing on the KV-pool path calls it
 SITE="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
-echo "$(pwd)/tests/sglang/standin" > "$SITE/kvatlas-torchvision-standin.pth"
+echo "$(pwd)/tests/sglang_plugin/standin" > "$SITE/kvatlas-torchvision-standin.pth"
 "$VENV/bin/python" -c "import sglang.srt.plugins, sglang.srt.mem_cache.memory_pool; print('sglang import ok')"
 touch "$STAMP"
 echo "sglang venv built in $(( $(date +%s) - start )) s: $VENV"
