@@ -68,3 +68,11 @@ def test_a_layout_that_does_not_match_the_tensors_claims_nothing_unreachable():
     b = _kv_buffer()
     odd = foreign.ForeignBuffer(**{**{f: getattr(b, f) for f in b.__slots__}, "tensor_bytes": b.tensor_bytes + 512})
     assert not odd.layout_matches and odd.unreachable_bytes == 0 and odd.addressable_bytes == odd.tensor_bytes
+
+
+def test_audit_cli_without_sglang_names_the_fix(capsys, monkeypatch):
+    from kvatlas.cli import main
+    monkeypatch.setattr(ks, "sglang_version", lambda: None)
+    assert main(["audit", "--sglang", "--memory", "4GiB"]) == 2
+    err = capsys.readouterr().err
+    assert "SGLang (not installed) is not 0.5.23" in err and "pip install --no-deps sglang==0.5.23" in err
