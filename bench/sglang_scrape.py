@@ -43,24 +43,30 @@ def timed(fn, reps: int) -> list[float]:
 
 
 class Running:
-    """Requests held in SGLang's allocators, admitted and finished the way its scheduler does."""
+    """Requests held in SGLang's allocators, admitted and finished the way its scheduler does, in
+    batches of 16 (one alloc_extend per batch, as one prefill forward pass)."""
+
+    BATCH = 16
 
     def __init__(self, pools) -> None:
-        self.pools, self.held = pools, []
+        self.pools, self.held = pools, []   # (request-table rows, token locations) per batch
 
     def set(self, n: int) -> None:
         import torch
         req, alloc = self.pools.req_to_token_pool, self.pools.token_to_kv_pool_allocator
-        while len(self.held) > n:
-            slot, locs = self.held.pop()
-            alloc.free(locs)
-            req.free_rows([slot])
-        zero, length = torch.tensor([0]), torch.tensor([TOKENS])
-        while len(self.held) < n:
-            (slot,) = req.alloc_rows(1)
-            locs = alloc.alloc_extend(zero, zero, length, length, torch.tensor([-1]), TOKENS)
-            assert locs is not None, "pool too small for the benchmark"
-            self.held.append((slot, locs))
+        done = []
+        while len(self.held) * self.BATCH > n:
+            done.append(self.held.pop())
+        if done:   # finished requests freed in one call, as a scheduler step frees its finished batch
+            alloc.free(torch.cat([locs for _, locs in done]))
+            req.free_rows([s for slots, _ in done for s in slots])
+        b = self.BATCH
+        zero, length = torch.zeros(b, dtype=torch.int64), torch.full((b,), TOKENS, dtype=torch.int64)
+        while len(self.held) * b < n:
+            slots = req.alloc_rows(b)
+            locs = alloc.alloc_extend(zero, zero, length, length, torch.full((b,), -1, dtype=torch.int64), b * TOKENS)
+            assert slots is not None and locs is not None, "pool too small for the benchmark"
+            self.held.append((slots, locs))
 
 
 def main() -> None:
