@@ -121,7 +121,8 @@ def test_several_ranks_report_through_one_collector(plan):
 def test_names_follow_the_convention_and_have_help():
     for name, text in HELP.items():
         assert name == "kvatlas" or name.rsplit("_", 1)[1] in {"bytes", "rows", "tokens", "pages", "slots",
-                                                             "requests", "refusals", "token", "request"}
+                                                             "requests", "refusals", "token", "request",
+                                                             "checkpoints"}
         assert text and not text.endswith(".")
 
 

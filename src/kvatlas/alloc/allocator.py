@@ -221,7 +221,7 @@ class Allocator(Release, Sharing):
         if self._epoch != self._written_epoch:   # some request finished since: skip its slot
             written = written[self.slots.owner[written] != 0]
         if self.pending:   # resume points reached by the pass: before their tail can retire
-            self._commit_captures(written)
+            self._commit_captures()
         self._retire(written)
 
     def _retire(self, slots: np.ndarray) -> None:

@@ -10,6 +10,7 @@ already there (the same content, cached meanwhile) are freed.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -59,9 +60,10 @@ class PrefixCache:
         self.stats = PrefixStats()
         self.tree = Tree(allocator, self.policy, self.stats, ledger)
         self.requests: dict = {}
+        self._intermediate: deque = deque()   # (request, kept intermediate point): what goes first
         self.clock = 0
         allocator.on_capture = self._on_capture
-        allocator.on_need_checkpoint = self.tree.evict_checkpoint
+        allocator.on_need_checkpoint = self._need_checkpoint
 
     @property
     def evictor(self):
@@ -169,11 +171,28 @@ class PrefixCache:
         if prev is not None:
             if self.policy.keep(end=False, divergence=prev.divergence):
                 req.kept.append(prev)
+                if not prev.divergence:
+                    self._intermediate.append((req, prev))
             else:
                 self._drop(prev)
 
+    def _need_checkpoint(self) -> bool:
+        """A capture finds no free unit: evict a cached resume point, or else drop an intermediate
+        one a running request kept (never its end or a divergence point), so that the points the
+        policy values most still find room."""
+        if self.tree.evict_checkpoint():
+            return True
+        while self._intermediate:   # oldest first; entries of finished requests are stale
+            req, ck = self._intermediate.popleft()
+            if ck.node is None and ck.unit > 0 and ck in req.kept:
+                req.kept.remove(ck)
+                self._drop(ck)
+                return True
+        return False
+
     def _drop(self, ck) -> None:
         self.alloc.release_checkpoint(ck.unit, ck.swa_pages, pinned=True)
+        ck.unit = -1
         self.stats.checkpoints_dropped += 1
 
     # ---------------------------------------------------------------- finish: publish
