@@ -92,6 +92,7 @@ def main() -> None:
     ap.add_argument("--budgets", default="16,32,64,120")
     ap.add_argument("--checkpoint-share", type=float, default=0.25)
     ap.add_argument("--limit", type=int, default=0, help="first N requests only (0: all)")
+    ap.add_argument("--policies", default=",".join(POLICIES), help="comma-separated (default: all three)")
     ap.add_argument("--plot", type=Path)
     ap.add_argument("--json", type=Path)
     ap.add_argument("--merge", type=Path, nargs="+", help="print and plot the results of earlier --json runs")
@@ -117,7 +118,7 @@ def main() -> None:
     print(f"{'budget':>7} {'checkpoints':>11} {'policy':>11} {'hit':>7} {'of ceiling':>10}  misses (share of queried tokens)")
     for gib in (int(x) for x in args.budgets.split(",")):
         p = make_plan(gib, args.checkpoint_share)
-        for policy in POLICIES:
+        for policy in args.policies.split(","):
             r = simulate(p, policy, trace)
             r.update(budget_gib=gib, prefix_checkpoints=p.options.prefix_checkpoints, hit_ratio=r["hit_blocks"] / blocks)
             results.append(r)

@@ -19,7 +19,7 @@ from ..errors import KvatlasError, PoolExhaustedError, RequestStateError
 from ..planning.buffers import CHECKPOINTS, FULL_PAGES, SWA_PAGES
 from ..units import cdiv
 from .keys import check_keys, page_keys
-from .policy import policy_named
+from .policy import fitted, policy_named
 from .stats import PrefixStats
 from .tree import Checkpoint, Tree
 
@@ -56,7 +56,8 @@ class PrefixCache:
             raise KvatlasError("prefix_checkpoints: the plan has no prefix cache; plan with prefix_checkpoints > 0")
         self.alloc, self.ledger = allocator, ledger
         self.P = allocator.P
-        self.policy = policy_named(policy)
+        self.policy = fitted(policy_named(policy), max(allocator.plan.num_full_pages - 1, 0),
+                             allocator.plan.options.prefix_checkpoints)
         self.stats = PrefixStats()
         self.tree = Tree(allocator, self.policy, self.stats, ledger)
         self.requests: dict = {}
@@ -169,7 +170,7 @@ class PrefixCache:
         ck.divergence = boundary == req.divergence
         prev, req.tentative = req.tentative, ck
         if prev is not None:
-            if self.policy.keep(end=False, divergence=prev.divergence):
+            if self.policy.keep(end=False, divergence=prev.divergence, page=prev.boundary_tokens // self.P):
                 req.kept.append(prev)
                 if not prev.divergence:
                     self._intermediate.append((req, prev))
