@@ -30,7 +30,7 @@ def draw_prompt(data, s, bases):
     return seq, len(prompt), max_new
 
 
-def run_session(data, draft_tokens, device="cpu", impl="torch", ops=40):
+def run_session(data, draft_tokens, device="cpu", impl="torch", ops=30):
     s = Session(make_plan(draft_tokens), device, impl)
     rng = np.random.default_rng(data.draw(st.integers(0, 2**16), label="base seed"))
     bases = [rng.integers(0, 50_000, 1200) for _ in range(2)]
@@ -66,7 +66,7 @@ def run_session(data, draft_tokens, device="cpu", impl="torch", ops=40):
 
 
 @pytest.mark.parametrize("draft_tokens", [0, 3])
-@settings(max_examples=8, deadline=None, suppress_health_check=SLOW)
+@settings(max_examples=4, deadline=None, suppress_health_check=SLOW)
 @given(data=st.data())
 def test_hit_then_suffix_reads_what_a_cold_run_reads(draft_tokens, data):
     run_session(data, draft_tokens)
