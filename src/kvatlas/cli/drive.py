@@ -159,11 +159,21 @@ def summary(cache, sim, writer, wall_s: float, how: str) -> str:
         ["end", f"{snap.running_requests} running, {fmt_bytes(snap.occupied_bytes)} occupied "
                 f"({snap.occupied_bytes:,} B)"],
         ["cache", _cache_line(cache, snap)],
+        ["prefix cache", _prefix_line(cache)],
         ["KV writes", _writes(writer)],
         ["time model", sim.time_model.describe()],
         ["wall time", f"{wall_s:.2f} s ({how})"],
     ]
     return render(["", "summary"], rows, title=f"kvatlas — {cache.plan.model.name}")
+
+
+def _prefix_line(cache) -> str:
+    if cache.prefix is None:
+        return "off (plan with --prefix-checkpoints N to cache prompt prefixes)"
+    s = cache.prefix.stats
+    missed = ", ".join(f"{k} {v:,}" for k, v in s.missed().items())
+    return (f"{s.why_not()}; {s.hit_tokens:,} of {s.queried_tokens:,} prompt tokens hit; missed: {missed}; "
+            f"{s.evicted_pages:,} pages and {s.evicted_checkpoints:,} resume points evicted")
 
 
 def _cache_line(cache, snap) -> str:

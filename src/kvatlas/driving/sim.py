@@ -38,6 +38,15 @@ from ..errors import ConfigError
 from .timemodel import TimeModel
 
 
+def _sequence(req):
+    """Prompt and output token ids (None when the request carries no content)."""
+    prompt = req.token_ids()
+    out = req.output_token_ids()
+    if prompt is None or out is None:
+        return prompt
+    return np.concatenate((prompt, out))
+
+
 @dataclass(slots=True)
 class _Live:
     req: object
@@ -57,6 +66,8 @@ class TimelinePoint:
     waiting: int
     finished: int
     snapshot: object
+    prefix_queried_tokens: int = 0   # prefix cache counters so far (0 without one)
+    prefix_hit_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -189,12 +200,14 @@ class Simulator:
                 self.stats.rejected_ids.append(r.id)
                 self._release_followers(r.id, now_s)
                 continue
-            if not self.cache.can_admit(r.prompt_tokens, r.output_tokens):
+            ids = r.token_ids() if self.cache.prefix is not None else None
+            if not self.cache.can_admit(r.prompt_tokens, r.output_tokens, token_ids=ids):
                 self.stats.blocked_steps += 1
                 return
             self.waiting.popleft()
-            self.cache.admit(r.id, r.prompt_tokens, r.output_tokens)
-            self.running[r.id] = self._prefilling[r.id] = _Live(r)
+            adm = self.cache.admit(r.id, r.prompt_tokens, r.output_tokens, token_ids=ids)
+            live = _Live(r, prefilled=adm.cached_tokens)   # the cached prompt is not computed again
+            self.running[r.id] = self._prefilling[r.id] = live
             self.stats.admitted += 1
 
     def _decode(self, budget: int) -> int:
@@ -254,7 +267,10 @@ class Simulator:
 
     def _finish_done(self, now_s: float) -> None:
         for rid in self._finishing:
-            self.cache.finish(rid)
+            if self.cache.prefix is not None:   # the whole sequence keys the pages it leaves cached
+                self.cache.finish(rid, token_ids=_sequence(self.running[rid].req))
+            else:
+                self.cache.finish(rid)
             del self.running[rid], self._decoding[rid]
             self.stats.finished += 1
             self._release_followers(rid, now_s)
@@ -265,7 +281,9 @@ class Simulator:
         s.peak_running = max(s.peak_running, self.cache.ledger.running_requests)
         s.peak_occupied_bytes = max(s.peak_occupied_bytes, occupied)
         if snap is not None:
-            self.timeline.append(TimelinePoint(now_s, s.steps, len(self.running), len(self.waiting), s.finished, snap))
+            pc = self.cache.prefix.stats if self.cache.prefix is not None else None
+            self.timeline.append(TimelinePoint(now_s, s.steps, len(self.running), len(self.waiting), s.finished, snap,
+                                               pc.queried_tokens if pc else 0, pc.hit_tokens if pc else 0))
 
     # ------------------------------------------------------------------ drivers
     def run_offline(self, max_steps: int | None = None) -> SimStats:
@@ -297,4 +315,5 @@ class Simulator:
         return {"stats": self.stats.as_dict(), "running": len(self.running), "waiting": len(self.waiting),
                 "pending": len(self.pending) + len(self._released) + sum(map(len, self._followers.values())),
                 "done": self.done, "draft_tokens": self.draft_tokens,
-                "accept_rate": self.accept_rate}
+                "accept_rate": self.accept_rate,
+                "prefix": self.cache.prefix.stats.as_dict() if self.cache.prefix is not None else None}

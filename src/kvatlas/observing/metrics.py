@@ -29,7 +29,7 @@ _UNIT_OF_GROUP = {SWA_PAGES: "pages", FULL_PAGES: "pages", REQUEST_SLOTS: "slots
 # name → help text. The README section "Metrics" is generated from this table.
 HELP = {
     "kvatlas_kv_cache_bytes": "KV cache bytes per pool and measure (planned, tensor, reserved, physical, "
-                              "addressable, occupied), equal to the ledger",
+                              "addressable, occupied, evictable), equal to the ledger",
     "kvatlas_kv_cache_total_bytes": "KV cache bytes of the whole cache per measure (includes slab alignment "
                                     "that no pool owns)",
     "kvatlas_pool_used_rows": "Rows (entries per layer) holding live request data, per pool",
@@ -51,6 +51,17 @@ HELP = {
     "kvatlas_bytes_per_request": "Capacity intercept: fixed bytes of one running request",
     "kvatlas_max_total_tokens": "Tokens all live requests together can hold in this plan",
     "kvatlas_max_running_requests": "Request slots of this plan (the most requests that can run at once)",
+    "kvatlas_prefix_queried_tokens": "Prompt tokens looked up in the prefix cache at admission (counter)",
+    "kvatlas_prefix_hit_tokens": "Prompt tokens taken from the prefix cache: not computed again (counter)",
+    "kvatlas_prefix_missed_tokens": "Prompt tokens not taken from the prefix cache, by reason: no_cached_prefix, "
+                                    "no_checkpoint (pages cached but no resume point), evicted, partial_page "
+                                    "(rounded off the partial last page) (counter)",
+    "kvatlas_prefix_evicted_pages": "Full-token pages the prefix cache evicted (counter)",
+    "kvatlas_prefix_evicted_checkpoints": "Resume points the prefix cache evicted (counter)",
+    "kvatlas_prefix_checkpoints": "Resume points (SWA tail + compressor state at a page boundary) the cache holds",
+    "kvatlas_prefix_cached_pages": "Full-token pages the prefix cache holds (shared or evictable)",
+    "kvatlas_prefix_cached_bytes": "Bytes the prefix cache holds: its pages and resume points (evictable and "
+                                   "shared with running requests)",
     "kvatlas": "kvatlas build and cache configuration (value always 1)",
 }
 
@@ -171,12 +182,27 @@ def _cache_samples(f: _Families, cache, snap, rv: list[str], version: str) -> No
     f.add("kvatlas_bytes_per_request", [], rv, p.bytes_per_request)
     f.add("kvatlas_max_total_tokens", [], rv, p.max_total_tokens)
     f.add("kvatlas_max_running_requests", [], rv, p.max_running_requests)
+    if cache.prefix is not None:
+        _prefix_samples(f, cache.prefix, rv)
     info = {"model": p.model.name, "layout": p.options.kv_layout, "version": version,
             "backend": snap.backend, "device": snap.device}
     fam = f.fams.get("kvatlas")
     if fam is None:
         fam = f.fams["kvatlas"] = InfoMetricFamily("kvatlas", HELP["kvatlas"], labels=f.rank_names)
     fam.add_metric(rv, info)
+
+
+def _prefix_samples(f: _Families, prefix, rv: list[str]) -> None:
+    s = prefix.stats
+    f.add("kvatlas_prefix_queried_tokens", [], rv, s.queried_tokens, kind=CounterMetricFamily)
+    f.add("kvatlas_prefix_hit_tokens", [], rv, s.hit_tokens, kind=CounterMetricFamily)
+    for reason, n in s.missed().items():   # every reason, zeros too: a 0 hit rate says why
+        f.add("kvatlas_prefix_missed_tokens", ["reason"], [reason] + rv, n, kind=CounterMetricFamily)
+    f.add("kvatlas_prefix_evicted_pages", [], rv, s.evicted_pages, kind=CounterMetricFamily)
+    f.add("kvatlas_prefix_evicted_checkpoints", [], rv, s.evicted_checkpoints, kind=CounterMetricFamily)
+    f.add("kvatlas_prefix_checkpoints", [], rv, prefix.tree.checkpoints)
+    f.add("kvatlas_prefix_cached_pages", [], rv, len(prefix.tree.nodes))
+    f.add("kvatlas_prefix_cached_bytes", [], rv, prefix.cached_bytes())
 
 
 def _version() -> str:
