@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import sys
 
+from ..checks import MAX_COUNT, real, require_torch
 from ..errors import ConfigError
+from ..driving.workload import MAX_DURATION_S, MAX_RATE_PER_S
+from .common import count, number
 from ..observing.table import render
 from ..units import fmt_bytes
 
@@ -14,15 +17,15 @@ def add_workload_args(p) -> None:
     g = p.add_argument_group("workload")
     g.add_argument("--workload", default="synthetic", help="synthetic (default) or a JSONL trace file "
                    '(one {"arrival_s", "prompt_tokens", "output_tokens"} per line)')
-    g.add_argument("--rate", type=float, default=4.0, help="synthetic: arrivals per second (Poisson, default 4)")
-    g.add_argument("--duration", type=float, default=10.0, help="synthetic: seconds of arrivals (default 10)")
+    g.add_argument("--rate", type=number(0.0, MAX_RATE_PER_S, open_low=True), default=4.0, help="synthetic: arrivals per second (Poisson, default 4)")
+    g.add_argument("--duration", type=number(0.0, MAX_DURATION_S, open_low=True), default=10.0, help="synthetic: seconds of arrivals (default 10)")
     g.add_argument("--prompt-len", default="uniform:64:1024",
                    help="synthetic prompt lengths: N, uniform:LO:HI, exp:MEAN, lognormal:MEDIAN:SIGMA")
     g.add_argument("--output-len", default="uniform:16:256", help="synthetic output lengths (same forms)")
-    g.add_argument("--seed", type=int, default=0, help="seed of arrivals, lengths and draft acceptance")
+    g.add_argument("--seed", type=count(0, 2**63 - 1), default=0, help="seed of arrivals, lengths and draft acceptance")
     g.add_argument("--strict-trace", action="store_true", help="a malformed trace line is fatal (default: skip it)")
-    g.add_argument("--accept-rate", type=float, default=0.7, help="probability each draft token is accepted")
-    g.add_argument("--step-ms", type=float, default=20.0, help="time of one forward pass (default 20 ms)")
+    g.add_argument("--accept-rate", type=number(0.0, 1.0), default=0.7, help="probability each draft token is accepted")
+    g.add_argument("--step-ms", type=number(0.0, 3.6e6, open_low=True), default=20.0, help="time of one forward pass (default 20 ms)")
     g.add_argument("--write-layers", default=None,
                    help="layers per pool that get real KV writes: N or 'all' (default: 1 on CPU, all on CUDA)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
@@ -32,13 +35,18 @@ def add_workload_args(p) -> None:
 def requests_from_args(args) -> list:
     from ..driving import workload
     if args.workload == "synthetic":
-        return workload.synthetic(rate_per_s=args.rate, duration_s=args.duration, prompt=args.prompt_len,
-                                  output=args.output_len, seed=args.seed)
+        return workload.synthetic(rate_per_s=args.rate, duration_s=args.duration,
+                                  prompt=workload.parse_length(args.prompt_len, "--prompt-len"),
+                                  output=workload.parse_length(args.output_len, "--output-len"), seed=args.seed)
 
     def report(line_no: int, problem: str) -> None:
         print(f"{args.workload}:{line_no}: skipped: {problem}", file=sys.stderr)
 
-    reqs, _ = workload.read_trace(args.workload, strict=args.strict_trace, on_error=report)
+    try:
+        reqs, _ = workload.read_trace(args.workload, strict=args.strict_trace, on_error=report)
+    except UnicodeDecodeError as exc:   # the reader reads text: a binary file fails while decoding
+        raise ConfigError("--workload", f"{args.workload!r} is not UTF-8 text (byte {exc.start})",
+                          "give a JSONL trace file") from None
     return reqs
 
 
@@ -53,25 +61,24 @@ def write_layers(args, device) -> int | None:
         n = int(value)
     except ValueError:
         n = -1
-    if n < 0:
+    if not 0 <= n <= MAX_COUNT:
         raise ConfigError("--write-layers", f"{value!r}", "give a whole number ≥ 0 or 'all'")
     return n
 
 
 def build(args, plan_from_args, *, lock=None, record=True):
     """(cache, simulator, writer) for the parsed arguments; the cache is allocated for real."""
-    if not 0.0 <= args.accept_rate <= 1.0:
-        raise ConfigError("--accept-rate", f"{args.accept_rate}", "give a probability in [0, 1]")
-    if not args.step_ms > 0:
-        raise ConfigError("--step-ms", f"{args.step_ms}", "give a positive number of milliseconds")
+    real("--accept-rate", args.accept_rate, 0.0, 1.0)
+    real("--step-ms", args.step_ms, 0.0, 3.6e6, open_low=True)
     requests = requests_from_args(args)
     p = plan_from_args(args)
+    require_torch("allocating a cache")
     import kvatlas
     from ..cache.arena import parse_device
+    layers = write_layers(args, parse_device(args.device))   # refused before the cache exists
     from ..driving.sim import Simulator
     from ..driving.simwrite import KVWriter
     cache = kvatlas.allocate(p, device=args.device, backend=args.backend)
-    layers = write_layers(args, parse_device(args.device))
     writer = KVWriter(cache, layers=layers, seed=args.seed) if layers != 0 else None
     sim = Simulator(cache, requests, accept_rate=args.accept_rate, seed=args.seed, writer=writer, lock=lock,
                     step_s=args.step_ms / 1e3, record=record)

@@ -11,7 +11,9 @@ exposes request ids.
 from __future__ import annotations
 
 import errno
+import ipaddress
 import json
+import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -29,57 +31,117 @@ class ServerError(KvatlasError):
     """The endpoint server cannot start (address in use, bad host)."""
 
 
-def state_document(collector: KvatlasCollector, extra=None, requests=None) -> dict:
+def check_host(host) -> str | None:
+    """Refuse an address that would expose the endpoints beyond this machine by accident.
+
+    Loopback addresses are fine. "" (which binds every interface) and any other address are
+    refused, except exactly "0.0.0.0", the explicit way to say "every interface": that returns
+    a warning to show, because the endpoints have no authentication and /state lists request ids."""
+    if not isinstance(host, str) or not host.strip():
+        raise ServerError(f"host: {host!r} would listen on every interface; give 127.0.0.1 (loopback), "
+                          "or say 0.0.0.0 explicitly to accept connections from other machines")
+    if host == "0.0.0.0":
+        return ("listening on every interface (0.0.0.0): /metrics and /state have no authentication "
+                "and /state lists request ids; keep the port behind a firewall")
+    if host == "localhost":
+        return None
+    try:
+        if ipaddress.ip_address(host).is_loopback:
+            return None
+    except ValueError:
+        pass
+    raise ServerError(f"host: {host!r} is not a loopback address, and the endpoints have no authentication; "
+                      "give 127.0.0.1, or 0.0.0.0 to listen on every interface on purpose")
+
+
+def state_document(collector: KvatlasCollector, extra=None, requests=None, plans=None) -> dict:
     """The /state JSON: per cache its rank labels, ledger snapshot, plan and per-request usage.
 
-    `requests`: a callable returning per-request usage for the first cache (the driver knows the
-    request progress); otherwise each running request's bytes come from `cache.request_usage`."""
+    One snapshot: the ledgers, the per-request counters and the workload's view (`extra`, and
+    `requests`, per-request progress for the first cache) are all read under ONE acquisition of
+    the lock the driver mutates under, so the running-request count, the request list and the
+    bytes agree. Under the lock only copies are taken (a ledger snapshot, a few small arrays, the
+    progress dict); the bytes and the JSON are made after it is released, so a scrape holds up a
+    forward pass no longer than a snapshot. `extra` and `requests` must not take that lock."""
     from ..planning.capacity import plan_to_dict
-    snaps = collector.snapshots()
+    with collector.lock:
+        snaps = [s.cache.ledger.snapshot() for s in collector.sources]
+        counters = [s.cache.usage_counters() for s in collector.sources]
+        progress = requests() if requests is not None else None
+        workload = extra() if extra is not None else None
     caches = []
-    for i, (src, snap) in enumerate(zip(collector.sources, snaps)):
-        if requests is not None and i == 0:
-            usage = requests()
+    for i, (src, snap, c) in enumerate(zip(collector.sources, snaps, counters)):
+        usage = src.cache.usage_of(c)
+        if i == 0 and progress is not None:
+            usage = {rid: {**progress.get(rid, {}), "pools": pools} for rid, pools in usage.items()}
         else:
-            with collector.lock:
-                usage = {rid: {"pools": src.cache.request_usage(rid)} for rid in list(src.cache.allocator.slot_of)}
-        caches.append({"labels": dict(src.ranks), "ledger": snap.to_dict(), "plan": plan_to_dict(src.cache.plan),
+            usage = {rid: {"pools": pools} for rid, pools in usage.items()}
+        plan = plans[i] if plans is not None else plan_to_dict(src.cache.plan)
+        caches.append({"labels": dict(src.ranks), "ledger": snap.to_dict(), "plan": plan,
                        "requests": {str(k): v for k, v in usage.items()}})
     doc = {"schema": "kvatlas.state", "schema_version": STATE_SCHEMA_VERSION, "time_unix_s": time.time(),
            "version": collector.version, "caches": caches}
-    if extra is not None:
-        doc["workload"] = extra()
+    if workload is not None:
+        doc["workload"] = workload
     return doc
+
+
+_QUIET = (BrokenPipeError, ConnectionResetError, ConnectionAbortedError, TimeoutError)
 
 
 def _handler(server_state):
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self):  # noqa: N802 (http.server's name)
-            path = self.path.split("?", 1)[0]
+            self._answer(head=False)
+
+        def do_HEAD(self):  # noqa: N802
+            self._answer(head=True)
+
+        def _answer(self, head: bool) -> None:
+            try:
+                code, ctype, body = self._route(self.path.split("?", 1)[0])
+                self._send(code, ctype, body, head)
+            except _QUIET:   # the client left early: nothing to answer, nothing to report
+                self.close_connection = True
+
+        def _route(self, path: str):
             try:
                 if path == "/metrics":
-                    self._send(200, CONTENT_TYPE_LATEST, generate_latest(server_state["registry"]))
-                elif path == "/state":
-                    doc = state_document(server_state["collector"], server_state["extra"], server_state["requests"])
-                    self._send(200, "application/json", json.dumps(doc, default=_json_default).encode())
-                elif path == "/healthz":
-                    self._send(200, "text/plain; charset=utf-8", b"ok\n")
-                else:
-                    self._send(404, "text/plain; charset=utf-8", b"not found: try /metrics, /state or /healthz\n")
+                    with server_state["scrape"]:
+                        return 200, CONTENT_TYPE_LATEST, generate_latest(server_state["registry"])
+                if path == "/state":
+                    with server_state["scrape"]:
+                        doc = state_document(server_state["collector"], server_state["extra"],
+                                             server_state["requests"], server_state["plans"])
+                        return 200, "application/json", json.dumps(doc, default=_json_default).encode()
+                if path == "/healthz":
+                    return 200, "text/plain; charset=utf-8", b"ok\n"
+                return 404, "text/plain; charset=utf-8", b"not found: try /metrics, /state or /healthz\n"
             except Exception as exc:   # a failed scrape must answer, not kill the serving thread
-                self._send(500, "text/plain; charset=utf-8", f"{type(exc).__name__}: {exc}\n".encode())
+                return 500, "text/plain; charset=utf-8", f"{type(exc).__name__}: {exc}\n".encode()
 
-        def _send(self, code: int, ctype: str, body: bytes) -> None:
+        def _send(self, code: int, ctype: str, body: bytes, head: bool) -> None:
             self.send_response(code)
             self.send_header("Content-Type", ctype)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
-            self.wfile.write(body)
+            if not head:
+                self.wfile.write(body)
 
         def log_message(self, *args):   # scrapes every second would flood the terminal
             pass
 
     return Handler
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request, client_address):
+        """A client that disconnects mid-request is not an error worth a traceback on stderr."""
+        if isinstance(sys.exc_info()[1], OSError):   # resets, broken pipes, timeouts
+            return
+        super().handle_error(request, client_address)
 
 
 def _json_default(obj):
@@ -120,22 +182,27 @@ def start(cache_or_collector, host: str = "127.0.0.1", port: int = 0, *, lock=No
     """Serve /metrics, /state and /healthz for a KVCache (or a KvatlasCollector over several).
 
     port=0 picks a free port (read it from the handle). `extra_state`: a callable whose dict is
-    added to /state as "workload"; `request_state`: a callable giving per-request usage."""
+    added to /state as "workload"; `request_state`: a callable giving per-request progress (both
+    are called under the lock, beside the ledger snapshot: they must be cheap and not lock)."""
     collector = (cache_or_collector if isinstance(cache_or_collector, KvatlasCollector)
                  else KvatlasCollector(cache_or_collector, lock=lock))
+    from ..planning.capacity import plan_to_dict
+    check_host(host)
+    # a plan never changes: its /state section is built once, not per scrape; scrapes run one at
+    # a time ("scrape"), so eight scrapers cost the driver one thread's share of the GIL, not eight
     state = {"collector": collector, "registry": registry_for(collector), "extra": extra_state,
-             "requests": request_state}
-    if not isinstance(port, int) or not 0 <= port <= 65535:
+             "requests": request_state, "scrape": threading.Lock(),
+             "plans": [plan_to_dict(src.cache.plan) for src in collector.sources]}
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
         raise ServerError(f"port: {port!r} is not a TCP port; give 0..65535 (0 picks a free one)")
     try:
-        httpd = ThreadingHTTPServer((host, port), _handler(state))
+        httpd = _Server((host, port), _handler(state))
     except OSError as exc:
         if exc.errno == errno.EADDRINUSE:
             raise ServerError(f"port: {host}:{port} is already in use; stop what listens there, "
                               "or pick another --port (0 picks a free one)") from None
         raise ServerError(f"host: cannot listen on {host}:{port} ({exc.strerror or exc}); "
                           "give a local address such as 127.0.0.1") from None
-    httpd.daemon_threads = True
     thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.1},
                               name="kvatlas-http", daemon=True)
     thread.start()
