@@ -35,6 +35,9 @@ def run(args) -> int:
     p = plan_from_args(args)
     require_torch("kvatlas alloc")
     import kvatlas
+    from ..cache.arena import backend_factory, parse_device
+    parse_device(args.device)   # refused here, before anything is allocated
+    backend_factory(args.backend)
     before = _torch_counters(args.device)
     t0 = time.perf_counter()
     cache = kvatlas.allocate(p, device=args.device, backend=args.backend)

@@ -74,8 +74,9 @@ def build(args, plan_from_args, *, lock=None, record=True):
     p = plan_from_args(args)
     require_torch("allocating a cache")
     import kvatlas
-    from ..cache.arena import parse_device
+    from ..cache.arena import backend_factory, parse_device
     layers = write_layers(args, parse_device(args.device))   # refused before the cache exists
+    backend_factory(args.backend)
     from ..driving.sim import Simulator
     from ..driving.simwrite import KVWriter
     cache = kvatlas.allocate(p, device=args.device, backend=args.backend)

@@ -123,7 +123,7 @@ def model_from_config(cfg: dict, name: str = "custom") -> ModelSpec:
         raise ConfigError(f"{where}.compress_ratios", "is missing",
                           "this is not a DeepSeek-V4 family config (it needs compress_ratios)")
     ratios = _ints(cfg, "compress_ratios", where)
-    layers = _need(cfg, "num_hidden_layers", where)
+    layers = _need(cfg, "num_hidden_layers", where, 1)
     v41 = any(r in (1, 2) for r in ratios) or "kv_source_layer_ids" in cfg
     family = "v4.1" if v41 else "v4"
     allowed = set(_V41_KIND_OF_RATIO if v41 else _KIND_OF_RATIO)
