@@ -118,7 +118,7 @@ def run(args) -> int:
     warning = server.check_host(args.host)   # refused before anything is planned or allocated
     if warning:
         print(f"kvatlas serve: warning: {warning}", file=sys.stderr, flush=True)
-    lock = threading.Lock()
+    lock = server.FairLock()   # scrapes wait for the pass in progress, not for a gap between passes
     cache, sim, writer = build(args, plan_from_args, lock=lock, record=False)
     handle = server.start(cache, args.host, args.port, lock=lock, extra_state=sim.state,
                           request_state=sim.progress)
