@@ -2,7 +2,7 @@
 (target: ratio ≥ 0.8), and the scrapes' latency (p50, p99).
 
 One `kvatlas serve` process runs a steady synthetic workload (Poisson arrivals for far longer than
-the measurement). After a warm-up, phases of --phase-s seconds alternate between no scrapers and
+the measurement, faster than the cache drains them: every pass has the same work). After a warm-up, phases of --phase-s seconds alternate between no scrapers and
 --scrapers threads (in this process, as Prometheus would be in its own) that each GET /state and
 /metrics back to back, as fast as the server answers. Forward passes are read from /state's
 `workload.stats.steps` at each phase's start and end; alternating phases, --rounds times, put a
@@ -30,9 +30,14 @@ import threading
 import time
 import urllib.request
 
+# Arrivals well above what 32 slots drain, so every pass has the same work: 32 requests running,
+# a full prefill chunk. No KV writes (--write-layers 0): the driver is then Python and numpy
+# only, holding the interpreter lock all pass long, the case scrapes hurt most (torch kernels
+# would release it).
 SERVE = ["deepseek-v4-flash", "--memory", "2GiB", "--max-running-requests", "32", "--max-model-len", "8192",
-         "--chunked-prefill-tokens", "2048", "--draft-tokens", "1", "--rate", "6", "--duration", "100000",
-         "--prompt-len", "uniform:128:2048", "--output-len", "uniform:32:256", "--port", "0", "--progress-s", "3600", "--write-layers", "0"]
+         "--chunked-prefill-tokens", "1024", "--draft-tokens", "1", "--rate", "40", "--duration", "100000",
+         "--prompt-len", "uniform:128:1024", "--output-len", "uniform:32:128", "--port", "0", "--progress-s", "3600",
+         "--write-layers", "0"]
 
 
 def get(url: str) -> bytes:

@@ -130,7 +130,7 @@ class ScrapeGate:
     pause is never felt; eight scrapers in a tight loop wait their turn instead of taking the
     forward passes' time (bench/serve_scrapers.py)."""
 
-    def __init__(self, yield_factor: float = 9.0, max_pause_s: float = 0.25) -> None:
+    def __init__(self, yield_factor: float = 19.0, max_pause_s: float = 0.25) -> None:
         self.lock = threading.Lock()
         self.yield_factor, self.max_pause_s = yield_factor, max_pause_s
         self._latest: dict[str, tuple[float, bytes]] = {}   # path → (build start, body)
