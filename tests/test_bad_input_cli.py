@@ -235,14 +235,22 @@ TRACE_LINES = [
     '{"arrival_s": 0, "prompt_tokens": 5}', '{"arrival_s": 0, "prompt_tokens": 5, "output_tokens": -5}',
     '{"arrival_s": 0, "prompt_tokens": 5, "output_tokens": null}',
     '{"prompt_tokens": 5, "output_tokens": 5}',
+    # the streaming reader's own cases: a repeated id, an overlong line, Mooncake lines
+    '{"id": "line1", "arrival_s": 1, "prompt_tokens": 5, "output_tokens": 5}',
+    '{"arrival_s": 0, "prompt_tokens": 5, "output_tokens": 5, "pad": "' + "x" * (1 << 20) + '"}',
+    '{"timestamp": -5, "input_length": 10, "output_length": 5, "hash_ids": [1]}',
+    '{"timestamp": 5, "input_length": 1000, "output_length": 5, "hash_ids": [1]}',
+    '{"timestamp": 5, "input_length": 10, "output_length": 0, "hash_ids": [1]}',
+    '{"timestamp": 5, "input_length": 10, "output_length": 5, "hash_ids": ["a"]}',
+    '{"timestamp": NaN, "input_length": 10, "output_length": 5, "hash_ids": [1]}',
 ]
 
 
-@pytest.mark.parametrize("line", TRACE_LINES)
+@pytest.mark.parametrize("line", TRACE_LINES, ids=[t[:40] for t in TRACE_LINES])
 @pytest.mark.parametrize("cmd", ["simulate", "serve"])
 def test_bad_trace_line_with_strict_trace(no_allocation, capsys, cmd, line):
     path = no_allocation / "t.jsonl"
-    path.write_text('{"arrival_s": 0, "prompt_tokens": 5, "output_tokens": 5}\n' + line + "\n")
+    path.write_text('{"id": "line1", "arrival_s": 0, "prompt_tokens": 5, "output_tokens": 5}\n' + line + "\n")
     assert_refused(capsys, [cmd, *TINY, "--workload", str(path), "--strict-trace"], f"{path}:2")
 
 

@@ -41,6 +41,31 @@ def test_variants_and_engine_flags(capsys):
     assert sg["variant"] == "cap, spec 4 draft" and sg["figures"]["prefix_tails"] == 0
 
 
+def test_states_gpu_and_entry_point_and_marks_refusals(capsys):
+    assert main(["compare", "--memory", "120GiB", "--indexer", "fp4"]) == 0
+    out = capsys.readouterr().out
+    assert "max running 256, GPU h200" in out
+    assert ("- vllm 0.33 [hybrid manager, fp4 indexer]: assumes vllm serve on h200: max_num_batched_tokens 8,192 "
+            "(its default there), max_num_seqs 256 (given; its default there 1,024)") in out
+    assert "REFUSED on h200: the fp4 indexer needs a Blackwell GPU; h200 is hopper" in out
+    assert "vllm 0.33 [hybrid manager, fp4 indexer] REFUSED" in out  # its table rows carry the mark
+    assert main(["compare", "--memory", "120GiB", "--gpu", "b200", "--vllm-entrypoint", "offline", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["gpu"] == "b200"
+    vl = doc["engines"][-1]
+    assert vl["refused"] is None and vl["figures"]["max_num_batched_tokens"] == 16_384
+    assert vl["assumes"].startswith("the offline LLM class on b200")
+    assert main(["compare", "--memory", "120GiB", "--indexer", "fp4", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert [e["refused"] for e in doc["engines"]] == [None, None, None,
+                                                       "the fp4 indexer needs a Blackwell GPU; h200 is hopper"]
+
+
+def test_sglang_truth_counts_free_lists(capsys):
+    assert main(["compare", "--memory", "120GiB", "--engines", "sglang"]) == 0
+    assert "130,082,784,840" in capsys.readouterr().out  # 130,082,170,968 + 613,872 B of lists and counter
+
+
 def test_plot(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     out = tmp_path / "cmp.png"
@@ -54,6 +79,8 @@ def test_plot(tmp_path, capsys):
     (["--engines", "vllm", "--sglang-swa-ratio", "0.2"], "sglang options were given"),
     (["--engines", "sglang:cap", "--sglang-swa-ratio", "0.2"], "swa_ratio"),
     (["--engines", "sglang", "--draft-tokens", "12"], "draft_tokens"),
+    (["--engines", "vllm", "--vllm-entrypoint", "api"], "invalid choice: 'api'"),
+    (["--engines", "vllm", "--gpu", "a100"], "invalid choice: 'a100'"),
 ])
 def test_bad_engine_options_exit_2(args, text):
     res = run_cli("compare", "--memory", "120GiB", *args)

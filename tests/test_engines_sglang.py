@@ -127,3 +127,23 @@ def test_v41_is_not_modelled():
 def test_tiny_budget():
     with pytest.raises(BudgetError, match="sglang"):
         sg(memory=2 * GIB)
+
+
+@pytest.mark.parametrize("model, mode, full_tokens, swa_tokens, extra, truth_before", [
+    ("deepseek-v4-pro", "auto", 12_321_792, 1_232_128, 425_616, 130_046_897_944),
+    ("deepseek-v4-pro", "cap", 17_393_920, 606_464, 564_568, 130_090_991_832),
+    ("deepseek-v4-flash", "auto", 17_798_400, 1_779_712, 613_872, 130_082_170_968),
+    ("deepseek-v4-flash", "cap", 27_390_208, 606_464, 876_952, 130_162_482_776),
+])
+def test_truth_counts_free_lists_and_request_counter(model, mode, full_tokens, swa_tokens, extra, truth_before):
+    r = sg(model, swa_mode=mode)
+    outside = {b.name: b for b in r.buffers if not b.in_budget}
+    # each paged allocator lists every page id but page 0; the request table counts reuses per slot
+    assert outside["free_full_pages"].bytes == full_tokens // 256 * 8
+    assert outside["free_swa_pages"].bytes == swa_tokens // 256 * 8
+    assert outside["req_generation"].bytes == 257 * 8
+    added = sum(outside[n].bytes for n in ("free_full_pages", "free_swa_pages", "req_generation"))
+    assert added == extra  # 425,616–876,952 B at 120 GiB
+    assert r.outside_bytes == added + outside["req_to_token"].bytes + outside["full_to_swa_index"].bytes
+    # "truth (all tensors)": what the column showed before, plus these lists and the counter
+    assert r.allocated_bytes + r.outside_bytes == truth_before + extra

@@ -67,8 +67,8 @@ def test_logged_kv_cache_size_is_a_concurrency():
 
 def test_truth_beside_the_log():
     r = vl()
-    # 255 decoding requests keep 3+3+3+17 sliding blocks each, one prefilling request its 6,682-block reserve
-    assert r.pool_tokens == (128_561 - 1 - 255 * 26 - 6_682) * 256 == 29_503_488
+    # 255 decoding requests keep 3+3+3+17 sliding blocks each, one prefilling request peaks at 6,678
+    assert r.pool_tokens == (128_561 - 1 - 255 * 26 - 6_678) * 256 == 29_504_512
     assert r.token_capacity == r.pool_tokens > r.reported.capacity_tokens
     assert sum(b.bytes for b in r.buffers) == r.allocated_bytes
     assert r.dead_bytes == r.allocated_bytes - r.reachable_bytes > 0
@@ -92,3 +92,97 @@ def test_bad_options(kw, field):
 def test_refuses_to_start_without_one_request():
     with pytest.raises(BudgetError, match="vllm"):
         vl(memory=8 * GIB)
+
+
+# ---- issue 17: the five corrections found by running the engines' own sizing code ----------
+
+@pytest.mark.parametrize("model, block_bytes, refused_at", [
+    ("deepseek-v4-flash", 1_002_240, 10_802_142_720),
+    ("deepseek-v4-pro", 1_435_968, 15_476_863_104),
+])
+def test_null_block_is_set_aside_before_the_start_up_check(model, block_bytes, refused_at):
+    # one 1M request needs 4,096 + 259 + 259 + 4,099 + 2,065 = 10,778 blocks; a pool of exactly
+    # that many is refused because block 0 (the null block) is not lent
+    assert refused_at == 10_778 * block_bytes
+    with pytest.raises(BudgetError, match="needs 10,778 blocks besides the null block"):
+        vl(model, memory=refused_at)
+    with pytest.raises(BudgetError):
+        vl(model, memory=refused_at + block_bytes - 1)
+    r = vl(model, memory=refused_at + block_bytes)  # one block more: it starts
+    assert r.figures["num_blocks"] == 10_779
+    assert r.reported.capacity_tokens == int(10_779 / 10_778 * 1_048_576) == 1_048_673
+
+
+def test_chunk_aligned_prefill_peaks_one_block_under_the_reserve():
+    r = vl()
+    groups = {g["name"]: g for g in r.figures["groups"]}
+    assert {n: g["max_blocks_per_request"] for n, g in groups.items() if n != "mla"} == \
+        {"swa.0": 259, "swa.1": 259, "c4_state": 4_099, "c128_state": 2_065}
+    assert {n: g["prefill_peak_blocks"] for n, g in groups.items() if n != "mla"} == \
+        {"swa.0": 258, "swa.1": 258, "c4_state": 4_098, "c128_state": 2_064}
+    assert groups["mla"]["prefill_peak_blocks"] is None
+    # 1,024 tokens (4 blocks of 256) more than charging the full reserve gave (29,503,488 / 7,562,240)
+    assert r.token_capacity == 29_503_488 + 1_024 == 29_504_512
+    small = vl(memory=40 * GIB)
+    assert small.figures["num_blocks"] == 42_853
+    assert small.token_capacity == (42_853 - 1 - 255 * 26 - 6_678) * 256 == 7_562_240 + 1_024
+
+
+def test_prefill_peak_follows_the_span_not_a_rule_of_thumb():
+    def per_group(r, key):
+        return {g["name"]: g[key] for g in r.figures["groups"] if g["name"] != "mla"}
+    # 8,193 tokens in flight (sync): one token spills into a new block, so the peak is the reserve
+    odd = vl(async_scheduling=False, max_num_batched_tokens=8_193)
+    assert per_group(odd, "prefill_peak_blocks") == per_group(odd, "max_blocks_per_request") == \
+        {"swa.0": 131, "swa.1": 131, "c4_state": 2_051, "c128_state": 1_041}
+    # capped by max_model_len: a request prefilled from position 0 spans cdiv(8,192, block) blocks
+    short = vl(max_model_len=8_192)
+    assert per_group(short, "max_blocks_per_request") == {"swa.0": 129, "swa.1": 129, "c4_state": 2_049,
+                                                          "c128_state": 1_025}
+    assert per_group(short, "prefill_peak_blocks") == {"swa.0": 128, "swa.1": 128, "c4_state": 2_048,
+                                                       "c128_state": 1_024}
+
+
+def test_requests_held_at_128k_settled_and_while_filling():
+    big, small = vl(), vl(memory=40 * GIB)
+    # every request exactly 128K long and settled: 1 + (blocks - 1 - 512 - 6,682) // (512 + 26)
+    assert (small.concurrency[131_072], big.concurrency[131_072]) == (67, 226)
+    assert big.concurrency[131_072] == 1 + (128_560 - 512 - 6_682) // 538
+    # what vLLM's scheduler held when fed 128K prompts: the same rule at the requests' real
+    # lengths, earlier requests having decoded while later ones prefilled 8,192 tokens a step
+    assert (small.figures["concurrency_filling"][131_072], big.figures["concurrency_filling"][131_072]) == (66, 223)
+
+
+def test_fp4_indexer_is_refused_on_hopper_and_marked():
+    r = vl(indexer="fp4")
+    assert r.refused == "the fp4 indexer needs a Blackwell GPU; h200 is hopper"
+    assert r.to_dict()["refused"] == r.refused
+    assert (r.figures["bytes_per_block"], r.figures["num_blocks"]) == (917_568, 140_424)  # sized all the same
+    assert vl(indexer="fp4", gpu="h100").refused.endswith("h100 is hopper")
+    assert vl(indexer="fp4", gpu="b200").refused == ""
+    assert vl().refused == "" and vl().to_dict()["refused"] is None
+
+
+@pytest.mark.parametrize("gpu, entrypoint, batched, seqs", [
+    ("h200", "serve", 8_192, 1_024), ("h200", "offline", 16_384, 1_024),
+    ("h100", "serve", 8_192, 1_024), ("b200", "serve", 16_384, 1_024), ("b200", "offline", 16_384, 1_024),
+])
+def test_defaults_follow_entry_point_and_gpu(gpu, entrypoint, batched, seqs):
+    assert vllm.batch_defaults(gpu, entrypoint) == (batched, seqs)
+    r = vl(gpu=gpu, entrypoint=entrypoint)
+    assert r.figures["max_num_batched_tokens"] == batched and r.figures["default_max_num_seqs"] == seqs
+    assert r.figures["max_num_seqs"] == 256  # the comparison's request limit, said beside its default
+    assert r.assumes.startswith({"serve": "vllm serve", "offline": "the offline LLM class"}[entrypoint] + f" on {gpu}")
+    assert f"max_num_batched_tokens {batched:,} (its default there)" in r.assumes
+
+
+def test_offline_entry_point_moves_the_reserve():
+    off = vl(entrypoint="offline")
+    # two 16,384-token batches in flight: cdiv(127 + 32,768, 64) + 1 = 515 SWA blocks
+    per_request = {g["name"]: g["max_blocks_per_request"] for g in off.figures["groups"]}
+    assert per_request == {"swa.0": 515, "swa.1": 515, "mla": 4_096, "c4_state": 8_195, "c128_state": 4_113}
+    given = vl(entrypoint="offline", max_num_batched_tokens=8_192)
+    assert given.token_capacity == vl().token_capacity and "(given)" in given.assumes
+    with pytest.raises(ConfigError) as err:
+        vl(entrypoint="api")
+    assert err.value.field == "entrypoint" and "serve" in err.value.fix

@@ -92,7 +92,10 @@ class KVCache:
         self.allocator.flush()
 
     def _clear_state(self, slot: int) -> None:
-        """A new request's rings start cleared: kv = 0, score = -inf (online C128: max = -inf)."""
+        """A new request's rings start cleared: kv = 0, score = -inf (online C128: max = -inf).
+        A bookkeeping cache (backend "none") holds no rows to clear."""
+        if not self.arena.backend.holds_memory:
+            return
         for pool in self.pools.values():
             if pool.role != "state":
                 continue

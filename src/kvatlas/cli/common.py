@@ -79,7 +79,7 @@ def add_deployment_args(p: argparse.ArgumentParser) -> None:
                    help="preset name, config.json or model directory (default: deepseek-v4-flash)")
     g = p.add_argument_group("budget")
     g.add_argument("--memory", help="KV budget per rank, e.g. 120GiB (default: --gpu × --mem-fraction − --weights)")
-    g.add_argument("--gpu", default="h200", choices=sorted(GPU_MEMORY_BYTES), help="GPU whose memory is the budget")
+    g.add_argument("--gpu", default="h200", choices=sorted(GPU_MEMORY_BYTES), help="GPU whose memory is the budget (compare: also the GPU the engines run on)")
     g.add_argument("--mem-fraction", type=number(0.0, 1.0, open_low=True), default=0.9, help="share of the GPU for weights + KV (default 0.9)")
     g.add_argument("--weights", default="0", help="the weights' share of one rank's memory, e.g. 40GiB (default 0)")
     g = p.add_argument_group("cache layout")

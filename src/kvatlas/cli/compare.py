@@ -25,7 +25,10 @@ def add_parser(p) -> None:
     g.add_argument("--sglang-prefix-tails", type=count(0), help="SGLang --swa-prefix-tails (cap mode headroom)")
     g.add_argument("--sglang-no-radix", action="store_true", help="SGLang with --disable-radix-cache")
     g.add_argument("--sglang-platform", choices=("cuda", "hip"), help="prices the fp4 indexer at 68 B on hip")
-    g.add_argument("--vllm-max-num-batched-tokens", type=count(1), help="default: --chunked-prefill-tokens")
+    g.add_argument("--vllm-max-num-batched-tokens", type=count(1),
+                   help="default: vLLM's own for --vllm-entrypoint on --gpu (8,192 for serve on an H200)")
+    g.add_argument("--vllm-entrypoint", choices=("serve", "offline"),
+                   help="whose defaults vLLM takes: `vllm serve` (default) or the offline LLM class")
     g.add_argument("--vllm-sync", action="store_true", help="vLLM without async scheduling (one batch in flight)")
     p.add_argument("--json", action="store_true", help="print the comparison as JSON (schema kvatlas.compare v1)")
     p.add_argument("--plot", metavar="FILE.png", help="also draw memory by pool and concurrency vs context")
@@ -35,7 +38,7 @@ def engine_options(args) -> dict:
     sg = {"swa_ratio": args.sglang_swa_ratio, "prefix_tails": args.sglang_prefix_tails,
           "radix_cache": False if args.sglang_no_radix else None, "platform": args.sglang_platform}
     vl = {"max_num_batched_tokens": args.vllm_max_num_batched_tokens,
-          "async_scheduling": False if args.vllm_sync else None}
+          "async_scheduling": False if args.vllm_sync else None, "entrypoint": args.vllm_entrypoint}
     out = {"sglang": {k: v for k, v in sg.items() if v is not None},
            "vllm": {k: v for k, v in vl.items() if v is not None}}
     return {k: v for k, v in out.items() if v}
@@ -52,9 +55,9 @@ def run(args) -> int:
                           on_result=lambda i, r: bar.update(i), **options_from_args(args))
     base = next((r for r in results if r.engine == "kvatlas"), None)
     if args.json:
-        print(json.dumps(to_dict(results, base), indent=2))
+        print(json.dumps(to_dict(results, base, args.gpu), indent=2))
     else:
-        print(text_report(results, base))
+        print(text_report(results, base, args.gpu))
     if args.plot:
         from ..engines.plot import plot_compare
         plot_compare(results, args.plot)
@@ -70,10 +73,10 @@ def token_ratio(base, r) -> float | None:
     return base.token_capacity / r.token_capacity
 
 
-def to_dict(results, base) -> dict:
+def to_dict(results, base, gpu: str) -> dict:
     first = results[0]
     return {"schema": "kvatlas.compare", "schema_version": SCHEMA_VERSION, "model": first.model,
-            "budget_bytes": first.budget_bytes, "contexts": list(TABLE_CONTEXTS),
+            "budget_bytes": first.budget_bytes, "gpu": gpu, "contexts": list(TABLE_CONTEXTS),
             "engines": [{**r.to_dict(), "kvatlas_token_ratio": token_ratio(base, r)} for r in results]}
 
 
@@ -82,7 +85,7 @@ def _signed(n: int) -> str:
 
 
 def _name(r) -> str:
-    return f"{r.engine} [{r.variant}]"
+    return f"{r.engine} [{r.variant}]" + (" REFUSED" if r.refused else "")
 
 
 def memory_rows(results) -> list[list]:
@@ -115,10 +118,20 @@ def reported_rows(results) -> list[list]:
     return rows
 
 
-def text_report(results, base) -> str:
+def setting_lines(results, gpu: str) -> list[str]:
+    """What each engine's figures assume, and which rows the engine would refuse on that GPU."""
+    plain = [f"{r.engine} [{r.variant}]" for r in results]
+    lines = [f"- {n}: assumes {r.assumes}" for n, r in zip(plain, results) if r.assumes]
+    lines += [f"- {n}: REFUSED on {gpu}: {r.refused}; its rows show what it would allocate where it starts"
+              for n, r in zip(plain, results) if r.refused]
+    return lines
+
+
+def text_report(results, base, gpu: str = "h200") -> str:
     first = results[0]
-    head = (f"kvatlas compare — {first.model}, budget {fmt_bytes(first.budget_bytes)} ({first.budget_bytes:,} B) "
-            f"per rank, max running {first.max_running_requests}")
+    head = "\n".join([f"kvatlas compare — {first.model}, budget {fmt_bytes(first.budget_bytes)} "
+                      f"({first.budget_bytes:,} B) per rank, max running {first.max_running_requests}, GPU {gpu}",
+                      *setting_lines(results, gpu)])
     ctx = [f"@{c // 1024:,}K" if c < 2**20 else f"@{c // 2**20}M" for c in TABLE_CONTEXTS]
     memory = render(["engine", "allocated B", "", "vs budget B", "outside budget B", "reachable B", "dead B",
                      "dead", "of which unreachable B"], memory_rows(results), title="memory")

@@ -99,6 +99,8 @@ class EngineResult:
     reported: Reported
     figures: dict = field(default_factory=dict)   # the engine's own sizing quantities
     notes: tuple[str, ...] = ()
+    assumes: str = ""                 # the entry point / GPU / build whose defaults the figures follow
+    refused: str = ""                 # why the engine would refuse this deployment on that GPU; "" if it starts
 
     def _sum(self, attr: str, in_budget: bool = True) -> int:
         return sum(getattr(b, attr) for b in self.buffers if b.in_budget == in_budget)
@@ -150,6 +152,7 @@ class EngineResult:
                          "memory_gauge_bytes": r.memory_gauge_bytes, "gauge_label": r.gauge_label,
                          "lines": list(r.lines)},
             "figures": dict(self.figures), "notes": list(self.notes),
+            "assumes": self.assumes, "refused": self.refused or None,
             "buffers": [b.to_dict() for b in self.buffers],
         }
 

@@ -13,7 +13,7 @@ _COLOURS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#
 
 
 def _label(r) -> str:
-    return f"{r.engine}\n{r.variant}"
+    return f"{r.engine}\n{r.variant}" + ("\nREFUSED on this GPU" if r.refused else "")
 
 
 def _pool_bars(ax, results) -> None:

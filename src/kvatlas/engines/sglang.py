@@ -240,12 +240,20 @@ def _state_pools(model: ModelSpec, s: Setup, z: Sizing, ids: dict) -> list[Engin
 
 def _outside(s: Setup, z: Sizing) -> list[EngineBuffer]:
     """Allocated after the budget was profiled, so they come on top of it."""
-    mapping = row_buffer("full_to_swa_index", pool="index_maps", role="table", kind="all", layers=(), dtype="int64",
-                         row_bytes=8, rows=z.full_tokens + s.page + 1, null_rows=0)
+    def table(name, pool, dtype, row_bytes, rows, null_rows=0, note=""):
+        spec = row_buffer(name, pool=pool, role="table", kind="all", layers=(), dtype=dtype, row_bytes=row_bytes,
+                          rows=rows, null_rows=null_rows)
+        return EngineBuffer(spec=spec, in_budget=False, note=note)
     width = s.context_len + 4 + s.draft_tokens
-    table = row_buffer("req_to_token", pool="req_to_token", role="table", kind="all", layers=(), dtype="int32",
-                       row_bytes=4 * width, rows=s.slots, null_rows=1)
-    return [EngineBuffer(spec=mapping, in_budget=False), EngineBuffer(spec=table, in_budget=False)]
+    return [table("full_to_swa_index", "index_maps", "int64", 8, z.full_tokens + s.page + 1),
+            table("req_to_token", "req_to_token", "int32", 4 * width, s.slots, null_rows=1),
+            # each paged allocator starts with every page id but page 0 on its free list
+            table("free_full_pages", "free_lists", "int64", 8, z.full_tokens // s.page,
+                  note="the full allocator's free list: one id per page"),
+            table("free_swa_pages", "free_lists", "int64", 8, z.swa_tokens // s.page,
+                  note="the SWA allocator's free list: one id per page"),
+            table("req_generation", "req_to_token", "int64", 8, s.slots,
+                  note="the request table's reuse counter, one per slot; created without a device (host memory)")]
 
 
 def concurrency(s: Setup, z: Sizing, context_tokens: int) -> int:
@@ -286,7 +294,7 @@ def run(model: ModelSpec, opts: ServeOptions, budget: int, **engine_options) -> 
                         token_capacity=live_tokens(z.full_tokens, running, s.context_len, s.page),
                         pool_tokens=z.full_tokens, max_running_requests=running,
                         concurrency={c: concurrency(s, z, c) for c in contexts}, reported=reported,
-                        figures=figures, notes=_notes(s))
+                        figures=figures, notes=_notes(s), assumes=f"its {eng['platform'].upper()} build")
 
 
 def _variant_suffix(opts: ServeOptions) -> str:

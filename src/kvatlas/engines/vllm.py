@@ -8,6 +8,10 @@ smaller group wastes the difference. A sliding group (SWA, compressor state) adm
 only when `cdiv(window - 1 + in-flight tokens, block) + 1` blocks are free, and the figure vLLM
 logs as "GPU KV cache size" is max_model_len times blocks / (every group's per-request maximum):
 a concurrency, not a capacity.
+
+Its defaults are not one setting: `max_num_batched_tokens` and `max_num_seqs` follow the entry
+point (`vllm serve` or the offline `LLM` class) and the GPU's memory, so the model takes both as
+options and says which it assumed. Block 0 is the null block, set aside before the start-up check.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from dataclasses import dataclass
 from ..planning import formats
 from ..errors import BudgetError
 from ..planning.model import LayerKind, ModelSpec
-from ..planning.options import ServeOptions
+from ..planning.options import GPU_ARCH, GPU_MEMORY_BYTES, ServeOptions
 from ..planning.planner import swa_pages_per_step
 from ..units import cdiv, round_up
 from .base import (CURVE_CONTEXTS, TABLE_CONTEXTS, EngineBuffer, EngineResult, Reported, live_tokens,
@@ -25,7 +29,8 @@ from .base import (CURVE_CONTEXTS, TABLE_CONTEXTS, EngineBuffer, EngineResult, R
 from ..planning.buffers import BufferSpec
 
 ENGINE = "vllm 0.33"
-OPTIONS = {"async_scheduling": True, "max_num_batched_tokens": None}
+OPTIONS = {"async_scheduling": True, "max_num_batched_tokens": None, "entrypoint": "serve"}
+ENTRYPOINTS = {"serve": "vllm serve", "offline": "the offline LLM class"}
 PAGE_ALIGN = formats.FP8_DS_MLA_PAGE_ALIGN   # every V4 spec pads its page to 576 B
 SWA_BLOCK_TOKENS = 64                        # the SWA backend's block; compressed KV uses 256
 
@@ -98,6 +103,17 @@ def layer_caches(model: ModelSpec, opts: ServeOptions) -> list[Cache]:
     return out
 
 
+def batch_defaults(gpu: str, entrypoint: str) -> tuple[int, int]:
+    """vLLM's own (max_num_batched_tokens, max_num_seqs) for an entry point on a GPU, by the
+    GPU's total memory: 160 GiB or more, 70 GiB or more (A100s excepted, none modelled), less."""
+    memory = GPU_MEMORY_BYTES[gpu]
+    if memory >= 160 * 2**30:
+        return 16384, 1024
+    if memory >= 70 * 2**30:
+        return (8192 if entrypoint == "serve" else 16384), 1024
+    return (2048 if entrypoint == "serve" else 8192), 256
+
+
 def approximate_gcd(values: list[int], lower_bound: int) -> int:
     """The repeat count d ≥ lower_bound that pads the layer counts least when each is rounded
     up to a multiple of d; ties go to the larger d."""
@@ -134,10 +150,17 @@ class Sizing:
     bytes_per_block: int
     num_blocks: int
     max_blocks_per_request: dict    # group → blocks one max_model_len request may need
+    prefill_peak_blocks: dict       # sliding group → blocks a request in chunked prefill peaks at
     held_blocks_per_request: dict   # group → blocks a decoding request keeps (sliding groups)
     page_tokens: int
     max_model_len: int
     requests: int
+    batched_tokens: int             # max_num_batched_tokens: the prefill tokens of one step
+    step_tokens: int                # tokens a decoding request takes from a step (1 + draft tokens)
+
+    @property
+    def usable_blocks(self) -> int:
+        return self.num_blocks - 1  # block 0 is the null block
 
     @property
     def logged_concurrency(self) -> float:
@@ -155,47 +178,79 @@ class Sizing:
 def configure(model: ModelSpec, opts: ServeOptions, eng: dict, budget: int) -> Sizing:
     gs = tuple(groups(layer_caches(model, opts)))
     bpb = max(g.page_bytes for g in gs)
-    batched = eng["max_num_batched_tokens"] or opts.chunked_prefill_tokens
+    batched = eng["max_num_batched_tokens"] or batch_defaults(opts.gpu, eng["entrypoint"])[0]
     in_flight = (2 if eng["async_scheduling"] else 1) * batched
     max_len, step = opts.max_model_len, 1 + opts.draft_tokens
-    cap, held = {}, {}
+    cap, peak, held = {}, {}, {}
     for g in gs:
+        b = g.block_tokens
         if g.window is None:
-            cap[g.name] = cdiv(max_len, g.block_tokens)
+            cap[g.name] = cdiv(max_len, b)
         else:
-            cap[g.name] = cdiv(min(g.window - 1 + in_flight, max_len), g.block_tokens) + 1
-            held[g.name] = swa_pages_per_step(g.window, step, g.block_tokens)
+            cap[g.name] = cdiv(min(g.window - 1 + in_flight, max_len), b) + 1
+            # the reserve's "+ 1" covers a span starting inside a block; a chunked prefill starts
+            # on a chunk boundary, a multiple of every block, so it spans the window's blocks
+            # before it and its own in-flight tokens' blocks: one fewer whenever those fill blocks
+            peak[g.name] = min(cdiv(g.window - 1, b) + cdiv(in_flight, b), cdiv(max_len, b))
+            held[g.name] = swa_pages_per_step(g.window, step, b)
     return Sizing(groups=gs, bytes_per_block=bpb, num_blocks=budget // bpb, max_blocks_per_request=cap,
-                  held_blocks_per_request=held, page_tokens=opts.page_tokens, max_model_len=max_len,
-                  requests=opts.max_running_requests)
+                  prefill_peak_blocks=peak, held_blocks_per_request=held, page_tokens=opts.page_tokens, max_model_len=max_len,
+                  requests=opts.max_running_requests, batched_tokens=batched, step_tokens=step)
+
+
+def _admitted_blocks(z: Sizing, context_tokens: int) -> int:
+    """Blocks the last request admitted needs free: its full blocks and, per sliding group, its
+    admission reserve (no more than its context spans)."""
+    admit = sum(min(cdiv(context_tokens, g.block_tokens), z.max_blocks_per_request[g.name])
+                for g in z.groups if g.window is not None)
+    return cdiv(context_tokens, z.page_tokens) + admit
 
 
 def concurrency(z: Sizing, context_tokens: int) -> int:
     """Requests of `context_tokens` held at once. Earlier requests have settled into decode and
     keep only their window's blocks per sliding group; the last one admitted must find its
-    admission reserve (capped per group) free. Block 0 is the null block."""
+    admission reserve (capped per group) free."""
     if context_tokens > z.max_model_len:
         return 0
     full = cdiv(context_tokens, z.page_tokens)
-    admit = sum(min(cdiv(context_tokens, g.block_tokens), z.max_blocks_per_request[g.name])
-                for g in z.groups if g.window is not None)
-    free = z.num_blocks - 1 - full - admit
+    free = z.usable_blocks - _admitted_blocks(z, context_tokens)
     if free < 0:
         return 0
     return min(z.requests, 1 + free // (full + z.held_total))
 
 
+def concurrency_filling(z: Sizing, context_tokens: int) -> int:
+    """Requests of `context_tokens` prompt tokens held when a queue of them is admitted one after
+    another into an empty engine: the same rule as `concurrency`, at the lengths the requests
+    really have. While one request prefills, max_num_batched_tokens less the decode tokens per
+    step, every request already admitted decodes one token a step, so early ones have grown."""
+    if context_tokens > z.max_model_len:
+        return 0
+    done_at: list[int] = []   # the step each admitted request finished its prefill
+    step = 0
+    while len(done_at) < z.requests:
+        held = sum(cdiv(context_tokens + step - t, z.page_tokens) + z.held_total for t in done_at)
+        if held + _admitted_blocks(z, context_tokens) > z.usable_blocks:
+            break
+        per_step = z.batched_tokens - len(done_at) * z.step_tokens
+        if per_step <= 0:  # the decodes take every token of a step: no prefill advances
+            break
+        step += cdiv(context_tokens, per_step)
+        done_at.append(step)
+    return len(done_at)
+
+
 def sliding_blocks(z: Sizing) -> dict:
     """Blocks per sliding group while max_num_seqs requests run: all but one decoding (a few
-    blocks each) and one in chunked prefill, holding its group's full admission reserve: the
-    window plus every in-flight token, per token for the state groups."""
-    return {g.name: (z.requests - 1) * z.held_blocks_per_request[g.name] + z.max_blocks_per_request[g.name]
-            for g in z.groups if g.window is not None}
+    blocks each) and one in chunked prefill at its peak: the window plus every in-flight token
+    (per token for the state groups), one block under the admission reserve."""
+    peak = z.prefill_peak_blocks
+    return {name: (z.requests - 1) * held + peak[name] for name, held in z.held_blocks_per_request.items()}
 
 
 def pool_tokens(z: Sizing) -> int:
     """Tokens the full group holds beside the sliding blocks of a serving batch (block 0 is null)."""
-    return max(z.num_blocks - 1 - sum(sliding_blocks(z).values()), 0) * z.page_tokens
+    return max(z.usable_blocks - sum(sliding_blocks(z).values()), 0) * z.page_tokens
 
 
 def buffers(z: Sizing) -> list[EngineBuffer]:
@@ -217,7 +272,7 @@ def buffers(z: Sizing) -> list[EngineBuffer]:
     return out
 
 
-def _check(model: ModelSpec, opts: ServeOptions) -> None:
+def _check(model: ModelSpec, opts: ServeOptions, eng: dict) -> None:
     if model.family != "v4":
         raise unsupported("model", ENGINE, f"{model.name} is a {model.family} model; only V4/V4-Pro are modelled",
                           "compare a deepseek-v4-flash or deepseek-v4-pro preset")
@@ -236,37 +291,71 @@ def _check(model: ModelSpec, opts: ServeOptions) -> None:
     if opts.pp != 1 or opts.dp != 1:
         raise unsupported("pp" if opts.pp != 1 else "dp", ENGINE, "only one rank without pp or dp is modelled",
                           "use pp=1 and dp=1")
+    if eng["entrypoint"] not in ENTRYPOINTS:
+        raise unsupported("entrypoint", ENGINE, f"{eng['entrypoint']!r} is not an entry point",
+                          f"use one of {', '.join(ENTRYPOINTS)}")
+
+
+def _refuse_without_one_request(z: Sizing, budget: int) -> None:
+    """Its start-up check runs after the null block is set aside: the blocks left must cover
+    one max_model_len request, so a pool of exactly that many blocks is refused."""
+    need = sum(z.max_blocks_per_request.values())
+    if z.usable_blocks < need:
+        raise BudgetError(f"memory: {ENGINE} refuses to start: one request of max_model_len={z.max_model_len} "
+                          f"needs {need:,} blocks besides the null block ({(need + 1) * z.bytes_per_block:,} B) "
+                          f"but {budget:,} B hold {z.num_blocks:,}; raise memory or lower max_model_len")
+
+
+def _setting(opts: ServeOptions, eng: dict, z: Sizing) -> tuple[str, str]:
+    """What the figures assume (entry point, GPU, the defaults that follow) and, if the engine
+    would refuse this deployment on that GPU, why."""
+    default_batched, default_seqs = batch_defaults(opts.gpu, eng["entrypoint"])
+    source = "given" if eng["max_num_batched_tokens"] else "its default there"
+    assumes = (f"{ENTRYPOINTS[eng['entrypoint']]} on {opts.gpu}: max_num_batched_tokens {z.batched_tokens:,} "
+               f"({source}), max_num_seqs {z.requests:,} (given; its default there {default_seqs:,})")
+    refused = ""
+    if opts.indexer == "fp4" and GPU_ARCH[opts.gpu] != "blackwell":
+        refused = f"the fp4 indexer needs a Blackwell GPU; {opts.gpu} is {GPU_ARCH[opts.gpu]}"
+    return assumes, refused
+
+
+def _figures(z: Sizing, opts: ServeOptions, eng: dict, filling: dict) -> dict:
+    return {"bytes_per_block": z.bytes_per_block, "num_blocks": z.num_blocks,
+            "groups": [{"name": g.name, "layers": len({c.layer for c in g.caches}), "caches": len(g.caches),
+                        "block_tokens": g.block_tokens, "page_bytes": g.page_bytes,
+                        "max_blocks_per_request": z.max_blocks_per_request[g.name],
+                        "prefill_peak_blocks": z.prefill_peak_blocks.get(g.name),
+                        "held_blocks_per_request": z.held_blocks_per_request.get(g.name)} for g in z.groups],
+            "logged_concurrency": z.logged_concurrency, "logged_tokens": z.logged_tokens,
+            "slope_bytes_per_token": z.bytes_per_block / z.page_tokens,
+            "gpu": opts.gpu, "entrypoint": eng["entrypoint"], "max_num_batched_tokens": z.batched_tokens,
+            "max_num_seqs": z.requests, "default_max_num_seqs": batch_defaults(opts.gpu, eng["entrypoint"])[1],
+            "concurrency_filling": filling}
 
 
 def run(model: ModelSpec, opts: ServeOptions, budget: int, **engine_options) -> EngineResult:
     eng = split_options(ENGINE, OPTIONS, engine_options)
-    _check(model, opts)
+    _check(model, opts, eng)
     z = configure(model, opts, eng, budget)
-    if z.logged_concurrency < 1:
-        need = sum(z.max_blocks_per_request.values()) * z.bytes_per_block
-        raise BudgetError(f"memory: {ENGINE} refuses to start: one request of max_model_len={z.max_model_len} "
-                          f"needs {need} B of blocks but {budget} B were given; raise memory or lower max_model_len")
+    _refuse_without_one_request(z, budget)
+    assumes, refused = _setting(opts, eng, z)
     contexts = sorted(set(TABLE_CONTEXTS + CURVE_CONTEXTS))
     reported = Reported(
         capacity_tokens=z.logged_tokens, capacity_label="GPU KV cache size", memory_gauge_bytes=None,
         gauge_label="none in bytes (vllm:kv_cache_usage_perc is a share of blocks)",
         lines=(f"GPU KV cache size: {z.logged_tokens:,} tokens",
                f"Maximum concurrency for {z.max_model_len:,} tokens per request: {z.logged_concurrency:.2f}x"))
-    figures = {"bytes_per_block": z.bytes_per_block, "num_blocks": z.num_blocks,
-               "groups": [{"name": g.name, "layers": len({c.layer for c in g.caches}), "caches": len(g.caches),
-                           "block_tokens": g.block_tokens, "page_bytes": g.page_bytes,
-                           "max_blocks_per_request": z.max_blocks_per_request[g.name],
-                           "held_blocks_per_request": z.held_blocks_per_request.get(g.name)} for g in z.groups],
-               "logged_concurrency": z.logged_concurrency, "logged_tokens": z.logged_tokens,
-               "slope_bytes_per_token": z.bytes_per_block / z.page_tokens}
+    filling = {c: concurrency_filling(z, c) for c in TABLE_CONTEXTS}
     notes = ("'GPU KV cache size' is max concurrency × max_model_len: it moves with max_model_len",
-             "each sliding group admits a request only with its reserve free; a decoding request keeps a few blocks")
+             "each sliding group admits a request only with its reserve free; a decoding request keeps a few blocks",
+             "fed same-length prompts from empty it holds " + ", ".join(f"{n:,} @{c:,}" for c, n in filling.items())
+             + ": earlier requests decode, and grow, while later ones prefill")
     return EngineResult(engine=ENGINE, variant="hybrid manager" + _suffix(opts), model=model.name, budget_bytes=budget,
                         buffers=tuple(buffers(z)), pool_tokens=pool_tokens(z),
                         token_capacity=live_tokens(pool_tokens(z), z.requests, z.max_model_len, z.page_tokens),
                         max_running_requests=opts.max_running_requests,
                         concurrency={c: concurrency(z, c) for c in contexts}, reported=reported,
-                        figures=figures, notes=notes)
+                        figures=_figures(z, opts, eng, filling), notes=notes, assumes=assumes, refused=refused)
 
 
 def _suffix(opts: ServeOptions) -> str:

@@ -42,11 +42,17 @@ def write_png(path: str, timeline, title: str = "") -> None:
     t = [pt.t_s for pt in timeline]
     pools = list(timeline[0].snapshot.pools) if timeline else []
     fig, axes = plt.subplots(2, 4, figsize=(18, 8), sharex=True)
+    books_only = bool(timeline) and timeline[0].snapshot.backend == "none"
     for ax, m in zip(axes.flat, MEASURES):
+        ax.set_title(f"{m} (MiB)")
+        if books_only and m in ("tensor", "reserved", "physical"):   # an empty panel would read as "0 used"
+            ax.text(0.5, 0.5, "not allocated\n(backend none: allocator\nand ledger only)", ha="center",
+                    va="center", transform=ax.transAxes)
+            ax.set_yticks([])
+            continue
         series = [[getattr(pt.snapshot.pools[p].measures, f"{m}_bytes") / 2**20 for pt in timeline] for p in pools]
         if t:
             ax.stackplot(t, *series, labels=pools)
-        ax.set_title(f"{m} (MiB)")
     axes.flat[0].legend(loc="upper left", fontsize=7)
     ax = axes.flat[6]
     ax.plot(t, [pt.running for pt in timeline], label="running")

@@ -10,7 +10,9 @@ from ..errors import ConfigError
 from ..units import parse_bytes
 
 # Total memory CUDA reports for each GPU (nvidia-smi's MiB figure).
-GPU_MEMORY_BYTES = {"h200": 143771 * 2**20, "h100": 81559 * 2**20, "h20": 97871 * 2**20}
+GPU_MEMORY_BYTES = {"h200": 143771 * 2**20, "h100": 81559 * 2**20, "h20": 97871 * 2**20, "b200": 183359 * 2**20}
+# Each GPU's architecture: engines gate kernels on it (vLLM's fp4 indexer needs Blackwell)
+GPU_ARCH = {"h200": "hopper", "h100": "hopper", "h20": "hopper", "b200": "blackwell"}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
