@@ -53,6 +53,13 @@ WORKLOAD = {
     "--write-layers": ["-1", "x", "1.5", BIG],
     "--device": [("tpu", "device"), ("cuda:x", "device"), ("", "device")],
     "--backend": [("mmap", "backend")],
+    "--turns": [("0", "turns"), ("nan", "turns"), ("x", "turns"), ("1e12", "turns")],
+    "--system-prompts": ["-1", "x", "1e9", "1.5"],
+    "--think": [("-1", "think"), ("exp:inf", "think"), ("x", "think")],
+    "--trace-format": ["csv", ""],
+    "--prefill-us-per-token": ["-1", "nan", "inf", "x"],
+    "--decode-us-per-token": ["-1", "nan", "x"],
+    "--sample-ms": ["-1", "nan", "inf"],
 }
 ALLOC = {"--device": [("tpu", "device"), ("cuda:x", "device"), ("", "device")], "--backend": [("mmap", "backend"), ("", "backend")]}
 SERVE = {
@@ -107,6 +114,8 @@ MISC = [
     (["--memory", "1GiB"], "COMMAND"),
     (["simulate", *TINY, "--rate", "1e6", "--duration", "100"], "rate"),
     (["serve", *TINY, "--rate", "1000", "--duration", "1e5"], "rate"),
+    (["simulate", *TINY, "--backend", "none", "--write-layers", "1"], "--write-layers"),
+    (["simulate", *TINY, "--turns", "uniform:1:100000", "--rate", "1000", "--duration", "100"], "turns"),
     (["plan", *TINY, "--online-c128", "--state-dtype", "bf16"], "online_c128"),
     (["plan", "tiny-v4", "--weights", "200GiB"], "weights"),
     (["plan", "deepseek-v4-flash", "--memory", "1GiB"], "memory"),

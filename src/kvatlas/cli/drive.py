@@ -55,6 +55,10 @@ def add_workload_args(p) -> None:
 
 def requests_from_args(args) -> list:
     from ..driving import workload
+    if args.workload == "synthetic":   # every session flag is checked, used or not: a typo is never ignored
+        for flag, text, low in (("--turns", args.turns, 1), ("--followup-len", args.followup_len, 1),
+                                ("--think", args.think, 0), ("--system-prompt-len", args.system_prompt_len, 1)):
+            workload.parse_length(text, flag, minimum=low)
     if args.workload == "synthetic" and (args.turns.strip() != "1" or args.system_prompts != 0):
         from ..driving.sessions import sessions
         return sessions(rate_per_s=args.rate, duration_s=args.duration, turns=args.turns, first_len=args.prompt_len,
