@@ -8,11 +8,12 @@ the measurement, faster than the cache drains them: every pass has the same work
 `workload.stats.steps` at each phase's start and end; alternating phases, --rounds times, put a
 shared machine's drift on both sides. Each phase's passes/s are reported, the ratio is of the sums.
 
---step-ms sets how long serve lets one pass take (20 ms is serve's default: the driver sleeps the
-rest of each pass, as a real engine waits for its GPU); a small value makes the driver CPU-bound,
-so every millisecond a scrape holds the interpreter shows.
+serve's time model paces passes (a pass takes --step-ms + per-token costs; the driver sleeps the
+rest, as a real engine waits for its GPU). Here the per-token costs are 0 and --step-ms is 1 by
+default: the driver is CPU-bound, so every millisecond a scrape takes from it shows (a paced
+driver hides scrapes in its sleep).
 
-    python bench/serve_scrapers.py [--scrapers 8] [--phase-s 4] [--rounds 3] [--step-ms 20] [--append bench/RESULTS.md]
+    python bench/serve_scrapers.py [--scrapers 8] [--phase-s 4] [--rounds 5] [--step-ms 1] [--append bench/RESULTS.md]
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ SERVE = ["deepseek-v4-flash", "--memory", "2GiB", "--max-running-requests", "32"
          "--chunked-prefill-tokens", "1024", "--draft-tokens", "1", "--rate", "40", "--duration", "100000",
          "--prompt-len", "uniform:128:1024", "--output-len", "uniform:32:128", "--port", "0", "--progress-s", "3600",
          "--write-layers", "0"]
+CPU_BOUND = ["--prefill-us-per-token", "0", "--decode-us-per-token", "0"]
 
 
 def get(url: str) -> bytes:
@@ -79,15 +81,16 @@ class Scrapers:
             t.join()
 
 
-def start_serve(step_ms: float):
-    cmd = [sys.executable, "-m", "kvatlas", "serve", *SERVE, "--step-ms", str(step_ms)]
+def start_serve(step_ms: float, paced: bool):
+    flags = [*SERVE, *([] if paced else CPU_BOUND), "--step-ms", str(step_ms)]
+    cmd = [sys.executable, "-m", "kvatlas", "serve", *flags]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     line = proc.stdout.readline()
     m = re.search(r"endpoints at (http://[^/\s]+)/metrics", line)
     if not m:
         proc.kill()
         raise SystemExit(f"serve did not start: {line}{proc.stderr.read()}")
-    return proc, m.group(1), " ".join(["kvatlas serve", *SERVE, "--step-ms", str(step_ms)])
+    return proc, m.group(1), " ".join(["kvatlas serve", *flags])
 
 
 def phase(url: str, n: int, seconds: float, lat: dict) -> float:
@@ -113,10 +116,12 @@ def main() -> None:
     ap.add_argument("--phase-s", type=float, default=4.0)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--warmup-s", type=float, default=6.0)
-    ap.add_argument("--step-ms", type=float, default=20.0)
+    ap.add_argument("--step-ms", type=float, default=1.0)
+    ap.add_argument("--paced", action="store_true", help="serve's default time model (with --step-ms 20): "
+                    "passes sleep out their modelled time, as in the issue's measurement")
     ap.add_argument("--append", help="append the results as a section of this Markdown file")
     args = ap.parse_args()
-    proc, url, serve_cmd = start_serve(args.step_ms)
+    proc, url, serve_cmd = start_serve(args.step_ms, args.paced)
     try:
         time.sleep(args.warmup_s)   # the running set fills up to its steady size
         none, some, lat = [], [], {}
@@ -131,7 +136,7 @@ def main() -> None:
     scrapes = {k: (len(v), pct(v, 0.5) * 1e3, pct(v, 0.99) * 1e3) for k, v in lat.items()}
     lines = [
         f"- command: `python bench/serve_scrapers.py --scrapers {args.scrapers} --phase-s {args.phase_s} "
-        f"--rounds {args.rounds} --step-ms {args.step_ms}`",
+        f"--rounds {args.rounds} --step-ms {args.step_ms}{' --paced' if args.paced else ''}`",
         f"- serve: `{serve_cmd}` (CPU; {running} requests running at the end)",
         f"- forward passes/s, no scrapers: {', '.join(f'{x:.1f}' for x in none)} (median {statistics.median(none):.1f})",
         f"- forward passes/s, {args.scrapers} scrapers: {', '.join(f'{x:.1f}' for x in some)} "
@@ -142,7 +147,8 @@ def main() -> None:
     print(text)
     if args.append:
         with open(args.append, "a") as f:
-            f.write(f"\n## serve_scrapers (step {args.step_ms:g} ms) — {datetime.date.today()}\n\n"
+            f.write(f"\n## serve_scrapers ({'paced' if args.paced else 'CPU-bound'}, step {args.step_ms:g} ms) — "
+                    f"{datetime.date.today()}\n\n"
                     f"- machine: {platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}\n"
                     + text + "\n")
 
