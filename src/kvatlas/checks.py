@@ -71,7 +71,8 @@ def request_id(value):
         raise ConfigError("request_id", f"a {type(value).__name__} is not hashable",
                           "give a string or integer id") from None
     if isinstance(value, numbers.Real) and not isinstance(value, numbers.Integral) and math.isnan(value):
-        raise ConfigError("request_id", "NaN is not a request id (NaN never equals itself)", "give a string or integer id")
+        raise ConfigError("request_id", "NaN is not a request id (NaN never equals itself)",
+                          "give a string or integer id")
     return value
 
 

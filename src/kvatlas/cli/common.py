@@ -70,7 +70,8 @@ def check_output_file(flag: str, path: str | None, extensions=PLOT_EXTENSIONS) -
     if extensions is not None:
         ext = os.path.splitext(path)[1].lstrip(".").lower()
         if ext not in extensions:
-            raise ConfigError(flag, f"{path!r} has {'no' if not ext else 'an unknown'} extension{' ' + repr(ext) if ext else ''}",
+            what = f"an unknown extension {ext!r}" if ext else "no extension"
+            raise ConfigError(flag, f"{path!r} has {what}",
                               f"end it in one of .{', .'.join(extensions)}")
 
 
@@ -80,7 +81,8 @@ def add_deployment_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("budget")
     g.add_argument("--memory", help="KV budget per rank, e.g. 120GiB (default: --gpu × --mem-fraction − --weights)")
     g.add_argument("--gpu", default="h200", choices=sorted(GPU_MEMORY_BYTES), help="GPU whose memory is the budget (compare: also the GPU the engines run on)")
-    g.add_argument("--mem-fraction", type=number(0.0, 1.0, open_low=True), default=0.9, help="share of the GPU for weights + KV (default 0.9)")
+    g.add_argument("--mem-fraction", type=number(0.0, 1.0, open_low=True), default=0.9,
+                   help="share of the GPU for weights + KV (default 0.9)")
     g.add_argument("--weights", default="0", help="the weights' share of one rank's memory, e.g. 40GiB (default 0)")
     g = p.add_argument_group("cache layout")
     g.add_argument("--layout", dest="kv_layout", help="v4 (fp8_ds_mla, default), bf16, uniform-fp8, unified-bf16, "

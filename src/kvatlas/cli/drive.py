@@ -21,8 +21,10 @@ def add_workload_args(p) -> None:
                    '(one {"timestamp" ms, "input_length", "output_length", "hash_ids"} per line)')
     g.add_argument("--trace-format", default="auto", choices=("auto", "kvatlas", "mooncake"),
                    help="format of the trace's lines (default auto: Mooncake when a line has its fields)")
-    g.add_argument("--rate", type=number(0.0, MAX_RATE_PER_S, open_low=True), default=4.0, help="synthetic: arrivals per second (Poisson, default 4)")
-    g.add_argument("--duration", type=number(0.0, MAX_DURATION_S, open_low=True), default=10.0, help="synthetic: seconds of arrivals (default 10)")
+    g.add_argument("--rate", type=number(0.0, MAX_RATE_PER_S, open_low=True), default=4.0,
+                   help="synthetic: arrivals per second (Poisson, default 4)")
+    g.add_argument("--duration", type=number(0.0, MAX_DURATION_S, open_low=True), default=10.0,
+                   help="synthetic: seconds of arrivals (default 10)")
     g.add_argument("--prompt-len", default="uniform:64:1024",
                    help="synthetic prompt lengths: N, uniform:LO:HI, exp:MEAN, lognormal:MEDIAN:SIGMA")
     g.add_argument("--output-len", default="uniform:16:256", help="synthetic output lengths (same forms)")
@@ -40,7 +42,8 @@ def add_workload_args(p) -> None:
     g.add_argument("--write-layers", default=None,
                    help="layers per pool that get real KV writes: N or 'all' (default: 1 on CPU, all on CUDA)")
     g = p.add_argument_group("time model (one forward pass = step + prefill × tokens + decode × tokens)")
-    g.add_argument("--step-ms", type=number(0.0, 3.6e6, open_low=True), default=20.0, help="fixed time of every forward pass (default 20 ms)")
+    g.add_argument("--step-ms", type=number(0.0, 3.6e6, open_low=True), default=20.0,
+                   help="fixed time of every forward pass (default 20 ms)")
     g.add_argument("--prefill-us-per-token", type=number(0.0, 1e9), default=40.0,
                    help="time per prompt token computed; cache hits are not computed (default 40 µs)")
     g.add_argument("--decode-us-per-token", type=number(0.0, 1e9), default=100.0,

@@ -22,7 +22,8 @@ def add_parser(p) -> None:
     g.add_argument("--port", type=count(0, 65535), default=9400, help="TCP port (default 9400; 0 picks a free one)")
     g.add_argument("--linger", type=_linger, default=0.0,
                    help="seconds to keep serving after the workload ends (default 0; -1: until a signal)")
-    g.add_argument("--progress-s", type=number(0.0, 3600.0, open_low=True), default=1.0, help="seconds between progress updates")
+    g.add_argument("--progress-s", type=number(0.0, 3600.0, open_low=True), default=1.0,
+                   help="seconds between progress updates")
 
 
 def _linger(text: str) -> float:
