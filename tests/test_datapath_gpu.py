@@ -65,3 +65,43 @@ def test_ring_compression_matches_reference(ratio, ring, d, state_dtype):
         torch.testing.assert_close(b.entries, a.entries, rtol=1e-5, atol=1e-5)
         assert torch.equal(state, ref_state)
         lens = {s: p + n for s, p in lens.items()}
+
+
+@pytest.mark.parametrize("options", [dict(), dict(draft_tokens=2, state_dtype="bf16")], ids=["v4", "drafts-bf16"])
+def test_write_layer_graph_replays_decode_steps_byte_for_byte(options):
+    """Prefill eagerly (two launches for long runs), then capture one decode step's writes of every
+    layer in a CUDA graph and replay it over several steps: every pool and ring equals the torch
+    reference, byte for byte, after each step."""
+    from kvatlas.datapath import StepIndices, write_layer
+    from write_steps import REQUESTS, assert_same, clones, inputs, make_cache, schedule, targets
+
+    cache = make_cache("cuda", **options)
+    ref = clones(cache)
+    tt, rt = targets(cache), targets(cache, ref)
+    steps = schedule(cache, options.get("draft_tokens", 0))
+    for s in range(3):                                   # chunked prefills, a two-request chunk
+        w = next(steps)
+        step = StepIndices.of(w, "cuda", ratios=(4, 128))
+        for layer, t in tt.items():
+            x = inputs(w.num_tokens, t, 100 * s + layer, "cuda")
+            write_layer(step, t, impl="triton", **x)
+            write_layer(step, rt[layer], impl="torch", **x)
+    torch.cuda.synchronize()
+    assert_same(cache, ref)
+    step = StepIndices.of(next(steps), "cuda", ratios=(4, 128))
+    static = {layer: inputs(step.num_tokens, t, layer, "cuda") for layer, t in tt.items()}
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for layer, t in tt.items():
+            write_layer(step, t, impl="triton", **static[layer])
+    for k in range(6):
+        if k:
+            step.load(cache.step(list(REQUESTS), 1 + options.get("draft_tokens", 0)))
+        for layer, t in tt.items():
+            for name, v in inputs(step.num_tokens, t, 1000 * k + layer, "cuda").items():
+                static[layer][name].copy_(v)
+        graph.replay()
+        for layer in tt:
+            write_layer(step, rt[layer], impl="torch", **static[layer])
+        torch.cuda.synchronize()
+        assert_same(cache, ref)

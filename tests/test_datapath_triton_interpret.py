@@ -88,11 +88,38 @@ print("ok")
 """
 
 
-@pytest.mark.parametrize("script", [E4M3, KERNELS], ids=["e4m3_rne", "kernels"])
+WRITE = """
+import torch
+from write_steps import assert_same, clones, concat, inputs, make_cache, targets
+from kvatlas.datapath import StepIndices, write_layer
+from kvatlas.datapath.write import _rings
+from kvatlas.datapath.kernels import write_triton
+
+# a long chunk (two launches), a two-request chunk, a decode step; every pool and ring, exact
+cache = make_cache()
+ref = clones(cache)
+tt, rt = targets(cache), targets(cache, ref)
+with cache.allocator.forward():
+    steps = [cache.extend("a", 150), concat(cache.extend("b", 140), cache.extend("c", 9))]
+steps.append(cache.step(["a", "b", "c"]))
+for s, w in enumerate(steps):
+    step = StepIndices.of(w, "cpu", ratios=(4, 128))
+    for layer, t in tt.items():
+        x = inputs(w.num_tokens, t, 1000 * s + layer, "cpu")
+        write_triton.write_layer(step, t, x["swa_kv"], _rings(t, x.get("kv"), x.get("score"), x.get("index_kv"),
+                                                              x.get("index_score")))
+        write_layer(step, rt[layer], impl="torch", **x)
+assert_same(cache, ref)
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("script", [E4M3, KERNELS, WRITE], ids=["e4m3_rne", "kernels", "write_layer"])
 def test_under_interpreter(script):
     env = dict(os.environ, TRITON_INTERPRET="1")
     src = os.path.join(os.path.dirname(__file__), "..", "src")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
+    here = os.path.dirname(os.path.abspath(__file__))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (src, here, env.get("PYTHONPATH")) if p)
     run = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], env=env,
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]

@@ -6,7 +6,11 @@ scratch directory, the `kvatlas` of this environment first on PATH. A block afte
 `<!-- readme-test: cuda -->` runs only where CUDA is; one after `<!-- readme-test: setup -->`
 (creating a virtual environment and installing) runs, in a fresh copy of the project, only with
 KVATLAS_SLOW_TESTS=1: it installs torch and the dependencies, which takes minutes, and CI's own
-`.ci/run` runs that same command on every push.
+`.ci/run` runs that same command on every push. `<!-- readme-test: sketch -->` marks a fragment
+that shows a call shape with an engine's tensors it does not define (write_layer's): not run, and
+kept to one (test_readme_has_examples_of_every_kind) so runnable examples stay the rule.
+`<!-- readme-test: sglang -->` marks the SGLang launch (it needs SGLang, a GPU and the model's
+weights); the plugin's own tests cover what it does.
 """
 
 import os
@@ -43,6 +47,9 @@ def env_with_kvatlas() -> dict:
 
 def test_readme_has_examples_of_every_kind():
     assert len(blocks("python")) >= 5 and len(blocks("bash")) >= 2 and len(blocks("bash", "setup")) == 2
+    assert len(blocks("python", "sketch")) <= 1
+    tags = set(t for t, _, _ in FENCE.findall((ROOT / "README.md").read_text()) if t)
+    assert tags <= {"setup", "cuda", "sketch", "sglang"}, tags   # each tag is explained in this file
     shell = "\n".join(blocks("bash"))
     for cmd in ("kvatlas alloc", "kvatlas simulate", "kvatlas serve"):
         assert cmd in shell

@@ -17,6 +17,12 @@ Compressor state (state [slots, n_layers, ring, 2·coff·D], SPEC §4):
     online_compress_batch(state, layer, req_slots, positions, kv, score, *, ratio=128, ape=None)
     compress_sequence(kv, score, *, ratio, ape=None)               the whole-sequence oracle
 
+One layer's whole write in a step (SWA entry, ring append, completed compressed entries and
+indexer keys), one launch on CUDA, no host sync, capturable in a CUDA graph (see `write`):
+    step = StepIndices.of(write_indices, device)                    once per step
+    write_layer(step, LayerTargets.of_cache(cache, layer), swa_kv=..., kv=..., score=...,
+                index_kv=..., index_score=...)                      per layer
+
 Numerics of every format are documented in `codecs`; ring semantics in `compressor`. On CUDA,
 Triton kernels take the hot paths (fp8_ds_mla and fp8 indexer store/gather, ring compression and
 append) when triton is installed; the torch reference is the contract they are tested against.
@@ -28,10 +34,13 @@ from .errors import DataPathError, NonFiniteError, OutOfRangeError, RingOverrunE
 from .geometry import PageGeometry, compressed_slots, entries_for_page_bytes
 from .online import online_compress_batch
 from .paged import gather, store
+from .step import LayerTargets, PagedTarget, RingTarget, StepIndices
+from .write import write_layer
 
 __all__ = [
     "CODECS", "Codec", "codec_for", "Blocks", "CompressorSpec", "clear_rows", "compress_batch",
     "compress_sequence", "rollback", "online_compress_batch", "DataPathError", "NonFiniteError",
     "OutOfRangeError", "RingOverrunError", "SlotError", "PageGeometry", "compressed_slots",
-    "entries_for_page_bytes", "gather", "store",
+    "entries_for_page_bytes", "gather", "store", "LayerTargets", "PagedTarget", "RingTarget", "StepIndices",
+    "write_layer",
 ]

@@ -130,9 +130,23 @@ def state_rows(spec: CompressorSpec, kv, score, positions, ape, dtype) -> torch.
     return torch.cat((kv.float(), sc), -1).to(dtype)
 
 
+def tree_sum(x: torch.Tensor) -> torch.Tensor:
+    """[m, W, D] -> [m, D], summing rows w and w + W/2, then again on the halves: a fixed order of
+    fp32 additions, which a kernel reproduces bit for bit (a reduction whose order is left to the
+    library is not reproducible across devices). An odd row count carries its last row along."""
+    while x.shape[1] > 1:
+        h = x.shape[1] // 2
+        x = torch.cat((x[:, :h] + x[:, h:2 * h], x[:, 2 * h:]), 1)
+    return x[:, 0]
+
+
 def pool(kv_rows: torch.Tensor, score_rows: torch.Tensor) -> torch.Tensor:
-    """[m, W, D] window rows -> [m, D]: per channel softmax over rows weighting kv (fp32)."""
-    return (torch.softmax(score_rows, dim=1) * kv_rows).sum(dim=1)
+    """[m, W, D] window rows -> [m, D]: per channel softmax over rows weighting kv (fp32), as
+    sum(e·kv) / sum(e) with e = exp(score - max): elementwise fp32 operations and additions in a
+    fixed order, so any implementation with the same exp gives the same bits (the Triton write
+    path uses libdevice's expf, which torch's CUDA exp is: byte for byte on an H200, tests)."""
+    e = torch.exp(score_rows - score_rows.amax(dim=1, keepdim=True))
+    return tree_sum(e * kv_rows) / tree_sum(e)
 
 
 def _select_halves(spec: CompressorSpec, rows: torch.Tensor) -> torch.Tensor:

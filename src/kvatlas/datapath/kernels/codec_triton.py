@@ -63,7 +63,7 @@ def _to_e4m3(y, HW: tl.constexpr):
 
 
 @triton.jit
-def _tokens(slots_ptr, n, buf_ptr, b_su, b_sl, layer0, P, BT: tl.constexpr):
+def _tokens(slots_ptr, n, buf_ptr, b_su, b_sl, layer0, P: tl.constexpr, BT: tl.constexpr):
     """BT tokens of one layer per program: the slots, each token's page base and in-page offset.
     Several tokens per program keep more bytes in flight than one small row per program."""
     t = tl.program_id(0) * BT + tl.arange(0, BT)
@@ -74,32 +74,41 @@ def _tokens(slots_ptr, n, buf_ptr, b_su, b_sl, layer0, P, BT: tl.constexpr):
 
 
 @triton.jit
-def _ds_mla_store(val_ptr, v_sl, v_sn, buf_ptr, b_su, b_sl, slots_ptr, n, layer0, P, scale_region,
+def _ds_mla_store(val_ptr, v_sl, v_sn, buf_ptr, b_su, b_sl, slots_ptr, n, layer0, P: tl.constexpr, scale_region,
                   NOPE: tl.constexpr, ROPE: tl.constexpr, TILE: tl.constexpr, NT: tl.constexpr,
                   DATA: tl.constexpr, SCALE: tl.constexpr, Q_EXP: tl.constexpr, Q_MANT: tl.constexpr,
                   BT: tl.constexpr, HW: tl.constexpr):
     t, ok, base, off = _tokens(slots_ptr, n, buf_ptr, b_su, b_sl, layer0, P, BT)
     row = val_ptr + tl.program_id(1).to(tl.int64) * v_sl + t * v_sn                  # [BT]
+    ds_mla_store_rows(row, ok, base, off, scale_region, NOPE, ROPE, TILE, NT, DATA, SCALE, Q_EXP, Q_MANT, HW)
+
+
+@triton.jit
+def ds_mla_store_rows(row, ok, base, off, scale_region, NOPE: tl.constexpr, ROPE: tl.constexpr,
+                      TILE: tl.constexpr, NT: tl.constexpr, DATA: tl.constexpr, SCALE: tl.constexpr,
+                      Q_EXP: tl.constexpr, Q_MANT: tl.constexpr, HW: tl.constexpr):
+    """Quantize the bf16 rows at `row` [BT] (masked by `ok`) into entries `off` of pages `base`.
+    Both loads are issued before any store: a load after a store waits a second memory trip."""
     r = tl.arange(0, NT)
     c = tl.arange(0, TILE)
     idx = (r[:, None] * TILE + c[None, :])[None, :, :]                               # [1, NT, TILE]
     m = ok[:, None, None] & (r < NOPE // TILE)[None, :, None]
     x = tl.load(row[:, None, None] + idx, mask=m, other=0.0).to(tl.float32)
+    k = tl.arange(0, ROPE)[None, :]
+    rope = tl.load(row.to(tl.pointer_type(tl.uint16))[:, None] + NOPE + k, mask=ok[:, None])  # bf16 bits
     amax = tl.maximum(tl.max(tl.abs(x), axis=2), 1e-4)   # official act_quant floor on amax
     e = _e4m3_exponent(amax, Q_EXP, Q_MANT)                                          # [BT, NT]
     inv = ((254 - e) << 23).to(tl.float32, bitcast=True)
     q = _to_e4m3(tl.minimum(tl.maximum(x * inv[:, :, None], -448.0), 448.0), HW)
     data = base + off * DATA
     tl.store(data[:, None, None] + idx, q, mask=m)
-    k = tl.arange(0, ROPE)[None, :]
-    rope = tl.load(row.to(tl.pointer_type(tl.uint16))[:, None] + NOPE + k, mask=ok[:, None])  # bf16 bits
     tl.store((data + NOPE).to(tl.pointer_type(tl.uint16))[:, None] + k, rope, mask=ok[:, None])
     sc = (base + scale_region + off * SCALE)[:, None] + r[None, :]
     tl.store(sc, tl.where((r < NOPE // TILE)[None, :], e, 0).to(tl.uint8), mask=ok[:, None])
 
 
 @triton.jit
-def _ds_mla_gather(out_ptr, o_sl, o_sn, buf_ptr, b_su, b_sl, slots_ptr, n, layer0, P, scale_region,
+def _ds_mla_gather(out_ptr, o_sl, o_sn, buf_ptr, b_su, b_sl, slots_ptr, n, layer0, P: tl.constexpr, scale_region,
                    NOPE: tl.constexpr, ROPE: tl.constexpr, TILE: tl.constexpr, NT: tl.constexpr,
                    DATA: tl.constexpr, SCALE: tl.constexpr, BT: tl.constexpr):
     t, ok, base, off = _tokens(slots_ptr, n, buf_ptr, b_su, b_sl, layer0, P, BT)
@@ -111,16 +120,16 @@ def _ds_mla_gather(out_ptr, o_sl, o_sn, buf_ptr, b_su, b_sl, slots_ptr, n, layer
     data = base + off * DATA
     q = tl.load(data[:, None, None] + idx, mask=m, other=0)
     e = tl.load((base + scale_region + off * SCALE)[:, None] + r[None, :], mask=ok[:, None], other=0).to(tl.int32)
+    k = tl.arange(0, ROPE)[None, :]
+    rope = tl.load((data + NOPE).to(tl.pointer_type(tl.uint16))[:, None] + k, mask=ok[:, None])
     scale = (e << 23).to(tl.float32, bitcast=True)                   # byte 0 reads as 0
     y = q.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale[:, :, None]
     tl.store(row[:, None, None] + idx, y.to(tl.bfloat16), mask=m)
-    k = tl.arange(0, ROPE)[None, :]
-    rope = tl.load((data + NOPE).to(tl.pointer_type(tl.uint16))[:, None] + k, mask=ok[:, None])
     tl.store(row.to(tl.pointer_type(tl.uint16))[:, None] + NOPE + k, rope, mask=ok[:, None])
 
 
 @triton.jit
-def _index_fp8_store(val_ptr, v_sl, v_sn, buf_ptr, b_su, b_sl, slots_ptr, n, layer0, P, scale_region,
+def _index_fp8_store(val_ptr, v_sl, v_sn, buf_ptr, b_su, b_sl, slots_ptr, n, layer0, P: tl.constexpr, scale_region,
                      WIDTH: tl.constexpr, DATA: tl.constexpr, SCALE: tl.constexpr,
                      Q_EXP: tl.constexpr, Q_MANT: tl.constexpr, BT: tl.constexpr, HW: tl.constexpr):
     t, ok, base, off = _tokens(slots_ptr, n, buf_ptr, b_su, b_sl, layer0, P, BT)
@@ -136,7 +145,7 @@ def _index_fp8_store(val_ptr, v_sl, v_sn, buf_ptr, b_su, b_sl, slots_ptr, n, lay
 
 
 @triton.jit
-def _index_fp8_gather(out_ptr, o_sl, o_sn, buf_ptr, b_su, b_sl, slots_ptr, n, layer0, P, scale_region,
+def _index_fp8_gather(out_ptr, o_sl, o_sn, buf_ptr, b_su, b_sl, slots_ptr, n, layer0, P: tl.constexpr, scale_region,
                       WIDTH: tl.constexpr, DATA: tl.constexpr, SCALE: tl.constexpr, BT: tl.constexpr):
     t, ok, base, off = _tokens(slots_ptr, n, buf_ptr, b_su, b_sl, layer0, P, BT)
     row = out_ptr + tl.program_id(1).to(tl.int64) * o_sl + t * o_sn
@@ -149,6 +158,23 @@ def _index_fp8_gather(out_ptr, o_sl, o_sn, buf_ptr, b_su, b_sl, slots_ptr, n, la
 
 # tokens per program and warps, per kernel: set from bench/datapath_tune.py on an H200
 CONFIG = {"ds_mla_store": (32, 8), "ds_mla_gather": (4, 2), "index_store": (16, 4), "index_gather": (8, 4)}
+# one layer per launch (how an engine calls it, layer by layer) has 1/43 of the programs of the
+# tuned multi-layer launch, so fewer tokens per program: from bench/datapath_layer_gpu.py on an
+# H200 (a 1,024-token decode step). A one-layer prefill chunk has programs enough again: rows of
+# 8 tokens and 4 warps per program (the fused write's SWA rows, same code) stored 8,192 tokens at
+# 0.84 of copy bandwidth, 1 and 1 at 0.56 (bench/RESULTS.md, issue 15).
+CONFIG_ONE_LAYER = {"ds_mla_store": (1, 1), "ds_mla_gather": (4, 4),
+                    "index_store": (4, 4), "index_gather": (4, 4)}
+CONFIG_ONE_LAYER_CHUNK = {"ds_mla_store": (8, 4)}
+CHUNK_TOKENS = 4096
+
+
+def _config(name: str, layers: range, tokens: int):
+    if len(layers) > 1:
+        return CONFIG[name]
+    if tokens >= CHUNK_TOKENS and name in CONFIG_ONE_LAYER_CHUNK:
+        return CONFIG_ONE_LAYER_CHUNK[name]
+    return CONFIG_ONE_LAYER[name]
 
 
 def _common(geom, buffer, layers: range, slots):
@@ -162,12 +188,12 @@ def store(codec, geom, buffer, layers: range, slots, values) -> None:
     vals = values.to(torch.bfloat16).contiguous()          # [L, n, width]
     args = (vals, vals.stride(0), vals.stride(1), *_common(geom, buffer, layers, slots))
     if codec.fmt.name == "fp8_ds_mla":
-        bt, warps = CONFIG["ds_mla_store"]
+        bt, warps = _config("ds_mla_store", layers, slots.numel())
         _ds_mla_store[(triton.cdiv(vals.shape[1], bt), vals.shape[0])](
             *args, NOPE=NOPE, ROPE=ROPE, TILE=DS_MLA_TILE, NT=8, DATA=geom.fmt.data_bytes,
             SCALE=geom.fmt.scale_bytes, Q_EXP=_E4M3_EXP, Q_MANT=_Q_MANT, BT=bt, HW=HW_CAST, num_warps=warps)
     else:
-        bt, warps = CONFIG["index_store"]
+        bt, warps = _config("index_store", layers, slots.numel())
         _index_fp8_store[(triton.cdiv(vals.shape[1], bt), vals.shape[0])](
             *args, WIDTH=INDEX_WIDTH, DATA=geom.fmt.data_bytes, SCALE=geom.fmt.scale_bytes,
             Q_EXP=_E4M3_EXP, Q_MANT=_Q_MANT, BT=bt, HW=HW_CAST, num_warps=warps)
@@ -179,12 +205,12 @@ def gather(codec, geom, buffer, layers: range, slots):
         return out
     args = (out, out.stride(0), out.stride(1), *_common(geom, buffer, layers, slots))
     if codec.fmt.name == "fp8_ds_mla":
-        bt, warps = CONFIG["ds_mla_gather"]
+        bt, warps = _config("ds_mla_gather", layers, slots.numel())
         _ds_mla_gather[(triton.cdiv(slots.numel(), bt), len(layers))](
             *args, NOPE=NOPE, ROPE=ROPE, TILE=DS_MLA_TILE, NT=8, DATA=geom.fmt.data_bytes,
             SCALE=geom.fmt.scale_bytes, BT=bt, num_warps=warps)
     else:
-        bt, warps = CONFIG["index_gather"]
+        bt, warps = _config("index_gather", layers, slots.numel())
         _index_fp8_gather[(triton.cdiv(slots.numel(), bt), len(layers))](
             *args, WIDTH=INDEX_WIDTH, DATA=geom.fmt.data_bytes, SCALE=geom.fmt.scale_bytes,
             BT=bt, num_warps=warps)

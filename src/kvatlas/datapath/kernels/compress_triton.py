@@ -12,13 +12,18 @@ import triton.language as tl
 
 
 @triton.jit
+def bf16_round(x):
+    """fp32 -> the nearest bf16 value (as fp32), round half to even with integer ops (matches
+    torch's cast on every backend, the CPU interpreter included); ±inf stay inf."""
+    bits = x.to(tl.int32, bitcast=True)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _to_state(x, st_ptr):
-    """Round fp32 to the state dtype and back, round half to even done with integer ops for bf16
-    (matches torch's cast on every backend, the CPU interpreter included); ±inf stay inf."""
+    """Round fp32 to the state dtype and back."""
     if st_ptr.dtype.element_ty == tl.bfloat16:
-        bits = x.to(tl.int32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
-        x = bits.to(tl.float32, bitcast=True)
+        x = bf16_round(x)
     return x
 
 

@@ -1,0 +1,292 @@
+"""The fused per-layer write (`datapath.write.write_layer`): one kernel, programs in two groups.
+
+    [token programs: BT tokens each — SWA store, attention and indexer ring appends
+     | pool programs: a fixed number, sharing the step's completed blocks]
+
+Completed blocks are listed (and counted) in the step's table: the pool programs read the count
+on the device and take work items (block, 64-channel tile) for the KV and one item per block for
+the indexer keys, striding by the number of pool programs. The launch's size depends only on the
+token count, so a CUDA graph holds it and replays any step of that shape. (A first version gave
+every token its own pooling programs that mostly did nothing: 11,000 programs per C4 layer of a
+1,024-request decode step, three times the copy time of its bytes on an H200.)
+
+Pooling follows `compressor.pool` operation by operation — max, exp (libdevice's expf, the
+function CUDA's expf is), sum of pairs (w, w + W/2) repeated, IEEE division — and the launch turns
+off mul-add fusion, so the pooled fp32 values, and so the stored bytes, equal the torch
+reference's on the same GPU. Quantization mirrors `codec_triton` (shared helpers).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from ..codecs import DS_MLA_TILE, INDEX_WIDTH, NOPE, ROPE
+from .. import step as _rows
+from . import codec_triton
+from .codec_triton import HW_CAST, _E4M3_EXP, _Q_MANT, _e4m3_exponent, _to_e4m3, ds_mla_store_rows
+from .compress_triton import _to_state, bf16_round
+
+# rows of StepIndices.table, as constants a kernel may read
+REQ, POS, FIRST, LAST, SWA = (tl.constexpr(getattr(_rows, k)) for k in ("REQ", "POS", "FIRST", "LAST", "SWA"))
+
+# SWA tokens per program and warps per program; set from bench/datapath_layer_gpu.py --tune on an H200
+CONFIG = {"swa_bt": 8, "num_warps": 4, "pool_programs": 512}
+
+
+@triton.jit
+def _halve(x, H: tl.constexpr, C: tl.constexpr):
+    return tl.sum(tl.reshape(x, (2, H, C)), axis=0)   # row w + row w + H: one addition each
+
+
+@triton.jit
+def _tree_sum(x, W: tl.constexpr, C: tl.constexpr):
+    """[W, C] -> [C] in `compressor.tree_sum`'s order (W a power of two, at most 256)."""
+    if W >= 256:
+        x = _halve(x, 128, C)
+    if W >= 128:
+        x = _halve(x, 64, C)
+    if W >= 64:
+        x = _halve(x, 32, C)
+    if W >= 32:
+        x = _halve(x, 16, C)
+    if W >= 16:
+        x = _halve(x, 8, C)
+    if W >= 8:
+        x = _halve(x, 4, C)
+    if W >= 4:
+        x = _halve(x, 2, C)
+    if W >= 2:
+        x = _halve(x, 1, C)
+    return tl.reshape(x, (C,))
+
+
+@triton.jit
+def _exp(x, HW: tl.constexpr):
+    """expf as CUDA's libm computes it (torch.exp on CUDA); the CPU interpreter has no libdevice."""
+    if HW:
+        return libdevice.exp(x)
+    return tl.exp(x)
+
+
+@triton.jit
+def _pool(idx_ptr, ld, t, p_end, ch, kv_ptr, kv_sn, sc_ptr, sc_sn, ape_ptr, st_ptr, st_s, st_r, RING: tl.constexpr,
+          D: tl.constexpr, CD: tl.constexpr, RATIO: tl.constexpr, W: tl.constexpr, OVERLAP: tl.constexpr,
+          HAS_APE: tl.constexpr, C: tl.constexpr, HW: tl.constexpr):
+    """Channels `ch` of the entry of the block token t completes: window rows from this step's
+    inputs (positions >= the run's first) or the ring (older), cleared below position 0."""
+    first = tl.load(idx_ptr + FIRST * ld + t)
+    req = tl.load(idx_ptr + REQ * ld + t)
+    w = tl.arange(0, W)
+    q = p_end - (W - 1) + w
+    if OVERLAP:   # previous block's rows read [:D], current block's rows [D:] (overlap_transform)
+        half = tl.where(w < RATIO, 0, D)
+    else:
+        half = w * 0
+    col = half[:, None] + ch[None, :]
+    in_b = (q >= first)[:, None] & (col >= 0)
+    from_ring = ((q < first) & (q >= 0))[:, None] & (col >= 0)
+    qc = tl.where(q >= 0, q, 0)
+    src = tl.where(q >= first, t - (p_end - q), 0)
+    kv_in = tl.load(kv_ptr + src[:, None] * kv_sn + col, mask=in_b, other=0.0).to(tl.float32)
+    sc_in = tl.load(sc_ptr + src[:, None] * sc_sn + col, mask=in_b, other=0.0).to(tl.float32)
+    if HAS_APE:
+        sc_in += tl.load(ape_ptr + (qc % RATIO)[:, None] * CD + col, mask=in_b, other=0.0)
+    srow = st_ptr + req * st_s + (qc % RING)[:, None] * st_r + col
+    kv_st = tl.load(srow, mask=from_ring, other=0.0).to(tl.float32)             # cleared: kv 0
+    sc_st = tl.load(srow + CD, mask=from_ring, other=float("-inf")).to(tl.float32)  # score -inf
+    kv = tl.where(in_b, _to_state(kv_in, st_ptr), kv_st)
+    sc = tl.where(in_b, _to_state(sc_in, st_ptr), sc_st)
+    e = _exp(sc - tl.max(sc, axis=0)[None, :], HW)
+    return tl.div_rn(_tree_sum(e * kv, W, C), _tree_sum(e, W, C))
+
+
+@triton.jit
+def _append(idx_ptr, ld, t, ok, kv_ptr, kv_sn, sc_ptr, sc_sn, ape_ptr, st_ptr, st_s, st_r, RING: tl.constexpr,
+            CD: tl.constexpr, RATIO: tl.constexpr, HAS_APE: tl.constexpr):
+    """Ring rows of tokens t [TB]: kv, then score + ape, through the state dtype."""
+    p = tl.load(idx_ptr + POS * ld + t, mask=ok, other=0)
+    keep = ok & (p > tl.load(idx_ptr + LAST * ld + t, mask=ok, other=0) - RING)  # a long run: last RING
+    req = tl.load(idx_ptr + REQ * ld + t, mask=ok, other=0)
+    cols = tl.arange(0, CD)[None, :]
+    m = keep[:, None] & (cols >= 0)
+    kv = tl.load(kv_ptr + t[:, None] * kv_sn + cols, mask=m, other=0.0).to(tl.float32)
+    sc = tl.load(sc_ptr + t[:, None] * sc_sn + cols, mask=m, other=0.0).to(tl.float32)
+    if HAS_APE:
+        sc += tl.load(ape_ptr + (p % RATIO)[:, None] * CD + cols, mask=m, other=0.0)
+    row = st_ptr + req[:, None] * st_s + (p % RING)[:, None] * st_r + cols
+    tl.store(row, _to_state(kv, st_ptr).to(st_ptr.dtype.element_ty), mask=m)
+    tl.store(row + CD, _to_state(sc, st_ptr).to(st_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _ds_mla_tiles(x, c0, data, scale, TPI: tl.constexpr, TILE: tl.constexpr, NT: tl.constexpr,
+                  Q_EXP: tl.constexpr, Q_MANT: tl.constexpr, HW: tl.constexpr):
+    """Tiles c0 .. c0 + TPI - 1 of a pooled entry (x: [TPI·TILE]), rounded to bf16: a nope tile as
+    fp8 + its exponent byte, the rope tile (NT) as bf16 bits and 0 for the pad byte after the
+    exponents — `codecs._ds_mla_encode` for a whole entry (TPI 8) or one tile (TPI 1)."""
+    x = tl.reshape(bf16_round(x), (TPI, TILE))
+    r = c0 + tl.arange(0, TPI)
+    k = tl.arange(0, TILE)[None, :]
+    e = _e4m3_exponent(tl.maximum(tl.max(tl.abs(x), axis=1), 1e-4), Q_EXP, Q_MANT)
+    inv = ((254 - e) << 23).to(tl.float32, bitcast=True)
+    q = _to_e4m3(tl.minimum(tl.maximum(x * inv[:, None], -448.0), 448.0), HW)
+    tl.store(data + r[:, None] * TILE + k, q, mask=(r < NT)[:, None] & (k >= 0))
+    bits = (x.to(tl.int32, bitcast=True) >> 16).to(tl.uint16)
+    rope = (data + NT * TILE).to(tl.pointer_type(tl.uint16))
+    tl.store(rope + (r - NT)[:, None] * TILE + k, bits, mask=(r == NT)[:, None] & (k >= 0))
+    tl.store(scale + r, tl.where(r < NT, e, 0).to(tl.uint8))
+
+
+@triton.jit
+def _index_tile(x, data, scale, WIDTH: tl.constexpr, Q_EXP: tl.constexpr, Q_MANT: tl.constexpr,
+                HW: tl.constexpr):
+    x = bf16_round(x)
+    e = _e4m3_exponent(tl.maximum(tl.max(tl.abs(x), axis=0), 1e-4), Q_EXP, Q_MANT)
+    inv = ((254 - e) << 23).to(tl.float32, bitcast=True)
+    tl.store(data + tl.arange(0, WIDTH), _to_e4m3(tl.minimum(tl.maximum(x * inv, -448.0), 448.0), HW))
+    tl.store(scale.to(tl.pointer_type(tl.float32)), (e << 23).to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def _kv_item(idx_ptr, ld, i, DONE_ROW, E_ROW, kv_ptr, kv_sn, sc_ptr, sc_sn, ape_ptr, st_ptr, st_s, st_r,
+             RING: tl.constexpr, c_buf, c_su, c_P: tl.constexpr, c_sr, RATIO: tl.constexpr, W: tl.constexpr,
+             OVERLAP: tl.constexpr, CD: tl.constexpr, HAS_APE: tl.constexpr, D: tl.constexpr,
+             TILE: tl.constexpr, NT: tl.constexpr, TPI: tl.constexpr, DATA: tl.constexpr, SCALE: tl.constexpr,
+             Q_EXP: tl.constexpr, Q_MANT: tl.constexpr, HW: tl.constexpr):
+    """Work item i of the attention KV: TPI 64-channel tiles of one completed block (a whole C4
+    entry: its 8-row window is small; one tile of a C128 entry: its window has 128 rows)."""
+    IPB: tl.constexpr = (NT + 1) // TPI
+    t = tl.load(idx_ptr + DONE_ROW * ld + i // IPB)
+    c0 = (i % IPB) * TPI
+    ent = tl.load(idx_ptr + E_ROW * ld + t)
+    out = _pool(idx_ptr, ld, t, tl.load(idx_ptr + POS * ld + t), c0 * TILE + tl.arange(0, TPI * TILE), kv_ptr,
+                kv_sn, sc_ptr, sc_sn, ape_ptr, st_ptr, st_s, st_r, RING, D, CD, RATIO, W, OVERLAP, HAS_APE,
+                TPI * TILE, HW)
+    base = c_buf + (ent // c_P) * c_su
+    _ds_mla_tiles(out, c0, base + (ent % c_P) * DATA, base + c_sr + (ent % c_P) * SCALE, TPI, TILE, NT,
+                  Q_EXP, Q_MANT, HW)
+
+
+@triton.jit
+def _index_item(idx_ptr, ld, j, DONE_ROW, IE_ROW, kv_ptr, kv_sn, sc_ptr, sc_sn, ape_ptr, st_ptr, st_s, st_r,
+                RING: tl.constexpr, x_buf, x_su, x_P: tl.constexpr, x_sr, RATIO: tl.constexpr, W: tl.constexpr,
+                OVERLAP: tl.constexpr, HAS_APE: tl.constexpr, ID: tl.constexpr, IDATA: tl.constexpr,
+                ISCALE: tl.constexpr, Q_EXP: tl.constexpr, Q_MANT: tl.constexpr, HW: tl.constexpr):
+    """Work item j of the indexer: the j-th completed block's key."""
+    t = tl.load(idx_ptr + DONE_ROW * ld + j)
+    ent = tl.load(idx_ptr + IE_ROW * ld + t)
+    out = _pool(idx_ptr, ld, t, tl.load(idx_ptr + POS * ld + t), tl.arange(0, ID), kv_ptr, kv_sn, sc_ptr, sc_sn,
+                ape_ptr, st_ptr, st_s, st_r, RING, ID, 2 * ID, RATIO, W, OVERLAP, HAS_APE, ID, HW)
+    base = x_buf + (ent // x_P) * x_su
+    _index_tile(out, base + (ent % x_P) * IDATA, base + x_sr + (ent % x_P) * ISCALE, ID, Q_EXP, Q_MANT, HW)
+
+
+@triton.jit
+def _write_layer(idx_ptr, ld, n, cnt_ptr,
+                 sw_val, sw_vsn, sw_buf, sw_su, sw_P: tl.constexpr, sw_sr,
+                 kv_ptr, kv_sn, sc_ptr, sc_sn, ape_ptr, st_ptr, st_s, st_r, RING: tl.constexpr, c_buf, c_su,
+                 c_P: tl.constexpr, c_sr, E_ROW,
+                 ikv_ptr, ikv_sn, isc_ptr, isc_sn, iape_ptr, ist_ptr, ist_s, ist_r, IRING: tl.constexpr, x_buf, x_su,
+                 x_P: tl.constexpr, x_sr,
+                 IE_ROW, DONE_ROW, end_tok, n_pool, do_swa, do_app,
+                 HAS_CMP: tl.constexpr, RATIO: tl.constexpr, W: tl.constexpr, OVERLAP: tl.constexpr,
+                 CD: tl.constexpr, HAS_APE: tl.constexpr, HAS_IDX: tl.constexpr, HAS_IAPE: tl.constexpr,
+                 D: tl.constexpr, TILE: tl.constexpr, NT: tl.constexpr, DATA: tl.constexpr, SCALE: tl.constexpr,
+                 ID: tl.constexpr, IDATA: tl.constexpr, ISCALE: tl.constexpr, ROPE_W: tl.constexpr,
+                 Q_EXP: tl.constexpr, Q_MANT: tl.constexpr, BT: tl.constexpr, HW: tl.constexpr,
+                 TPI: tl.constexpr):
+    """Programs [0, end_tok): BT tokens each (SWA store, ring appends). Then n_pool programs
+    share the completed blocks' work items, (block, TPI 64-channel tiles) for the KV and one per
+    block for the indexer keys, as many as the device-side count says."""
+    pid = tl.program_id(0)
+    if pid < end_tok:
+        t = (pid * BT + tl.arange(0, BT)).to(tl.int64)
+        ok = t < n
+        if do_swa != 0:
+            slot = tl.load(idx_ptr + SWA * ld + t, mask=ok, other=0)
+            ds_mla_store_rows(sw_val + t * sw_vsn, ok, sw_buf + (slot // sw_P) * sw_su, slot % sw_P, sw_sr,
+                              NT * TILE, ROPE_W, TILE, NT + 1, DATA, SCALE, Q_EXP, Q_MANT, HW)
+        if do_app != 0:
+            if HAS_CMP:
+                _append(idx_ptr, ld, t, ok, kv_ptr, kv_sn, sc_ptr, sc_sn, ape_ptr, st_ptr, st_s, st_r, RING,
+                        CD, RATIO, HAS_APE)
+            if HAS_IDX:
+                _append(idx_ptr, ld, t, ok, ikv_ptr, ikv_sn, isc_ptr, isc_sn, iape_ptr, ist_ptr, ist_s, ist_r,
+                        IRING, 2 * ID, RATIO, HAS_IAPE)
+    else:
+        cnt = tl.load(cnt_ptr).to(tl.int32)
+        kv_items = cnt * 0
+        if HAS_CMP:
+            kv_items = cnt * ((NT + 1) // TPI)
+        total = kv_items
+        if HAS_IDX:
+            total = kv_items + cnt
+        i = pid - end_tok
+        while i < total:   # (a while loop: the CPU interpreter cannot range() over device scalars)
+            if i < kv_items:
+                if HAS_CMP:
+                    _kv_item(idx_ptr, ld, i, DONE_ROW, E_ROW, kv_ptr, kv_sn, sc_ptr, sc_sn, ape_ptr, st_ptr, st_s,
+                             st_r, RING, c_buf, c_su, c_P, c_sr, RATIO, W, OVERLAP, CD, HAS_APE, D, TILE, NT, TPI,
+                             DATA, SCALE, Q_EXP, Q_MANT, HW)
+            else:
+                if HAS_IDX:
+                    _index_item(idx_ptr, ld, i - kv_items, DONE_ROW, IE_ROW, ikv_ptr, ikv_sn, isc_ptr, isc_sn,
+                                iape_ptr, ist_ptr, ist_s, ist_r, IRING, x_buf, x_su, x_P, x_sr, RATIO, W, OVERLAP,
+                                HAS_IAPE, ID, IDATA, ISCALE, Q_EXP, Q_MANT, HW)
+            i += n_pool
+
+
+def _ring_args(step, ring, kv, score):
+    """Pointer and stride arguments of one ring (kv, score, ape, state layer, pool layer)."""
+    st = ring.state[:, ring.layer]
+    kv, score = kv.contiguous(), score.contiguous()
+    ape = ring.ape.float().contiguous() if ring.ape is not None else kv
+    p = ring.pool
+    return (kv, kv.stride(0), score, score.stride(0), ape, st, st.stride(0), st.stride(1), st.shape[1],
+            p.buffer[:, p.layer], p.buffer.stride(0), p.geom.entries, p.geom.scale_region,
+            step.entry_row(ring.ratio))
+
+
+def _dummy_ring(like):
+    return (like, 0, like, 0, like, like, 0, 0, 1, like, 0, 1, 0, 0)
+
+
+def write_layer(step, targets, swa_kv, rings) -> None:
+    """Launch the fused write of one layer (`rings`: (name, RingTarget, kv, score) from write.py)."""
+    if not rings:   # an SWA-only layer is one store: the kernel tuned for it
+        s = targets.swa
+        return codec_triton.store(s.codec, s.geom, s.buffer, range(s.layer, s.layer + 1), step.row(_rows.SWA),
+                                  swa_kv[None])
+    by_name = {name: r for name, *r in rings}
+    kv_ring, ix_ring = by_name.get(""), by_name.get("index_")
+    s, n = targets.swa, step.num_tokens
+    vals = swa_kv.to(torch.bfloat16).contiguous()
+    spec = (kv_ring or ix_ring)[0].spec if rings else None
+    one = all(step.max_run_tokens <= r.state.shape[2] - r.spec.window + 1 for _, r, _, _ in rings)
+    bt, warps = CONFIG["swa_bt"], CONFIG["num_warps"]
+    const = dict(HAS_CMP=kv_ring is not None, RATIO=spec.ratio if spec else 4, W=spec.window if spec else 8,
+                 OVERLAP=bool(spec and spec.overlap), CD=spec.coff * 512 if spec else 1024,
+                 HAS_APE=bool(kv_ring and kv_ring[0].ape is not None), HAS_IDX=ix_ring is not None,
+                 HAS_IAPE=bool(ix_ring and ix_ring[0].ape is not None), D=512, TILE=DS_MLA_TILE,
+                 NT=NOPE // DS_MLA_TILE, DATA=s.geom.fmt.data_bytes, SCALE=s.geom.fmt.scale_bytes,
+                 ID=INDEX_WIDTH, IDATA=ix_ring[0].pool.geom.fmt.data_bytes if ix_ring else 128,
+                 ISCALE=ix_ring[0].pool.geom.fmt.scale_bytes if ix_ring else 4, ROPE_W=ROPE,
+                 Q_EXP=_E4M3_EXP, Q_MANT=_Q_MANT, BT=bt, HW=HW_CAST,
+                 TPI=NOPE // DS_MLA_TILE + 1 if spec and spec.window <= 16 else 1)
+    ratio = spec.ratio if spec else 4
+    cnt = step.table[step.count_row, step.count_at(ratio):] if rings else step.table[0]
+    head = (step.table, step.table.stride(0), n, cnt, vals, vals.stride(0), s.buffer[:, s.layer],
+            s.buffer.stride(0), s.geom.entries, s.geom.scale_region)
+    args = (*(_ring_args(step, *kv_ring) if kv_ring else _dummy_ring(vals)),
+            *(_ring_args(step, *ix_ring) if ix_ring else _dummy_ring(vals)),
+            step.done_row(ratio) if rings else 0)
+    tok = triton.cdiv(n, bt)
+    items = (NOPE // DS_MLA_TILE + 1) // const["TPI"] + 1     # per completed block, KV + indexer
+    pool = min(CONFIG["pool_programs"], n * items) if rings else 0
+    phases = [(tok, pool, 1, 1)] if one else [(tok, pool, 1, 0), (tok, 0, 0, 1)]
+    for end_tok, n_pool, do_swa, do_app in phases:   # pool before append: a long run overwrites rows it reads
+        _write_layer[(end_tok + n_pool,)](*head, *args, end_tok, max(n_pool, 1), do_swa, do_app, **const,
+                                          num_warps=warps, enable_fp_fusion=False)

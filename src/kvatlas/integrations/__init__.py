@@ -1,0 +1,1 @@
+"""Integrations of kvatlas into other programs: each module here imports its program; the core never does."""
