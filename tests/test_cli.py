@@ -44,7 +44,7 @@ def test_models(capsys):
     (["plan", "--memory", "1GiB"], "memory"),
     (["plan", "--memory", "abc"], "--memory"),
     (["plan", "--memory", "120GiB", "--layout", "fp16"], "kv_layout"),
-    (["plan", "--memory", "120GiB", "--max-running-requests", "-3"], "max_running_requests"),
+    (["plan", "--memory", "120GiB", "--max-running-requests", "-3"], "--max-running-requests"),
     (["plan", "--memory", "120GiB", "--draft-tokens", "x"], "--draft-tokens"),
 ])
 def test_bad_input_exits_nonzero_without_traceback(args, needle):

@@ -49,7 +49,7 @@ def test_public_names_the_readme_uses():
 
 def test_root_holds_only_the_shared_modules():
     modules = sorted(f for f in os.listdir(SRC) if f.endswith(".py"))
-    assert modules == ["__init__.py", "__main__.py", "errors.py", "units.py"]
+    assert modules == ["__init__.py", "__main__.py", "checks.py", "errors.py", "units.py"]
 
 
 def test_story_packages_import_one_way():

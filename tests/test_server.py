@@ -96,7 +96,7 @@ def test_scrapes_follow_the_workload_up_and_back_to_zero(cache):
     reqs = synthetic(rate_per_s=40, duration_s=0.5, prompt="uniform:16:600", output="uniform:2:40", seed=5)
     sim = Simulator(cache, reqs, lock=lock, record=False)
     seen = []
-    with server.start(cache, lock=lock, extra_state=sim.state, request_state=sim.request_usage) as h:
+    with server.start(cache, lock=lock, extra_state=sim.state, request_state=sim.progress) as h:
         t = 0.0
         while not sim.done:
             sim.step(t)
@@ -116,7 +116,7 @@ def test_scrapes_follow_the_workload_up_and_back_to_zero(cache):
 def test_state_lists_running_requests_with_progress(cache):
     reqs = synthetic(rate_per_s=50, duration_s=0.2, prompt="300", output="50", seed=1)
     sim = Simulator(cache, reqs)
-    with server.start(cache, extra_state=sim.state, request_state=sim.request_usage) as h:
+    with server.start(cache, extra_state=sim.state, request_state=sim.progress) as h:
         sim.step(1.0)
         doc = json.loads(get(h.url + "/state")[2])
     reqs_doc = doc["caches"][0]["requests"]

@@ -145,7 +145,7 @@ def test_simulate_cli_runs_sessions_and_states_the_time_model(tmp_path, capsys):
     assert main(args[:-2] + ["--step-ms", "-1"]) == 2
     assert "--step-ms" in capsys.readouterr().err
     assert main(args[:-2] + ["--think", "soon"]) == 2
-    assert "think_s" in capsys.readouterr().err
+    assert "--think" in capsys.readouterr().err   # the flag the user typed
     assert main(args[:-2] + ["--sample-ms", "nan"]) == 2
     assert "--sample-ms" in capsys.readouterr().err
     assert main(args[:-2] + ["--prefill-us-per-token", "-3"]) == 2

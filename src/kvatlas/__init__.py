@@ -23,6 +23,8 @@ def allocate(plan, device="cpu", backend="plain", **backend_options):
     backend="vmm" maps physical memory only under live data (CUDA + cuda-python); options:
     max_physical_bytes, keep_empty_chunks. backend="none" allocates nothing: allocator and ledger
     only, every buffer a meta tensor (any plan size; see kvatlas.cache.bookkeeping)."""
+    from .checks import require_torch
+    require_torch("kvatlas.allocate")   # one line naming the fix, not a ModuleNotFoundError from deep inside
     from .cache.kvcache import allocate as _allocate
     return _allocate(plan, device=device, backend=backend, **backend_options)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 
+from .checks import MAX_BYTES
 from .errors import ConfigError
 
 _UNITS = {
@@ -26,12 +27,26 @@ def parse_bytes(text: str | int, field: str = "memory") -> int:
         match = _PATTERN.match(str(text))
         unit = match.group(2).lower() if match else None
         if match is None or unit not in _UNITS:
-            raise ConfigError(field, f"{text!r} is not a size",
+            raise ConfigError(field, f"{_short(text)} is not a size",
                               "write a number with an optional unit: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB")
-        value = int(float(match.group(1)) * _UNITS[unit])
+        number = match.group(1)
+        # whole numbers stay exact ints (a float would round 400 digits to inf); fractions
+        # are capped first, so float() never sees more than a few digits that matter
+        if "." in number:
+            value = int(float(number[:40]) * _UNITS[unit]) if len(number.split(".")[0]) < 25 else MAX_BYTES + 1
+        else:
+            value = int(number[:40]) * _UNITS[unit] if len(number) < 40 else MAX_BYTES + 1
     if value <= 0:
-        raise ConfigError(field, f"{text!r} is not positive", "give a size above 0")
+        raise ConfigError(field, f"{_short(text)} is not positive", "give a size above 0")
+    if value > MAX_BYTES:
+        raise ConfigError(field, f"{_short(text)} is more than 1 EiB", "give a size of at most 1024TiB (2**60 bytes)")
     return value
+
+
+def _short(text) -> str:
+    """A value quoted in an error, cut so a 400-digit argument still gives a one-line message."""
+    r = repr(text)
+    return r if len(r) <= 40 else r[:30] + "…" + r[-6:]
 
 
 def fmt_bytes(n: float) -> str:

@@ -26,7 +26,8 @@ import contextlib
 import numpy as np
 
 from ..planning.buffers import FULL_PAGES, REQUEST_SLOTS, SWA_PAGES
-from ..errors import KvatlasError, PoolExhaustedError, RequestStateError
+from ..checks import request_id as check_request_id, whole
+from ..errors import ConfigError, KvatlasError, PoolExhaustedError, RequestStateError
 from ..planning.model import LayerKind
 from ..units import cdiv
 from .arrays import EMPTY, div, mod, ramp, spread
@@ -36,6 +37,19 @@ from .indices import Admission, RequestBatch, WriteIndices
 from .lowest import LowestFreeList
 from .release import Release
 from .sharing import Sharing
+
+
+def id_list(request_ids) -> tuple:
+    """A batch's ids as a tuple; one string (or bytes) is refused, not split into characters."""
+    if isinstance(request_ids, (str, bytes)) or not hasattr(request_ids, "__iter__"):
+        raise ConfigError("request_ids", f"{_short(request_ids)} is not a list of request ids",
+                          "give a list (or tuple) of running ids, or a cache.batch(...)")
+    return tuple(request_ids)
+
+
+def _short(value) -> str:
+    r = repr(value)
+    return r if len(r) <= 60 else r[:50] + "…"
 
 
 class Allocator(Release, Sharing):
@@ -75,10 +89,7 @@ class Allocator(Release, Sharing):
 
     # ---------------------------------------------------------------- admission
     def _validate_lengths(self, prompt_tokens, max_new_tokens) -> int:
-        for name, v, low in (("prompt_tokens", prompt_tokens, 1), ("max_new_tokens", max_new_tokens, 0)):
-            if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < low:
-                raise KvatlasError(f"{name}: {v!r} is not an integer ≥ {low}; give a whole number of tokens")
-        total = int(prompt_tokens) + int(max_new_tokens)
+        total = whole("prompt_tokens", prompt_tokens, 1) + whole("max_new_tokens", max_new_tokens, 0)
         if total > self.max_len:
             raise KvatlasError(f"prompt_tokens + max_new_tokens = {total} exceeds max_model_len {self.max_len}; "
                                "shorten the request or plan a larger max_model_len")
@@ -101,6 +112,7 @@ class Allocator(Release, Sharing):
 
     def admit(self, request_id, prompt_tokens: int, max_new_tokens: int = 0, shared=None) -> Admission:
         """shared (prefix cache): a SharedPrefix to start from, its pages read-only."""
+        check_request_id(request_id)
         total = self._validate_lengths(prompt_tokens, max_new_tokens)
         if request_id in self.slot_of:
             raise RequestStateError(f"request_id {request_id!r} is already running; finish it first or use a new id")
@@ -135,7 +147,8 @@ class Allocator(Release, Sharing):
     # ---------------------------------------------------------------- writes
     def batch(self, request_ids) -> RequestBatch:
         """Resolve a running batch once; pass it to step() instead of the id list."""
-        return RequestBatch(request_ids, self._slots(list(request_ids)), self._epoch)
+        ids = id_list(request_ids)
+        return RequestBatch(ids, self._slots(ids), self._epoch)
 
     def _slots(self, request_ids) -> np.ndarray:
         if isinstance(request_ids, RequestBatch):
@@ -143,7 +156,7 @@ class Allocator(Release, Sharing):
                 request_ids.slots = self._slots(request_ids.request_ids)
                 request_ids.epoch = self._epoch
             return request_ids.slots
-        key = request_ids if isinstance(request_ids, tuple) else tuple(request_ids)
+        key = request_ids if isinstance(request_ids, tuple) else id_list(request_ids)
         memo = self._memo   # engines step the same batch again and again: compare, don't look up
         if memo is not None and memo[0] == self._epoch and memo[1] == key:
             return memo[2]
@@ -152,6 +165,9 @@ class Allocator(Release, Sharing):
         except KeyError as exc:
             raise RequestStateError(f"request_id {exc.args[0]!r} is not running (never admitted or finished); "
                                     "admit it first") from None
+        except TypeError:   # an unhashable id: never admitted, so never running
+            check = [check_request_id(r) for r in key]   # raises naming the id
+            raise RequestStateError(f"request_ids {check!r} cannot be looked up; give running ids") from None
         if len(slots) > 1 and np.bincount(slots, minlength=1).max() > 1:
             raise RequestStateError("request_ids: a request appears twice in one step; list each once")
         self._memo = (self._epoch, key, slots)   # never handed out: _indices copies
@@ -159,8 +175,7 @@ class Allocator(Release, Sharing):
 
     def extend(self, request_id, num_tokens: int) -> WriteIndices:
         """Chunked prefill: write the next num_tokens of one request."""
-        if not isinstance(num_tokens, (int, np.integer)) or isinstance(num_tokens, bool) or num_tokens < 1:
-            raise KvatlasError(f"num_tokens: {num_tokens!r} is not an integer ≥ 1; give the chunk length")
+        num_tokens = whole("num_tokens", num_tokens, 1)
         if num_tokens > self.plan.options.chunked_prefill_tokens:
             raise KvatlasError(f"num_tokens: {num_tokens} exceeds chunked_prefill_tokens="
                                f"{self.plan.options.chunked_prefill_tokens}; split the prompt into chunks")
@@ -178,7 +193,11 @@ class Allocator(Release, Sharing):
             counts = int(tokens_each)   # uniform batch: scalar arithmetic, no per-request arrays
             low = counts
         else:
-            counts = np.asarray(tokens_each, np.int64)
+            counts = np.asarray(tokens_each)
+            if counts.dtype.kind not in "iu" or counts.ndim != 1:   # 1.5 or "2" must not become 1 or fail in numpy
+                raise ConfigError("tokens_each", f"{_short(tokens_each)} is not whole numbers",
+                                  "give one integer, or one per request")
+            counts = counts.astype(np.int64)
             if counts.shape != slots.shape:
                 raise KvatlasError(f"tokens_each: {counts.shape[0] if counts.ndim else 'a non-integer'} counts "
                                    f"for {len(slots)} requests; give one integer, or one per request")

@@ -17,7 +17,8 @@ class Release:
     def rollback(self, request_id, num_tokens: int) -> None:
         """Drop the last num_tokens written (rejected drafts); they must come from the last write."""
         slot = int(self._slots([request_id])[0])
-        if not isinstance(num_tokens, (int, np.integer)) or not 0 <= num_tokens <= self.last_write[slot]:
+        if not isinstance(num_tokens, (int, np.integer)) or isinstance(num_tokens, bool) \
+                or not 0 <= num_tokens <= self.last_write[slot]:
             raise KvatlasError(f"num_tokens: {num_tokens!r} is not within the last write of "
                                f"{int(self.last_write[slot])} tokens; roll back only rejected drafts, before "
                                "the next forward pass begins (the next step/extend or flush)")
@@ -63,7 +64,11 @@ class Release:
     def finish(self, request_id, keep_pages=None) -> None:
         """keep_pages (prefix cache): table columns of the request's own full pages that the
         cache keeps instead of freeing."""
-        if request_id not in self.slot_of:
+        try:
+            running = request_id in self.slot_of
+        except TypeError:   # unhashable: never admitted
+            running = False
+        if not running:
             raise RequestStateError(f"request_id {request_id!r} is not running (never admitted or already "
                                     "finished); finish each request once")
         slot = self.slot_of[request_id]

@@ -2,14 +2,38 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import numpy as np
+
 from ..alloc import Allocator
-from ..alloc.entries import request_entries
+from ..alloc.entries import ratio_key
 from ..alloc.integrity import check as check_allocator
 from .arena import Arena
 from ..planning.buffers import FULL_PAGES, REQUEST_SLOTS, SWA_PAGES
 from ..errors import RequestStateError
 from .ledger import Ledger, entry_key
 from .pools import build_pools
+
+
+@dataclass(frozen=True, slots=True)
+class UsageCounters:
+    """Per running request (in `ids` order): its length and the pages it holds."""
+
+    ids: tuple
+    length: np.ndarray
+    full_held: np.ndarray
+    swa_lo: np.ndarray
+    swa_hi: np.ndarray
+
+
+def _lookup_key(request_id):
+    """An id as a dict key; an unhashable one can never be running."""
+    try:
+        hash(request_id)
+    except TypeError:
+        return None
+    return request_id
 
 
 class KVCache:
@@ -26,6 +50,8 @@ class KVCache:
         if self.allocator.prefix_on:   # imported here: the prefix package stands above this one
             from ..prefix import PrefixCache
             self.prefix = PrefixCache(self.allocator, self.ledger, policy=prefix_policy)
+        a = self.allocator
+        self._usage_constants = (tuple(a.ratios), a.Ps, a.swa is not None)
         self._by_layer: dict[int, dict[str, object]] = {}
         for pool in self.pools.values():
             for layer in pool.layers:
@@ -121,12 +147,32 @@ class KVCache:
     def request_usage(self, request_id) -> dict[str, dict[str, int]]:
         """One request's footprint by pool: bytes held (pages/slots it owns) and occupied (live)."""
         a = self.allocator
-        if request_id not in a.slot_of:
+        if _lookup_key(request_id) not in a.slot_of:
             raise RequestStateError(f"request_id {request_id!r} is not running; ask about a running request")
-        slot = a.slot_of[request_id]
-        entries = request_entries(a, slot)
-        units = {REQUEST_SLOTS: 1, FULL_PAGES: int(a.full_held[slot]),
-                 SWA_PAGES: int(a.swa_hi[slot] - a.swa_lo[slot])}
+        return self.usage_of(self.usage_counters([request_id]))[request_id]
+
+    def usage_counters(self, request_ids=None) -> "UsageCounters":
+        """A copy of the per-request counters request usage is computed from: O(requests) array
+        copies, cheap enough to take under the lock a scrape shares with the driver, so that the
+        bytes (computed later, outside it) agree with a ledger snapshot taken under the same lock."""
+        a = self.allocator
+        ids = list(a.slot_of) if request_ids is None else list(request_ids)
+        slots = np.fromiter((a.slot_of[r] for r in ids), np.int64, len(ids))
+        return UsageCounters(ids=tuple(ids), length=a.length[slots], full_held=a.full_held[slots],
+                             swa_lo=a.swa_lo[slots], swa_hi=a.swa_hi[slots])
+
+    def usage_of(self, c: "UsageCounters") -> dict:
+        """Per request id: bytes held and occupied by pool, from counters taken earlier."""
+        a = self._usage_constants
+        return {rid: self._usage_one(a, int(c.length[i]), int(c.full_held[i]), int(c.swa_lo[i]), int(c.swa_hi[i]))
+                for i, rid in enumerate(c.ids)}
+
+    def _usage_one(self, consts, L: int, full_held: int, swa_lo: int, swa_hi: int) -> dict:
+        ratios, swa_page_tokens, has_swa = consts
+        entries = {ratio_key(r): L // r for r in ratios}
+        if has_swa:
+            entries["swa"] = L - swa_lo * swa_page_tokens
+        units = {REQUEST_SLOTS: 1, FULL_PAGES: full_held, SWA_PAGES: swa_hi - swa_lo}
         out: dict[str, dict[str, int]] = {}
         for name, specs in self._pool_specs.items():
             held = occupied = 0

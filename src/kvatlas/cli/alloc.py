@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import time
 
+from ..checks import require_torch
 from ..observing.table import render
 from ..units import fmt_bytes
 from .common import add_deployment_args, plan_from_args
@@ -32,7 +33,11 @@ def _torch_counters(device) -> dict:
 
 def run(args) -> int:
     p = plan_from_args(args)
+    require_torch("kvatlas alloc")
     import kvatlas
+    from ..cache.arena import backend_factory, parse_device
+    parse_device(args.device)   # refused here, before anything is allocated
+    backend_factory(args.backend)
     before = _torch_counters(args.device)
     t0 = time.perf_counter()
     cache = kvatlas.allocate(p, device=args.device, backend=args.backend)

@@ -6,9 +6,11 @@ import json
 
 from ..engines import DEFAULT_LINEUP, compare
 from ..engines.base import TABLE_CONTEXTS
+from ..observing.progress import Bar, wanted
 from ..observing.table import render
 from ..units import fmt_bytes
-from .common import add_deployment_args, options_from_args
+from ..errors import ConfigError
+from .common import add_deployment_args, check_output_file, count, number, options_from_args
 
 SCHEMA_VERSION = 1
 
@@ -19,11 +21,12 @@ def add_parser(p) -> None:
     g.add_argument("--engines", default=",".join(DEFAULT_LINEUP),
                    help="comma list of engine[:variant]: kvatlas, sglang (0.5.23's real default, ratio 0.1), "
                         f"sglang:ratio, sglang:cap, vllm, vllm:sync (default: {','.join(DEFAULT_LINEUP)})")
-    g.add_argument("--sglang-swa-ratio", type=float, help="SGLang --swa-full-tokens-ratio (ratio mode)")
-    g.add_argument("--sglang-prefix-tails", type=int, help="SGLang --swa-prefix-tails (cap mode headroom)")
+    g.add_argument("--sglang-swa-ratio", type=number(0.0, 1.0, open_low=True),
+                   help="SGLang --swa-full-tokens-ratio (ratio mode)")
+    g.add_argument("--sglang-prefix-tails", type=count(0), help="SGLang --swa-prefix-tails (cap mode headroom)")
     g.add_argument("--sglang-no-radix", action="store_true", help="SGLang with --disable-radix-cache")
     g.add_argument("--sglang-platform", choices=("cuda", "hip"), help="prices the fp4 indexer at 68 B on hip")
-    g.add_argument("--vllm-max-num-batched-tokens", type=int,
+    g.add_argument("--vllm-max-num-batched-tokens", type=count(1),
                    help="default: vLLM's own for --vllm-entrypoint on --gpu (8,192 for serve on an H200)")
     g.add_argument("--vllm-entrypoint", choices=("serve", "offline"),
                    help="whose defaults vLLM takes: `vllm serve` (default) or the offline LLM class")
@@ -43,8 +46,14 @@ def engine_options(args) -> dict:
 
 
 def run(args) -> int:
-    lineup = [e for e in args.engines.split(",") if e.strip()]
-    results = compare(args.model, lineup=lineup, engine_options=engine_options(args), **options_from_args(args))
+    check_output_file("--plot", args.plot)
+    lineup = [e.strip() for e in args.engines.split(",") if e.strip()]
+    if not lineup:
+        raise ConfigError("--engines", f"{args.engines!r} names no engine",
+                          f"give a comma list such as {','.join(DEFAULT_LINEUP)}")
+    with Bar(len(lineup), "compare", wanted(quiet=args.json), unit="engines") as bar:
+        results = compare(args.model, lineup=lineup, engine_options=engine_options(args),
+                          on_result=lambda i, r: bar.update(i), **options_from_args(args))
     base = next((r for r in results if r.engine == "kvatlas"), None)
     if args.json:
         print(json.dumps(to_dict(results, base, args.gpu), indent=2))

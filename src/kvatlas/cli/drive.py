@@ -6,9 +6,12 @@ from __future__ import annotations
 import math
 import sys
 
+from ..checks import MAX_COUNT, real, require_torch
+from ..driving.workload import MAX_DURATION_S, MAX_RATE_PER_S
 from ..errors import ConfigError
 from ..observing.table import render
 from ..units import fmt_bytes
+from .common import count, number
 
 
 def add_workload_args(p) -> None:
@@ -18,8 +21,10 @@ def add_workload_args(p) -> None:
                    '(one {"timestamp" ms, "input_length", "output_length", "hash_ids"} per line)')
     g.add_argument("--trace-format", default="auto", choices=("auto", "kvatlas", "mooncake"),
                    help="format of the trace's lines (default auto: Mooncake when a line has its fields)")
-    g.add_argument("--rate", type=float, default=4.0, help="synthetic: arrivals per second (Poisson, default 4)")
-    g.add_argument("--duration", type=float, default=10.0, help="synthetic: seconds of arrivals (default 10)")
+    g.add_argument("--rate", type=number(0.0, MAX_RATE_PER_S, open_low=True), default=4.0,
+                   help="synthetic: arrivals per second (Poisson, default 4)")
+    g.add_argument("--duration", type=number(0.0, MAX_DURATION_S, open_low=True), default=10.0,
+                   help="synthetic: seconds of arrivals (default 10)")
     g.add_argument("--prompt-len", default="uniform:64:1024",
                    help="synthetic prompt lengths: N, uniform:LO:HI, exp:MEAN, lognormal:MEDIAN:SIGMA")
     g.add_argument("--output-len", default="uniform:16:256", help="synthetic output lengths (same forms)")
@@ -28,21 +33,22 @@ def add_workload_args(p) -> None:
     g.add_argument("--followup-len", default="uniform:16:256", help="synthetic: tokens a user adds per later turn")
     g.add_argument("--think", default="exp:5", help="synthetic: seconds from a turn's end to the next turn "
                    "(same forms, e.g. exp:5 or 0; default exp:5)")
-    g.add_argument("--system-prompts", type=int, default=0, help="synthetic: N distinct system prompts, one "
+    g.add_argument("--system-prompts", type=count(0, 1_000_000), default=0, help="synthetic: N distinct system prompts, one "
                    "opening every session (uniformly chosen), shared as a prefix (default 0: none)")
     g.add_argument("--system-prompt-len", default="2048", help="synthetic: system prompt lengths (same forms)")
-    g.add_argument("--seed", type=int, default=0, help="seed of arrivals, lengths and draft acceptance")
+    g.add_argument("--seed", type=count(0, 2**63 - 1), default=0, help="seed of arrivals, lengths and draft acceptance")
     g.add_argument("--strict-trace", action="store_true", help="a malformed trace line is fatal (default: skip it)")
-    g.add_argument("--accept-rate", type=float, default=0.7, help="probability each draft token is accepted")
+    g.add_argument("--accept-rate", type=number(0.0, 1.0), default=0.7, help="probability each draft token is accepted")
     g.add_argument("--write-layers", default=None,
                    help="layers per pool that get real KV writes: N or 'all' (default: 1 on CPU, all on CUDA)")
     g = p.add_argument_group("time model (one forward pass = step + prefill × tokens + decode × tokens)")
-    g.add_argument("--step-ms", type=float, default=20.0, help="fixed time of every forward pass (default 20 ms)")
-    g.add_argument("--prefill-us-per-token", type=float, default=40.0,
+    g.add_argument("--step-ms", type=number(0.0, 3.6e6, open_low=True), default=20.0,
+                   help="fixed time of every forward pass (default 20 ms)")
+    g.add_argument("--prefill-us-per-token", type=number(0.0, 1e9), default=40.0,
                    help="time per prompt token computed; cache hits are not computed (default 40 µs)")
-    g.add_argument("--decode-us-per-token", type=float, default=100.0,
+    g.add_argument("--decode-us-per-token", type=number(0.0, 1e9), default=100.0,
                    help="time per token a decoding request writes (default 100 µs)")
-    g.add_argument("--sample-ms", type=float, default=None,
+    g.add_argument("--sample-ms", type=number(0.0, 3.6e9), default=None,
                    help="simulate: a timeline point at most every this many ms of virtual time "
                         "(default: 1/2000 of the workload's span)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
@@ -52,14 +58,19 @@ def add_workload_args(p) -> None:
 
 def requests_from_args(args) -> list:
     from ..driving import workload
+    if args.workload == "synthetic":   # every session flag is checked, used or not: a typo is never ignored
+        for flag, text, low in (("--turns", args.turns, 1), ("--followup-len", args.followup_len, 1),
+                                ("--think", args.think, 0), ("--system-prompt-len", args.system_prompt_len, 1)):
+            workload.parse_length(text, flag, minimum=low)
     if args.workload == "synthetic" and (args.turns.strip() != "1" or args.system_prompts != 0):
         from ..driving.sessions import sessions
         return sessions(rate_per_s=args.rate, duration_s=args.duration, turns=args.turns, first_len=args.prompt_len,
                         followup_len=args.followup_len, output=args.output_len, think=args.think,
                         system_prompts=args.system_prompts, system_len=args.system_prompt_len, seed=args.seed)
     if args.workload == "synthetic":
-        return workload.synthetic(rate_per_s=args.rate, duration_s=args.duration, prompt=args.prompt_len,
-                                  output=args.output_len, seed=args.seed)
+        return workload.synthetic(rate_per_s=args.rate, duration_s=args.duration,
+                                  prompt=workload.parse_length(args.prompt_len, "--prompt-len"),
+                                  output=workload.parse_length(args.output_len, "--output-len"), seed=args.seed)
 
     from ..driving import traces
     skipped = {"count": 0, "last": 0}   # counters, not a list: a file of garbage has many bad lines
@@ -94,27 +105,29 @@ def write_layers(args, device) -> int | None:
         n = int(value)
     except ValueError:
         n = -1
-    if n < 0:
+    if not 0 <= n <= MAX_COUNT:
         raise ConfigError("--write-layers", f"{value!r}", "give a whole number ≥ 0 or 'all'")
     return n
 
 
 def build(args, plan_from_args, *, lock=None, record=True):
     """(cache, simulator, writer) for the parsed arguments; the cache is allocated for real."""
-    if not 0.0 <= args.accept_rate <= 1.0:
-        raise ConfigError("--accept-rate", f"{args.accept_rate}", "give a probability in [0, 1]")
+    real("--accept-rate", args.accept_rate, 0.0, 1.0)
     tm = time_model(args)
     if args.backend == "none" and args.write_layers not in (None, "0"):
         raise ConfigError("--write-layers", f"{args.write_layers!r} with --backend none",
                           "drop --write-layers: the bookkeeping backend holds no rows to write")
     requests = requests_from_args(args)
     p = plan_from_args(args)
+    require_torch("allocating a cache")
     import kvatlas
-    from ..cache.arena import parse_device
+    from ..cache.arena import backend_factory, parse_device
+    layers = write_layers(args, parse_device(args.device))   # refused before the cache exists
+    backend_factory(args.backend)
     from ..driving.sim import Simulator
     from ..driving.simwrite import KVWriter
     cache = kvatlas.allocate(p, device=args.device, backend=args.backend)
-    layers = write_layers(args, parse_device(args.device)) if cache.arena.backend.holds_memory else 0
+    layers = layers if cache.arena.backend.holds_memory else 0
     writer = KVWriter(cache, layers=layers, seed=args.seed) if layers != 0 else None
     sim = Simulator(cache, requests, accept_rate=args.accept_rate, seed=args.seed, writer=writer, lock=lock,
                     record=record, time_model=tm, sample_s=sample_s(args, requests))

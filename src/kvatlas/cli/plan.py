@@ -7,7 +7,7 @@ import json
 from ..planning.capacity import capacity, plan_to_dict
 from ..observing.table import render
 from ..units import fmt_bytes
-from .common import add_deployment_args, plan_from_args
+from .common import add_deployment_args, check_output_file, plan_from_args
 
 
 def add_parser(p) -> None:
@@ -17,6 +17,7 @@ def add_parser(p) -> None:
 
 
 def run(args) -> int:
+    check_output_file("--plot", args.plot)
     p = plan_from_args(args)
     if args.json:
         print(json.dumps(plan_to_dict(p), indent=2))

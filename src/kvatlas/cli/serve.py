@@ -10,7 +10,7 @@ import threading
 import time
 
 from ..units import fmt_bytes
-from .common import add_deployment_args, plan_from_args
+from .common import add_deployment_args, count, number, plan_from_args
 from .drive import add_workload_args, build, summary
 
 
@@ -19,10 +19,21 @@ def add_parser(p) -> None:
     add_workload_args(p)
     g = p.add_argument_group("endpoints")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: loopback only)")
-    g.add_argument("--port", type=int, default=9400, help="TCP port (default 9400; 0 picks a free one)")
-    g.add_argument("--linger", type=float, default=0.0,
+    g.add_argument("--port", type=count(0, 65535), default=9400, help="TCP port (default 9400; 0 picks a free one)")
+    g.add_argument("--linger", type=_linger, default=0.0,
                    help="seconds to keep serving after the workload ends (default 0; -1: until a signal)")
-    g.add_argument("--progress-s", type=float, default=1.0, help="seconds between progress updates")
+    g.add_argument("--progress-s", type=number(0.0, 3600.0, open_low=True), default=1.0,
+                   help="seconds between progress updates")
+
+
+def _linger(text: str) -> float:
+    """Seconds to linger: a finite number ≥ 0, or exactly -1 (until a signal)."""
+    if text.strip() == "-1":
+        return -1.0
+    return number(0.0, 1e7)(text)
+
+
+_linger.__name__ = "seconds"
 
 
 class _Stop:
@@ -105,10 +116,13 @@ def _drive(sim, args, stop: _Stop, progress: _Progress) -> str:
 
 def run(args) -> int:
     from ..observing import server
-    lock = threading.Lock()
+    warning = server.check_host(args.host)   # refused before anything is planned or allocated
+    if warning:
+        print(f"kvatlas serve: warning: {warning}", file=sys.stderr, flush=True)
+    lock = server.FairLock()   # scrapes wait for the pass in progress, not for a gap between passes
     cache, sim, writer = build(args, plan_from_args, lock=lock, record=False)
     handle = server.start(cache, args.host, args.port, lock=lock, extra_state=sim.state,
-                          request_state=sim.request_usage)
+                          request_state=sim.progress)
     print(f"kvatlas serve: {cache.plan.model.name}, {fmt_bytes(cache.plan.total_bytes)} on {cache.device}; "
           f"{len(sim.pending)} requests; endpoints at {handle.url}/metrics /state /healthz", flush=True)
     t0 = time.monotonic()

@@ -7,7 +7,8 @@ import os
 import time
 
 from ..errors import ConfigError
-from .common import add_deployment_args, plan_from_args
+from ..observing.progress import Bar, wanted
+from .common import add_deployment_args, check_output_file, count, plan_from_args
 from .drive import add_workload_args, build, summary
 
 
@@ -18,16 +19,19 @@ def add_parser(p) -> None:
     g.add_argument("--out", default="kvatlas-sim", help="output prefix: writes PREFIX.png and PREFIX.csv "
                    "(default kvatlas-sim)")
     g.add_argument("--no-plot", action="store_true", help="write the CSV only")
-    g.add_argument("--max-steps", type=int, default=None, help="stop after this many forward passes")
+    g.add_argument("--max-steps", type=count(1), default=None, help="stop after this many forward passes")
 
 
 def run(args) -> int:
-    out_dir = os.path.dirname(os.path.abspath(args.out))
-    if not os.path.isdir(out_dir):
-        raise ConfigError("--out", f"directory {out_dir!r} does not exist", "create it or give another prefix")
+    if not args.out or args.out.endswith(os.sep) or os.path.isdir(args.out):
+        raise ConfigError("--out", f"{args.out!r} is not a file prefix", "give a prefix such as runs/sim1")
+    check_output_file("--out", f"{args.out}.csv", extensions=None)
     cache, sim, writer = build(args, plan_from_args)
     t0 = time.perf_counter()
-    sim.run_offline(max_steps=args.max_steps)
+    total = len(sim.pending)
+    with Bar(total, "simulate", wanted(), unit="requests") as bar:
+        sim.run_offline(max_steps=args.max_steps,
+                        on_step=lambda s: bar.update(s.stats.finished + s.stats.rejected_too_long))
     wall = time.perf_counter() - t0
     if sim.done:
         cache.check_integrity()

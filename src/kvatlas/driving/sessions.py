@@ -78,6 +78,8 @@ def sessions(*, rate_per_s: float, duration_s: float, turns="1", first_len="unif
     systems = [pieces.message(int(n)) for n in sys_d.sample(rng, system_prompts)]
     which = rng.integers(0, system_prompts, len(starts)) if system_prompts else np.zeros(len(starts), np.int64)
     n_turns = turns_d.sample(rng, len(starts))
+    if int(n_turns.sum()) > 10**7:   # each turn is a request: keep the list a list
+        raise ConfigError("turns", f"{int(n_turns.sum()):,} requests in all", "ask for at most 10 million turns")
     out: list[Request] = []
     for s, (t0, k) in enumerate(zip(starts, n_turns)):
         ids, lens = systems[which[s]] if system_prompts else ((), ())

@@ -286,8 +286,9 @@ class Simulator:
                                                pc.queried_tokens if pc else 0, pc.hit_tokens if pc else 0))
 
     # ------------------------------------------------------------------ drivers
-    def run_offline(self, max_steps: int | None = None) -> SimStats:
-        """As fast as possible on a virtual clock: each pass takes step_s; idle time is skipped."""
+    def run_offline(self, max_steps: int | None = None, on_step=None) -> SimStats:
+        """As fast as possible on a virtual clock: each pass takes step_s; idle time is skipped.
+        `on_step(simulator)`, if given, is called after every pass (the CLI's progress bar)."""
         t = 0.0
         steps = 0
         while not self.done and (max_steps is None or steps < max_steps):
@@ -296,6 +297,8 @@ class Simulator:
             self.step(t)
             t += self.last_pass_s
             steps += 1
+            if on_step is not None:
+                on_step(self)
         with self.lock:
             self.cache.flush()
             if self.record and (not self.timeline or self.timeline[-1].step != self.stats.steps):
@@ -303,6 +306,13 @@ class Simulator:
                 self._observe(t, self.cache.ledger.occupied_bytes(), self.cache.ledger.snapshot())
         self.clock_s = t
         return self.stats
+
+    def progress(self) -> dict:
+        """Per running request: its lengths and progress. Takes no lock: a scrape calls it under
+        the lock it already holds, beside the ledger snapshot, so both describe the same pass."""
+        return {rid: {"prompt_tokens": x.req.prompt_tokens, "output_tokens": x.req.output_tokens,
+                      "prefilled_tokens": x.prefilled, "generated_tokens": x.generated}
+                for rid, x in self.running.items()}
 
     def request_usage(self) -> dict:
         """Per running request: its progress and its bytes by pool (for /state)."""

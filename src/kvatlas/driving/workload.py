@@ -20,8 +20,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..checks import MAX_COUNT, real, whole
 from ..errors import ConfigError
 from .content import covered_tokens, prompt_tokens_of
+
+# Synthetic workloads: bounds that keep the arrival list a list (10 M requests, ~1 GB of Python
+# objects at most) rather than a request to numpy for terabytes.
+MAX_RATE_PER_S = 1e6
+MAX_DURATION_S = 1e7
+MAX_SYNTHETIC_REQUESTS = 10_000_000
+MAX_LENGTH_TOKENS = MAX_COUNT   # beyond any model's context; longer samples are clipped to it
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -86,7 +94,7 @@ class LengthDist:
             x = rng.integers(int(self.a), int(self.b) + 1, n)
         else:
             x = self.sample_real(rng, n)
-        return np.maximum(np.rint(x), 1).astype(np.int64)
+        return np.clip(np.rint(x), 1, MAX_LENGTH_TOKENS).astype(np.int64)   # a lognormal tail may reach inf
 
     def sample_real(self, rng: np.random.Generator, n: int) -> np.ndarray:
         """Real values (think times in seconds): uniform is continuous here."""
@@ -112,8 +120,9 @@ def parse_length(text: str, field: str = "length", minimum: float = 1) -> Length
     arity = {"fixed": 1, "uniform": 2, "exp": 1, "lognormal": 2}
     if kind not in arity or len(nums) != arity[kind]:
         raise ConfigError(field, f"{text!r} is not a length distribution", fix)
-    if not all(math.isfinite(x) for x in nums) or nums[0] < minimum or (kind == "uniform" and nums[1] < nums[0]) \
-            or (kind == "lognormal" and (nums[1] < 0 or nums[0] <= 0)):
+    if not all(math.isfinite(x) for x in nums) or nums[0] < minimum or nums[0] > MAX_LENGTH_TOKENS \
+            or (kind == "uniform" and not nums[0] <= nums[1] <= MAX_LENGTH_TOKENS) \
+            or (kind == "lognormal" and (not 0 <= nums[1] <= 10 or nums[0] <= 0)):
         raise ConfigError(field, f"{text!r} has an out-of-range parameter", fix)
     return LengthDist(kind=kind, a=nums[0], b=nums[1] if len(nums) > 1 else 0.0)
 
@@ -121,10 +130,12 @@ def parse_length(text: str, field: str = "length", minimum: float = 1) -> Length
 def synthetic(*, rate_per_s: float, duration_s: float, prompt: str | LengthDist = "uniform:64:1024",
               output: str | LengthDist = "uniform:16:256", seed: int = 0) -> list[Request]:
     """Poisson arrivals at rate_per_s during [0, duration_s); the same seed gives the same list."""
-    if not rate_per_s > 0:
-        raise ConfigError("rate", f"{rate_per_s!r} requests/s", "give a rate above 0")
-    if not duration_s > 0:
-        raise ConfigError("duration", f"{duration_s!r} s", "give a duration above 0")
+    real("rate", rate_per_s, 0.0, MAX_RATE_PER_S, open_low=True)
+    real("duration", duration_s, 0.0, MAX_DURATION_S, open_low=True)
+    whole("seed", seed, 0, 2**63 - 1)
+    if rate_per_s * duration_s > MAX_SYNTHETIC_REQUESTS:
+        raise ConfigError("rate", f"rate × duration = {rate_per_s * duration_s:,.0f} requests",
+                          f"ask for at most {MAX_SYNTHETIC_REQUESTS:,} (lower the rate or the duration)")
     pd = prompt if isinstance(prompt, LengthDist) else parse_length(prompt, "prompt_len")
     od = output if isinstance(output, LengthDist) else parse_length(output, "output_len")
     rng = np.random.default_rng(seed)

@@ -63,9 +63,10 @@ def run_engine(engine: str, model: ModelSpec | str, memory_bytes=None, **options
 
 
 def compare(model: ModelSpec | str, memory_bytes=None, lineup=DEFAULT_LINEUP, engine_options: dict | None = None,
-            **options) -> list[EngineResult]:
+            on_result=None, **options) -> list[EngineResult]:
     """Every entry of `lineup` for the same deployment. `engine_options` maps an engine name to
-    options added to each of its entries (after the variant's)."""
+    options added to each of its entries (after the variant's). `on_result(i, result)`, if
+    given, is called as each entry is done (the CLI's progress bar)."""
     engine_options = engine_options or {}
     unknown = sorted(set(engine_options) - set(ENGINES))
     if unknown:
@@ -81,8 +82,12 @@ def compare(model: ModelSpec | str, memory_bytes=None, lineup=DEFAULT_LINEUP, en
     model, opts, budget, extra = _resolve(model, options)
     if extra:
         raise ConfigError(sorted(extra)[0], "is not a serving option", "pass engine options through engine_options")
-    return [engine_module(name).run(model, opts, budget, **{**variant, **engine_options.get(name, {})})
-            for name, variant in entries]
+    results = []
+    for name, variant in entries:
+        results.append(engine_module(name).run(model, opts, budget, **{**variant, **engine_options.get(name, {})}))
+        if on_result is not None:
+            on_result(len(results), results[-1])
+    return results
 
 
 __all__ = ["DEFAULT_LINEUP", "ENGINES", "EngineBuffer", "EngineResult", "Reported", "VARIANTS", "compare",

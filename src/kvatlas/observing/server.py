@@ -11,7 +11,9 @@ exposes request ids.
 from __future__ import annotations
 
 import errno
+import ipaddress
 import json
+import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -29,61 +31,221 @@ class ServerError(KvatlasError):
     """The endpoint server cannot start (address in use, bad host)."""
 
 
-def state_document(collector: KvatlasCollector, extra=None, requests=None) -> dict:
+class FairLock:
+    """A lock that serves waiters in arrival order. A driver that releases its lock at the end of
+    a forward pass and takes it again for the next would, with threading.Lock, win almost every
+    time (it still runs; the waiter has to be woken), so a scrape could wait seconds for one
+    snapshot. Here a thread that re-acquires queues behind those already waiting: a scrape waits
+    at most for the pass in progress. Uncontended it costs about a microsecond more."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._next = self._serving = 0
+
+    def acquire(self) -> bool:
+        with self._cond:
+            ticket = self._next
+            self._next += 1
+            while ticket != self._serving:
+                self._cond.wait()
+        return True
+
+    def release(self) -> None:
+        with self._cond:
+            self._serving += 1
+            self._cond.notify_all()
+
+    def __enter__(self):
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def check_host(host) -> str | None:
+    """Refuse an address that would expose the endpoints beyond this machine by accident.
+
+    Loopback addresses are fine. "" (which binds every interface) and any other address are
+    refused, except exactly "0.0.0.0", the explicit way to say "every interface": that returns
+    a warning to show, because the endpoints have no authentication and /state lists request ids."""
+    if not isinstance(host, str) or not host.strip():
+        raise ServerError(f"host: {host!r} would listen on every interface; give 127.0.0.1 (loopback), "
+                          "or say 0.0.0.0 explicitly to accept connections from other machines")
+    if host == "0.0.0.0":
+        return ("listening on every interface (0.0.0.0): /metrics and /state have no authentication "
+                "and /state lists request ids; keep the port behind a firewall")
+    if host == "localhost":
+        return None
+    try:
+        if ipaddress.ip_address(host).is_loopback:
+            return None
+    except ValueError:
+        pass
+    raise ServerError(f"host: {host!r} is not a loopback address, and the endpoints have no authentication; "
+                      "give 127.0.0.1, or 0.0.0.0 to listen on every interface on purpose")
+
+
+def state_document(collector: KvatlasCollector, extra=None, requests=None, plans=None) -> dict:
     """The /state JSON: per cache its rank labels, ledger snapshot, plan and per-request usage.
 
-    `requests`: a callable returning per-request usage for the first cache (the driver knows the
-    request progress); otherwise each running request's bytes come from `cache.request_usage`."""
+    One snapshot: the ledgers, the per-request counters and the workload's view (`extra`, and
+    `requests`, per-request progress for the first cache) are all read under ONE acquisition of
+    the lock the driver mutates under, so the running-request count, the request list and the
+    bytes agree. Under the lock only copies are taken (a ledger snapshot, a few small arrays, the
+    progress dict); the bytes and the JSON are made after it is released, so a scrape holds up a
+    forward pass no longer than a snapshot. `extra` and `requests` must not take that lock."""
     from ..planning.capacity import plan_to_dict
-    snaps = collector.snapshots()
+    with collector.lock:
+        snaps = [s.cache.ledger.snapshot() for s in collector.sources]
+        counters = [s.cache.usage_counters() for s in collector.sources]
+        prefixes = [s.cache.prefix.summary() if s.cache.prefix is not None else None for s in collector.sources]
+        progress = requests() if requests is not None else None
+        workload = extra() if extra is not None else None
     caches = []
-    for i, (src, snap) in enumerate(zip(collector.sources, snaps)):
-        if requests is not None and i == 0:
-            usage = requests()
+    for i, (src, snap, c) in enumerate(zip(collector.sources, snaps, counters)):
+        usage = src.cache.usage_of(c)
+        if i == 0 and progress is not None:
+            usage = {rid: {**progress.get(rid, {}), "pools": pools} for rid, pools in usage.items()}
         else:
-            with collector.lock:
-                usage = {rid: {"pools": src.cache.request_usage(rid)} for rid in list(src.cache.allocator.slot_of)}
-        entry = {"labels": dict(src.ranks), "ledger": snap.to_dict(), "plan": plan_to_dict(src.cache.plan),
+            usage = {rid: {"pools": pools} for rid, pools in usage.items()}
+        plan = plans[i] if plans is not None else plan_to_dict(src.cache.plan)
+        entry = {"labels": dict(src.ranks), "ledger": snap.to_dict(), "plan": plan,
                  "requests": {str(k): v for k, v in usage.items()}}
-        if src.cache.prefix is not None:
-            with collector.lock:
-                entry["prefix_cache"] = src.cache.prefix.summary()
+        if prefixes[i] is not None:
+            entry["prefix_cache"] = prefixes[i]
         caches.append(entry)
     doc = {"schema": "kvatlas.state", "schema_version": STATE_SCHEMA_VERSION, "time_unix_s": time.time(),
            "version": collector.version, "caches": caches}
-    if extra is not None:
-        doc["workload"] = extra()
+    if workload is not None:
+        doc["workload"] = workload
     return doc
 
 
+_QUIET = (BrokenPipeError, ConnectionResetError, ConnectionAbortedError, TimeoutError)
+
+
+class ScrapeGate:
+    """Scrapes share the process (and its interpreter lock) with the engine they observe, so they
+    are rationed: one is built at a time; a request that arrives while a build is running, or
+    waits for one, gets the next build of its path made after it arrived (never an older one);
+    and after each build the gate stays shut for `yield_factor` times the CPU time the build took
+    (at most `max_pause_s`), so scraping takes at most 1 / (1 + yield_factor) of the process's
+    time however many scrapers ask and however fast. With Prometheus' usual one scrape per several seconds the
+    pause is never felt; eight scrapers in a tight loop wait their turn instead of taking the
+    forward passes' time (bench/serve_scrapers.py)."""
+
+    def __init__(self, yield_factor: float = 19.0, max_pause_s: float = 0.25) -> None:
+        self.lock = threading.Lock()
+        self.yield_factor, self.max_pause_s = yield_factor, max_pause_s
+        self._latest: dict[str, tuple[float, bytes]] = {}   # path → (build start, body)
+        self._debt_lock = threading.Lock()
+        self._debt_s = 0.0
+
+    def get(self, path: str, build):
+        """(body, pause_s): the caller answers, then calls `done(pause_s)` (the gate is held)."""
+        arrived = time.monotonic()
+        self.lock.acquire()
+        hit = self._latest.get(path)
+        if hit is not None and hit[0] >= arrived:
+            return hit[1], 0.0
+        start, cpu0 = time.monotonic(), time.thread_time()
+        try:
+            body = build()
+        except BaseException:
+            self.lock.release()
+            raise
+        cost = time.thread_time() - cpu0   # the interpreter time taken, not time spent waiting for it
+        self._latest[path] = (start, body)
+        with self._debt_lock:
+            cost, self._debt_s = cost + self._debt_s, 0.0
+        return body, min(cost * self.yield_factor, self.max_pause_s)
+
+    def charge(self, cpu_s: float) -> None:
+        """CPU time spent outside builds (reading requests, writing answers): it is paid for by
+        the pause after the next build, so many cheap requests cannot take the time either."""
+        with self._debt_lock:
+            self._debt_s += cpu_s
+
+    def done(self, pause_s: float) -> None:
+        if pause_s > 0:
+            time.sleep(pause_s)
+        self.lock.release()
+
+
 def _handler(server_state):
+    gate: ScrapeGate = server_state["gate"]
+
+    def metrics() -> bytes:
+        return generate_latest(server_state["registry"])
+
+    def state() -> bytes:
+        doc = state_document(server_state["collector"], server_state["extra"], server_state["requests"],
+                             server_state["plans"])
+        return json.dumps(doc, default=_json_default).encode()
+
+    builders = {"/metrics": (CONTENT_TYPE_LATEST, metrics), "/state": ("application/json", state)}
+
     class Handler(BaseHTTPRequestHandler):
+        def handle(self):
+            cpu0 = time.thread_time()
+            try:
+                super().handle()
+            finally:
+                gate.charge(time.thread_time() - cpu0)
+
         def do_GET(self):  # noqa: N802 (http.server's name)
+            self._answer(head=False)
+
+        def do_HEAD(self):  # noqa: N802
+            self._answer(head=True)
+
+        def _answer(self, head: bool) -> None:
             path = self.path.split("?", 1)[0]
             try:
-                if path == "/metrics":
-                    self._send(200, CONTENT_TYPE_LATEST, generate_latest(server_state["registry"]))
-                elif path == "/state":
-                    doc = state_document(server_state["collector"], server_state["extra"], server_state["requests"])
-                    self._send(200, "application/json", json.dumps(doc, default=_json_default).encode())
+                if path in builders:
+                    self._scrape(path, head)
                 elif path == "/healthz":
-                    self._send(200, "text/plain; charset=utf-8", b"ok\n")
+                    self._send(200, "text/plain; charset=utf-8", b"ok\n", head)
                 else:
-                    self._send(404, "text/plain; charset=utf-8", b"not found: try /metrics, /state or /healthz\n")
-            except Exception as exc:   # a failed scrape must answer, not kill the serving thread
-                self._send(500, "text/plain; charset=utf-8", f"{type(exc).__name__}: {exc}\n".encode())
+                    self._send(404, "text/plain; charset=utf-8", b"not found: try /metrics, /state or /healthz\n", head)
+            except _QUIET:   # the client left early: nothing to answer, nothing to report
+                self.close_connection = True
 
-        def _send(self, code: int, ctype: str, body: bytes) -> None:
+        def _scrape(self, path: str, head: bool) -> None:
+            ctype, build = builders[path]
+            try:
+                body, pause = gate.get(path, build)
+            except Exception as exc:   # a failed scrape must answer, not kill the serving thread
+                self._send(500, "text/plain; charset=utf-8", f"{type(exc).__name__}: {exc}\n".encode(), head)
+                return
+            try:
+                self._send(200, ctype, body, head)
+            finally:
+                gate.done(pause)
+
+        def _send(self, code: int, ctype: str, body: bytes, head: bool) -> None:
             self.send_response(code)
             self.send_header("Content-Type", ctype)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
-            self.wfile.write(body)
+            if not head:
+                self.wfile.write(body)
 
         def log_message(self, *args):   # scrapes every second would flood the terminal
             pass
 
     return Handler
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    request_queue_size = 128   # socketserver's 5 drops the SYNs of a sixth concurrent scraper: 1-s retries
+
+    def handle_error(self, request, client_address):
+        """A client that disconnects mid-request is not an error worth a traceback on stderr."""
+        if isinstance(sys.exc_info()[1], OSError):   # resets, broken pipes, timeouts
+            return
+        super().handle_error(request, client_address)
 
 
 def _json_default(obj):
@@ -120,26 +282,31 @@ class ServerHandle:
 
 
 def start(cache_or_collector, host: str = "127.0.0.1", port: int = 0, *, lock=None, extra_state=None,
-          request_state=None) -> ServerHandle:
+          request_state=None, gate: ScrapeGate | None = None) -> ServerHandle:
     """Serve /metrics, /state and /healthz for a KVCache (or a KvatlasCollector over several).
 
     port=0 picks a free port (read it from the handle). `extra_state`: a callable whose dict is
-    added to /state as "workload"; `request_state`: a callable giving per-request usage."""
+    added to /state as "workload"; `request_state`: a callable giving per-request progress (both
+    are called under the lock, beside the ledger snapshot: they must be cheap and not lock).
+    `gate`: how scrapes are rationed (ScrapeGate; ScrapeGate(yield_factor=0) never pauses)."""
     collector = (cache_or_collector if isinstance(cache_or_collector, KvatlasCollector)
                  else KvatlasCollector(cache_or_collector, lock=lock))
+    from ..planning.capacity import plan_to_dict
+    check_host(host)
+    # a plan never changes: its /state section is built once, not per scrape
     state = {"collector": collector, "registry": registry_for(collector), "extra": extra_state,
-             "requests": request_state}
-    if not isinstance(port, int) or not 0 <= port <= 65535:
+             "requests": request_state, "gate": ScrapeGate() if gate is None else gate,
+             "plans": [plan_to_dict(src.cache.plan) for src in collector.sources]}
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
         raise ServerError(f"port: {port!r} is not a TCP port; give 0..65535 (0 picks a free one)")
     try:
-        httpd = ThreadingHTTPServer((host, port), _handler(state))
+        httpd = _Server((host, port), _handler(state))
     except OSError as exc:
         if exc.errno == errno.EADDRINUSE:
             raise ServerError(f"port: {host}:{port} is already in use; stop what listens there, "
                               "or pick another --port (0 picks a free one)") from None
         raise ServerError(f"host: cannot listen on {host}:{port} ({exc.strerror or exc}); "
                           "give a local address such as 127.0.0.1") from None
-    httpd.daemon_threads = True
     thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.1},
                               name="kvatlas-http", daemon=True)
     thread.start()

@@ -7,6 +7,7 @@ import json
 from dataclasses import dataclass
 import os
 
+from ..checks import MAX_COUNT
 from ..errors import ConfigError
 
 
@@ -91,19 +92,22 @@ class ModelSpec:
         return sum(1 for layer in self.layers(draft=draft) if layer.kind is kind)
 
 
-def _need(cfg: dict, key: str, where: str):
-    if key not in cfg:
+def _need(cfg: dict, key: str, where: str, low: int = 0, default=None):
+    """A whole number in [low, MAX_COUNT]; `default` is used where the key is absent (None: required)."""
+    if key not in cfg and default is None:
         raise ConfigError(f"{where}.{key}", "is missing", "use a DeepSeek-V4 family config.json")
-    value = cfg[key]
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise ConfigError(f"{where}.{key}", f"{value!r} is not a non-negative integer",
+    value = cfg.get(key, default)
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= MAX_COUNT:
+        what = "a positive integer" if low == 1 else "a non-negative integer"
+        raise ConfigError(f"{where}.{key}", f"{value!r} is not {what} (at most {MAX_COUNT:,})",
                           "fix the value in config.json")
     return value
 
 
 def _ints(cfg: dict, key: str, where: str) -> tuple[int, ...]:
     value = cfg.get(key, [])
-    if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+    if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value) \
+            or len(value) > 4096:
         raise ConfigError(f"{where}.{key}", f"{value!r} is not a list of integers", "fix the list in config.json")
     return tuple(value)
 
@@ -119,7 +123,7 @@ def model_from_config(cfg: dict, name: str = "custom") -> ModelSpec:
         raise ConfigError(f"{where}.compress_ratios", "is missing",
                           "this is not a DeepSeek-V4 family config (it needs compress_ratios)")
     ratios = _ints(cfg, "compress_ratios", where)
-    layers = _need(cfg, "num_hidden_layers", where)
+    layers = _need(cfg, "num_hidden_layers", where, 1)
     v41 = any(r in (1, 2) for r in ratios) or "kv_source_layer_ids" in cfg
     family = "v4.1" if v41 else "v4"
     allowed = set(_V41_KIND_OF_RATIO if v41 else _KIND_OF_RATIO)
@@ -139,7 +143,7 @@ def model_from_config(cfg: dict, name: str = "custom") -> ModelSpec:
     if any(not 0 <= s < layers or ratios[s] == 0 for s in sources):
         raise ConfigError(f"{where}.kv_source_layer_ids", f"{list(sources)} names layers without compression",
                           "list only compressed layers")
-    head_dim = _need(cfg, "head_dim", where)
+    head_dim = _need(cfg, "head_dim", where, 1)
     rope = _need(cfg, "qk_rope_head_dim", where)
     window = _need(cfg, "sliding_window", where)
     if rope >= head_dim or window == 0:
@@ -147,17 +151,18 @@ def model_from_config(cfg: dict, name: str = "custom") -> ModelSpec:
                           "head_dim must exceed qk_rope_head_dim and sliding_window must be positive")
     return ModelSpec(
         name=name, family=family, num_hidden_layers=layers, compress_ratios=ratios,
-        hidden_size=_need(cfg, "hidden_size", where), num_attention_heads=_need(cfg, "num_attention_heads", where),
-        head_dim=head_dim, rope_head_dim=rope, index_n_heads=cfg.get("index_n_heads", 0),
-        index_head_dim=cfg.get("index_head_dim", 128), index_topk=cfg.get("index_topk", 0),
-        sliding_window=window, max_position_embeddings=_need(cfg, "max_position_embeddings", where),
-        num_nextn_predict_layers=cfg.get("num_nextn_predict_layers", 0),
+        hidden_size=_need(cfg, "hidden_size", where, 1), num_attention_heads=_need(cfg, "num_attention_heads", where, 1),
+        head_dim=head_dim, rope_head_dim=rope, index_n_heads=_need(cfg, "index_n_heads", where, 0, 0),
+        index_head_dim=_need(cfg, "index_head_dim", where, 1, 128), index_topk=_need(cfg, "index_topk", where, 0, 0),
+        sliding_window=window, max_position_embeddings=_need(cfg, "max_position_embeddings", where, 1),
+        num_nextn_predict_layers=_need(cfg, "num_nextn_predict_layers", where, 0, 0),
         kv_source_layer_ids=sources, index_source_layer_ids=_ints(cfg, "index_source_layer_ids", where),
     )
 
 
 # plain os.path: importlib.resources and pathlib cost 15 ms of a 60 ms `kvatlas plan`
 PRESET_DIR = os.path.join(os.path.dirname(__file__), "presets")
+_MAX_CONFIG_BYTES = 16 * 2**20   # HF configs are a few KiB; past this the read stops and JSON fails
 
 
 def preset_names() -> list[str]:
@@ -166,7 +171,12 @@ def preset_names() -> list[str]:
 
 def load_model(name_or_path) -> ModelSpec:
     """A preset name, a config.json file, or a model directory holding one."""
+    if not isinstance(name_or_path, (str, os.PathLike)):
+        raise ConfigError("model", f"{name_or_path!r} is not a name or a path",
+                          f"use one of {', '.join(preset_names())}, a config.json or a model directory")
     text = os.fspath(name_or_path)
+    if not text or "\0" in text:
+        raise ConfigError("model", f"{text!r} is not a name or a path", f"use one of {', '.join(preset_names())}")
     if text in preset_names():
         with open(os.path.join(PRESET_DIR, f"{text}.json")) as f:
             return model_from_config(json.load(f), name=text)
@@ -176,9 +186,11 @@ def load_model(name_or_path) -> ModelSpec:
                           f"use one of {', '.join(preset_names())}, a config.json or a model directory")
     try:
         with open(path, "rb") as f:
-            cfg = json.loads(f.read().decode())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ConfigError("model", f"{path} is not valid JSON ({exc})", "give a HF config.json") from None
+            cfg = json.loads(f.read(_MAX_CONFIG_BYTES + 1).decode())
+    except OSError as exc:
+        raise ConfigError("model", f"cannot read {path} ({exc.strerror or exc})", "give a readable config.json") from None
+    except (ValueError, RecursionError) as exc:   # JSONDecodeError, UnicodeDecodeError, too deep
+        raise ConfigError("model", f"{path} is not valid JSON ({str(exc)[:120]})", "give a HF config.json") from None
     base = os.path.basename(path)
     name = os.path.basename(os.path.dirname(os.path.abspath(path))) if base == "config.json" else base.rsplit(".", 1)[0]
     return model_from_config(cfg, name=name)

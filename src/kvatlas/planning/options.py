@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 
 from . import formats
+from ..checks import MAX_BYTES, boolean, real, whole
 from ..errors import ConfigError
 from ..units import parse_bytes
 
@@ -52,9 +53,10 @@ class ServeOptions:
 
     def validated(self) -> "ServeOptions":
         _positive_int(self, "page_tokens", "swa_page_tokens", "max_running_requests", "chunked_prefill_tokens", "tp", "pp", "dp")
-        _non_negative_int(self, "draft_tokens", "weights_bytes", "pp_rank", "prefix_checkpoints")
+        _non_negative_int(self, "draft_tokens", "pp_rank", "prefix_checkpoints")
+        whole("weights_bytes", self.weights_bytes, 0, MAX_BYTES)
         if self.memory_bytes is not None:
-            _positive_int(self, "memory_bytes")
+            whole("memory_bytes", self.memory_bytes, 1, MAX_BYTES)
         if self.max_model_len is not None:
             _positive_int(self, "max_model_len")
         if self.page_tokens % 128:
@@ -68,10 +70,13 @@ class ServeOptions:
                               "use 64 with the prefix cache (a cached page must end on an SWA page boundary)")
         if self.pp_rank >= self.pp:
             raise ConfigError("pp_rank", f"{self.pp_rank} is not below pp={self.pp}", "pick a rank in 0..pp-1")
+        _names(self, "gpu", "kv_layout", "indexer", "state_dtype")
         if self.gpu not in GPU_MEMORY_BYTES:
             raise ConfigError("gpu", f"{self.gpu!r} is not known", f"use one of {', '.join(GPU_MEMORY_BYTES)} or give memory")
-        if not (isinstance(self.mem_fraction, (int, float)) and 0 < self.mem_fraction <= 1):
-            raise ConfigError("mem_fraction", f"{self.mem_fraction!r} is not in (0, 1]", "use e.g. 0.9")
+        real("mem_fraction", self.mem_fraction, 0.0, 1.0, open_low=True)
+        boolean("online_c128", self.online_c128)
+        if self.draft_layers is not None:
+            boolean("draft_layers", self.draft_layers)
         if self.kv_layout is not None:
             formats.layout(self.kv_layout)
         if self.indexer is not None:
@@ -112,13 +117,17 @@ class ServeOptions:
 
 def _positive_int(opts, *names):
     for name in names:
-        value = getattr(opts, name)
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise ConfigError(name, f"{value!r} is not a positive integer", "give a whole number above 0")
+        whole(name, getattr(opts, name), 1)
 
 
 def _non_negative_int(opts, *names):
     for name in names:
+        whole(name, getattr(opts, name), 0)
+
+
+def _names(opts, *fields_):
+    """Choices are looked up by name: a list or a number would fail deep in a dict lookup."""
+    for name in fields_:
         value = getattr(opts, name)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise ConfigError(name, f"{value!r} is not a non-negative integer", "give 0 or a whole number above 0")
+        if value is not None and not isinstance(value, str):
+            raise ConfigError(name, f"{value!r} is not a name", "give the choice as a string, e.g. the CLI's spelling")

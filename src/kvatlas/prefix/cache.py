@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..checks import request_id as check_request_id
 from ..errors import KvatlasError, PoolExhaustedError, RequestStateError
 from ..planning.buffers import CHECKPOINTS, FULL_PAGES, SWA_PAGES
 from ..units import cdiv
@@ -111,6 +112,7 @@ class PrefixCache:
 
     # ---------------------------------------------------------------- admission
     def admit(self, request_id, prompt_tokens, max_new_tokens=0, *, token_ids=None, page_keys=None):
+        check_request_id(request_id)   # before the match: a refused id must not evict anything
         total = self.alloc._validate_lengths(prompt_tokens, max_new_tokens)
         if request_id in self.alloc.slot_of:
             raise RequestStateError(f"request_id {request_id!r} is already running; finish it first or use a new id")
@@ -201,6 +203,7 @@ class PrefixCache:
         """Finish a request; its full pages and kept resume points join the tree. token_ids (the
         prompt and what was generated) key the pages past the prompt; without them only the
         prompt's pages are cached."""
+        check_request_id(request_id)
         a = self.alloc
         if request_id not in a.slot_of:
             raise RequestStateError(f"request_id {request_id!r} is not running (never admitted or already "
