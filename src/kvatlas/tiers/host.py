@@ -63,7 +63,7 @@ class HostTier:
                  pin: bool | None = None, staging_bytes: int | str = DEFAULT_STAGING_BYTES) -> None:
         self.cache = cache
         self.plan = plan_host(cache.plan, host_memory_bytes, checkpoint_share)
-        largest = max(b.unit_bytes for b in self.plan.buffers)
+        largest = max(b.unit_bytes // self.plan.sources[b.name].device_units for b in self.plan.buffers)
         self.memory = HostMemory(self.plan, pin)
         try:
             self.engine = CopyEngine(cache.device, parse_bytes(staging_bytes, "staging_bytes"), largest)
