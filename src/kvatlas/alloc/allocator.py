@@ -35,9 +35,10 @@ from .freelist import FreeList
 from .indices import Admission, RequestBatch, WriteIndices
 from .lowest import LowestFreeList
 from .release import Release
+from .sharing import Sharing
 
 
-class Allocator(Release):
+class Allocator(Release, Sharing):
     def __init__(self, plan, ledger=None, backing=None) -> None:
         self.plan, self.ledger, self.backing = plan, ledger, backing
         free_list = FreeList if backing is None else LowestFreeList
@@ -70,6 +71,7 @@ class Allocator(Release):
         self._epoch = 0                         # bumped by admit/finish: RequestBatch staleness
         self._memo = None                       # (epoch, ids, slots) of the last id list resolved
         self._grouped = 0
+        self._init_sharing(plan, free_list)
 
     # ---------------------------------------------------------------- admission
     def _validate_lengths(self, prompt_tokens, max_new_tokens) -> int:
@@ -82,11 +84,11 @@ class Allocator(Release):
                                "shorten the request or plan a larger max_model_len")
         return total
 
-    def _admission_shortfall(self, total_tokens: int):
+    def _admission_shortfall(self, total_tokens: int, shared_pages: int = 0):
         if self.slots.free == 0:
             return PoolExhaustedError("request_slots", 1, 0, "slots", "admission")
         if self.full is not None:
-            pages = cdiv(total_tokens, self.P)
+            pages = cdiv(total_tokens, self.P) - shared_pages
             free = self.full.free - self.outstanding
             if pages > free:
                 return PoolExhaustedError("full_pages", pages, free, "pages", "admission")
@@ -97,11 +99,15 @@ class Allocator(Release):
     def can_admit(self, prompt_tokens: int, max_new_tokens: int = 0) -> bool:
         return self._admission_shortfall(self._validate_lengths(prompt_tokens, max_new_tokens)) is None
 
-    def admit(self, request_id, prompt_tokens: int, max_new_tokens: int = 0) -> Admission:
+    def admit(self, request_id, prompt_tokens: int, max_new_tokens: int = 0, shared=None) -> Admission:
+        """shared (prefix cache): a SharedPrefix to start from, its pages read-only."""
         total = self._validate_lengths(prompt_tokens, max_new_tokens)
         if request_id in self.slot_of:
             raise RequestStateError(f"request_id {request_id!r} is already running; finish it first or use a new id")
-        short = self._admission_shortfall(total)
+        if shared is not None:
+            self.check_shared(shared, total)
+        k = shared.boundary_tokens // self.P if shared is not None and self.full is not None else 0
+        short = self._admission_shortfall(total, k)
         if short is not None:
             if self.ledger is not None:
                 self.ledger.admission_refusals += 1
@@ -112,7 +118,9 @@ class Allocator(Release):
         self.slots.owner[slot] = slot + 1
         pages = cdiv(total, self.P) if self.full is not None else 0
         self.reserved[slot] = pages
-        self.outstanding += pages
+        self.outstanding += pages - k
+        if shared is not None:
+            self._attach(slot, shared)
         self.slot_of[request_id] = slot
         self.rid_of[slot] = request_id
         self._epoch += 1
@@ -120,7 +128,9 @@ class Allocator(Release):
             self.ledger.add_units(REQUEST_SLOTS, 1)
             self.ledger.running_requests += 1
         rows = {name: np.arange(slot * ring, (slot + 1) * ring) for name, ring in self.rings.items()}
-        return Admission(request_id=request_id, request_slot=slot, reserved_pages=pages, state_rows=rows)
+        return Admission(request_id=request_id, request_slot=slot, reserved_pages=pages, state_rows=rows,
+                         cached_tokens=shared.boundary_tokens if shared is not None else 0,
+                         resume_unit=shared.checkpoint_unit if shared is not None else 0)
 
     # ---------------------------------------------------------------- writes
     def batch(self, request_ids) -> RequestBatch:
@@ -210,6 +220,8 @@ class Allocator(Release):
         self.last_write[written] = 0
         if self._epoch != self._written_epoch:   # some request finished since: skip its slot
             written = written[self.slots.owner[written] != 0]
+        if self.pending:   # resume points reached by the pass: before their tail can retire
+            self._commit_captures(written)
         self._retire(written)
 
     def _retire(self, slots: np.ndarray) -> None:
@@ -223,7 +235,12 @@ class Allocator(Release):
         total = int(k.sum())
         rows, logical = spread(slots, k, self.swa_lo[slots])
         cols = mod(logical, self.ring)
-        self._free(self.swa, SWA_PAGES, self.swa_table[rows, cols].copy(), defer=True)
+        pages = self.swa_table[rows, cols].copy()
+        if self.prefix_on:   # pages the cache holds lose a reader, they are not freed
+            cached = self._unref_swa(rows, pages)
+            pages = pages[~cached]
+            total = len(pages)
+        self._free(self.swa, SWA_PAGES, pages, defer=True)
         self.swa_table[rows, cols] = 0
         self.swa_lo[slots] += k
         if self.ledger is not None:
@@ -332,6 +349,8 @@ class Allocator(Release):
         self._written.append(slots)
         self._written_epoch = self._epoch
         idx = self._indices(slots, counts, L0, prefill)
+        if self.resume_tokens:
+            idx.checkpoint_rows.update(self._checkpoint_rows(idx.request_slots, idx.positions))
         if self.ledger is not None:  # the block-completion masks already count new compressed entries
             if self.swa is not None:
                 self.ledger.add_entries("swa", idx.num_tokens)

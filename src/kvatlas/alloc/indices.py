@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -20,6 +20,9 @@ class WriteIndices:
     compressed:    ratio → (token mask: the token completes a block, entry index in that pool)
     state_rows:    state pool name → ring row of each token (slot * ring + position % ring)
     workspace_rows: V4.1 prefill: each token's row in the shared workspace (empty otherwise)
+    checkpoint_rows: prefix cache: checkpoint buffer name → (token index in this write, row in the
+                   buffer [unit * resume rows + offset]): rows the caller also saves there (the
+                   compressor-state row, or V4.1's window row, of those tokens)
     """
 
     request_slots: np.ndarray
@@ -29,6 +32,7 @@ class WriteIndices:
     compressed: dict
     state_rows: dict
     workspace_rows: np.ndarray
+    checkpoint_rows: dict = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:
@@ -43,6 +47,8 @@ class Admission:
     request_slot: int
     reserved_pages: int
     state_rows: dict    # state pool name → every ring row of the slot
+    cached_tokens: int = 0   # prompt tokens taken from the prefix cache: start writing here
+    resume_unit: int = 0     # the checkpoint unit whose rows the request's rings start from
 
 
 class RequestBatch:

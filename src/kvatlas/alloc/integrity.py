@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..planning.buffers import FULL_PAGES, REQUEST_SLOTS, SWA_PAGES
+from ..planning.buffers import CHECKPOINTS, FULL_PAGES, REQUEST_SLOTS, SWA_PAGES
 from ..errors import IntegrityError
 from ..units import cdiv
-from .entries import request_entries
+from .entries import ratio_key
+from .sharing import CACHE_OWNER
 
 
 def allocator_problems(a) -> list[str]:
@@ -17,9 +18,13 @@ def allocator_problems(a) -> list[str]:
         problems.append("request table: slot map and rid map disagree")
     if a.full is not None:
         problems += a.full.check("full_pages")
-        problems += _owned(a, live, "full_pages", a.full, lambda s: a.full_table[s, : a.full_held[s]])
-        if int(a.full_held[live].sum()) != a.full.used:
-            problems.append("full_pages: held pages != used pages")
+        problems += _owned(a, live, "full_pages", a.full, lambda s: a.full_table[s, a.full_shared[s]: a.full_held[s]])
+        cached = int(np.count_nonzero(a.full.owner == CACHE_OWNER))
+        if int((a.full_held - a.full_shared)[live].sum()) + cached != a.full.used:
+            problems.append("full_pages: held pages + cached pages != used pages")
+        for s in live:
+            if np.any(a.full.owner[a.full_table[s, : a.full_shared[s]]] != CACHE_OWNER):
+                problems.append(f"slot {s}: a shared page is not held by the cache")
         outstanding = int(np.maximum(a.reserved - a.full_held, 0).sum())
         if outstanding != a.outstanding or a.outstanding > a.full.free:
             problems.append(f"full_pages: outstanding reservations {a.outstanding} (recount {outstanding}, "
@@ -30,15 +35,18 @@ def allocator_problems(a) -> list[str]:
     if a.swa is not None:
         problems += a.swa.check("swa_pages")
         cols = lambda s: a.swa_table[s, np.arange(a.swa_lo[s], a.swa_hi[s]) % a.ring]  # noqa: E731
-        problems += _owned(a, live, "swa_pages", a.swa, cols)
-        if int((a.swa_hi - a.swa_lo)[live].sum()) != a.swa.used:
-            problems.append("swa_pages: held pages != used pages")
+        own = lambda s: cols(s)[a.swa.owner[cols(s)] != CACHE_OWNER]  # noqa: E731
+        problems += _owned(a, live, "swa_pages", a.swa, own)
+        cached = int(np.count_nonzero(a.swa.owner == CACHE_OWNER))
+        if int((a.swa_hi - a.swa_lo - a.swa_cached)[live].sum()) + cached != a.swa.used:
+            problems.append("swa_pages: held pages + cached pages != used pages")
         for s in live:
             if a.swa_hi[s] < cdiv(int(a.length[s]), a.Ps) or a.swa_hi[s] - a.swa_lo[s] > a.ring:
                 problems.append(f"slot {s}: SWA pages [{a.swa_lo[s]}, {a.swa_hi[s]}) do not cover its window")
+    problems += a.cached_swa_check(live)
     if a.backing is not None:   # lazily backed: every live unit's chunks mapped, refs recounted
         live = {REQUEST_SLOTS: a.slots.live_ids()}
-        for group, fl in ((FULL_PAGES, a.full), (SWA_PAGES, a.swa)):
+        for group, fl in ((FULL_PAGES, a.full), (SWA_PAGES, a.swa), (CHECKPOINTS, a.ckpt)):
             if fl is not None:
                 live[group] = fl.live_ids()
         problems += a.backing.problems(live)
@@ -63,12 +71,18 @@ def ledger_problems(a, ledger) -> list[str]:
     live = list(a.slot_of.values())
     want: dict[str, int] = {}
     for s in live:
-        for k, v in request_entries(a, s).items():
+        for k, v in a._private_entries(s, int(a.length[s])).items():
             want[k] = want.get(k, 0) + v
+    if a.prefix_on:   # pages the cache holds are complete: every entry of them is live
+        for r in a.ratios:
+            k = ratio_key(r)
+            want[k] = want.get(k, 0) + int(np.count_nonzero(a.full.owner == CACHE_OWNER)) * (a.P // r)
+        if a.swa is not None:
+            want["swa"] = want.get("swa", 0) + int(np.count_nonzero(a.swa.owner == CACHE_OWNER)) * a.Ps
     out = [f"ledger entries {k}: {ledger.entries_used.get(k, 0)} != {v}" for k, v in want.items()
            if ledger.entries_used.get(k, 0) != v]
     used = {REQUEST_SLOTS: a.slots.used, FULL_PAGES: a.full.used if a.full else 0,
-            SWA_PAGES: a.swa.used if a.swa else 0}
+            SWA_PAGES: a.swa.used if a.swa else 0, CHECKPOINTS: a.ckpt.used if a.ckpt else 0}
     out += [f"ledger units {g}: {ledger.units_used[g]} != {n}" for g, n in used.items() if ledger.units_used[g] != n]
     if ledger.running_requests != len(live):
         out.append(f"ledger running {ledger.running_requests} != {len(live)}")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..planning.buffers import FULL_PAGES, REQUEST_SLOTS, SWA_PAGES
+from ..planning.buffers import CHECKPOINTS, FULL_PAGES, REQUEST_SLOTS, SWA_PAGES
 from ..errors import KvatlasError, RequestStateError
 from ..units import cdiv
 
@@ -52,31 +52,70 @@ class Release:
     def _release_swa(self, slot: int, cols: np.ndarray) -> None:
         if len(cols) == 0:
             return
-        self._free(self.swa, SWA_PAGES, self.swa_table[slot, cols].copy())
+        pages = self.swa_table[slot, cols].copy()
+        if self.prefix_on:   # cache-held pages lose this reader; only the request's own are freed
+            pages = pages[~self._unref_swa(np.full(len(pages), slot), pages)]
+        self._free(self.swa, SWA_PAGES, pages)
         self.swa_table[slot, cols] = 0
         if self.ledger is not None:
-            self.ledger.add_units(SWA_PAGES, -len(cols))
+            self.ledger.add_units(SWA_PAGES, -len(pages))
 
-    def finish(self, request_id) -> None:
+    def finish(self, request_id, keep_pages=None) -> None:
+        """keep_pages (prefix cache): table columns of the request's own full pages that the
+        cache keeps instead of freeing."""
         if request_id not in self.slot_of:
             raise RequestStateError(f"request_id {request_id!r} is not running (never admitted or already "
                                     "finished); finish each request once")
-        slot = self.slot_of.pop(request_id)
+        slot = self.slot_of[request_id]
+        if self.prefix_on:
+            self._commit_captures([slot])   # its last write is final: resume points it reached
+            self._drop_pending(slot)
+        del self.slot_of[request_id]
         self._epoch += 1
         L = int(self.length[slot])
-        if self.ledger is not None and self.swa is not None:
-            self.ledger.add_entries("swa", -(L - int(self.swa_lo[slot]) * self.Ps))
+        if self.ledger is not None:
+            for key, n in self._private_entries(slot, L).items():
+                self.ledger.add_entries(key, -n)
         if self.swa is not None:
             self._release_swa(slot, np.arange(self.swa_lo[slot], self.swa_hi[slot]) % self.ring)
             self.swa_hi[slot] = self.swa_lo[slot]
-        self._count_entries(np.zeros(1, np.int64), np.array([L]), 0, sign=-1)
+        if self.prefix_on and self.full is not None:
+            self._finish_shared(slot, keep_pages)
         self.length[slot] = 0
         self._trim(slot)
         self.outstanding -= max(int(self.reserved[slot]) - int(self.full_held[slot]), 0)
         self.reserved[slot] = self.swa_lo[slot] = self.swa_hi[slot] = self.last_write[slot] = 0
+        if self.prefix_on:
+            self.swa_cached[slot] = 0
         self.rid_of[slot] = None
         self.slots.owner[slot] = 0
         self._free(self.slots, REQUEST_SLOTS, np.array([slot]))
         if self.ledger is not None:
             self.ledger.add_units(REQUEST_SLOTS, -1)
             self.ledger.running_requests -= 1
+
+    def _drop_pending(self, slot: int) -> None:
+        """Resume points the request did not reach (rolled back, or finished before them)."""
+        for unit in self.pending.pop(slot, {}).values():
+            if unit:
+                self._free(self.ckpt, CHECKPOINTS, np.array([unit]))
+                if self.ledger is not None:
+                    self.ledger.add_units(CHECKPOINTS, -1)
+
+    def _finish_shared(self, slot: int, keep_pages) -> None:
+        """Full pages at finish: shared ones lose a reader, kept ones pass to the cache; _trim
+        then frees the rest (it skips the zeroed columns)."""
+        k, held = int(self.full_shared[slot]), int(self.full_held[slot])
+        self._unref_full(slot)
+        kept = self._keep_full(slot, keep_pages if keep_pages is not None else [])
+        gone = k + len(kept)
+        if gone:   # compact the request's remaining own pages to the front, as _trim expects
+            own = self.full_table[slot, :held]
+            rest = own[own != 0]
+            self.full_table[slot, :held] = 0
+            self.full_table[slot, :len(rest)] = rest
+            self.outstanding -= max(int(self.reserved[slot]) - held, 0)
+            self.full_held[slot] = len(rest)
+            self.reserved[slot] = max(int(self.reserved[slot]) - gone, 0)
+            self.outstanding += max(int(self.reserved[slot]) - len(rest), 0)
+        self.full_shared[slot] = 0

@@ -15,13 +15,17 @@ from .pools import build_pools
 class KVCache:
     """Owns every tensor of a plan. Lifecycle calls go to the allocator, which moves the ledger."""
 
-    def __init__(self, plan, device="cpu", backend="plain", **backend_options) -> None:
+    def __init__(self, plan, device="cpu", backend="plain", prefix_policy="kvatlas", **backend_options) -> None:
         self.plan = plan
         self.arena = Arena(plan, device=device, backend=backend, **backend_options)
         self.pools = build_pools(plan, {n: r.tensor for n, r in self.arena.regions.items()})
         self._pool_specs = plan.pools()   # request_usage runs per request on every /state
         self.ledger = Ledger(plan, self.arena)
         self.allocator = Allocator(plan, self.ledger, backing=self.arena.backend.allocator_hooks())
+        self.prefix = None
+        if self.allocator.prefix_on:   # imported here: the prefix package stands above this one
+            from ..prefix import PrefixCache
+            self.prefix = PrefixCache(self.allocator, self.ledger, policy=prefix_policy)
         self._by_layer: dict[int, dict[str, object]] = {}
         for pool in self.pools.values():
             for layer in pool.layers:
@@ -38,13 +42,40 @@ class KVCache:
         return self._by_layer[layer]
 
     # --- lifecycle (see kvatlas.alloc.Allocator) ---
-    def can_admit(self, prompt_tokens: int, max_new_tokens: int = 0) -> bool:
+    def can_admit(self, prompt_tokens: int, max_new_tokens: int = 0, *, token_ids=None, page_keys=None) -> bool:
+        """With the prefix cache, counts the cached prefix and what eviction would free."""
+        if self.prefix is not None:
+            return self.prefix.can_admit(prompt_tokens, max_new_tokens, token_ids=token_ids, page_keys=page_keys)
         return self.allocator.can_admit(prompt_tokens, max_new_tokens)
 
-    def admit(self, request_id, prompt_tokens: int, max_new_tokens: int = 0):
-        adm = self.allocator.admit(request_id, prompt_tokens, max_new_tokens)
+    def admit(self, request_id, prompt_tokens: int, max_new_tokens: int = 0, *, token_ids=None, page_keys=None):
+        """token_ids / page_keys (prefix cache): the prompt's content. `cached_tokens` of the
+        answer is where the caller starts writing: the prompt before it is cached."""
+        if self.prefix is not None:
+            adm = self.prefix.admit(request_id, prompt_tokens, max_new_tokens, token_ids=token_ids,
+                                    page_keys=page_keys)
+        else:
+            adm = self.allocator.admit(request_id, prompt_tokens, max_new_tokens)
         self._clear_state(adm.request_slot)
+        if adm.cached_tokens:
+            self._restore_rows(adm.request_slot, adm.resume_unit, adm.cached_tokens)
         return adm
+
+    def _restore_rows(self, slot: int, unit: int, boundary: int) -> None:
+        """Resume at `boundary`: the saved rows go to the ring rows of their positions."""
+        for name, pool in self.pools.items():
+            if pool.role != "checkpoint":
+                continue
+            target = self.pools[name.split(".", 1)[1]]
+            rows = pool.spec.entries_per_unit
+            pos = range(boundary - rows, boundary)
+            if target.role == "window":
+                ring = target.spec.entries_per_unit
+                dst = target.tensor[slot].view(len(target.layers), ring, -1)
+                src = pool.tensor[unit].view(len(pool.layers), rows, -1)
+            else:
+                ring, dst, src = target.ring_rows, target.tensor[slot], pool.tensor[unit]
+            dst[:, [p % ring for p in pos]] = src
 
     def extend(self, request_id, num_tokens: int):
         return self.allocator.extend(request_id, num_tokens)
@@ -59,8 +90,12 @@ class KVCache:
     def rollback(self, request_id, num_tokens: int) -> None:
         self.allocator.rollback(request_id, num_tokens)
 
-    def finish(self, request_id) -> None:
-        self.allocator.finish(request_id)
+    def finish(self, request_id, *, token_ids=None) -> None:
+        """token_ids (prefix cache): the request's whole sequence, to cache pages past the prompt."""
+        if self.prefix is not None:
+            self.prefix.finish(request_id, token_ids=token_ids)
+        else:
+            self.allocator.finish(request_id)
 
     def flush(self) -> None:
         self.allocator.flush()

@@ -3,7 +3,8 @@
 Measures (DESIGN §3), with occupied ≤ addressable ≤ tensor ≤ reserved and physical ≤ reserved:
 planned (the plan), tensor (storages allocated), reserved (address space or allocator segments),
 physical (memory backing them), addressable (what the allocator can hand out), occupied (live
-request data). Occupied is kept as counters the allocator moves by deltas, so a snapshot reads
+request data), evictable (the part of occupied the prefix cache holds and no running request
+reads: free for a new request is addressable - occupied + evictable). Occupied is kept as counters the allocator moves by deltas, so a snapshot reads
 a dozen counters whatever the number of requests or pages: O(1).
 """
 
@@ -11,11 +12,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..planning.buffers import FULL_PAGES, REQUEST_SLOTS, SWA_PAGES, WORKSPACE, BufferSpec
+from ..planning.buffers import CHECKPOINTS, FULL_PAGES, REQUEST_SLOTS, SWA_PAGES, WORKSPACE, BufferSpec
 from ..errors import IntegrityError, KvatlasError
 
 LEDGER_SCHEMA_VERSION = 1
-MEASURES = ("planned", "tensor", "reserved", "physical", "addressable", "occupied")
+MEASURES = ("planned", "tensor", "reserved", "physical", "addressable", "occupied", "evictable")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -26,6 +27,7 @@ class Measures:
     physical_bytes: int
     addressable_bytes: int
     occupied_bytes: int
+    evictable_bytes: int = 0
 
     def __add__(self, other: "Measures") -> "Measures":
         return Measures(**{f"{m}_bytes": getattr(self, f"{m}_bytes") + getattr(other, f"{m}_bytes") for m in MEASURES})
@@ -37,6 +39,7 @@ class Measures:
         m = self
         chain = [("occupied", m.occupied_bytes), ("addressable", m.addressable_bytes),
                  ("tensor", m.tensor_bytes), ("reserved", m.reserved_bytes)]
+        chain = [("evictable", m.evictable_bytes)] + chain
         out = [f"{where}: {a} {x} > {b} {y}" for (a, x), (b, y) in zip(chain, chain[1:]) if x > y]
         if m.physical_bytes > m.reserved_bytes:
             out.append(f"{where}: physical {m.physical_bytes} > reserved {m.reserved_bytes}")
@@ -46,7 +49,7 @@ class Measures:
 
 
 ZERO = Measures(planned_bytes=0, tensor_bytes=0, reserved_bytes=0, physical_bytes=0, addressable_bytes=0,
-                occupied_bytes=0)
+                occupied_bytes=0, evictable_bytes=0)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -73,6 +76,7 @@ class LedgerSnapshot:
     physical_bytes: int
     addressable_bytes: int
     occupied_bytes: int
+    evictable_bytes: int
     pools: dict
     layer_kinds: dict
     running_requests: int
@@ -114,14 +118,20 @@ class Ledger:
         self.plan = plan
         self.arena = arena
         self.entries_used: dict[str, int] = {}   # per entry key: live entries per layer, or slots
-        self.units_used = {SWA_PAGES: 0, FULL_PAGES: 0, REQUEST_SLOTS: 0, WORKSPACE: 0}
+        self.units_used = {SWA_PAGES: 0, FULL_PAGES: 0, REQUEST_SLOTS: 0, WORKSPACE: 0, CHECKPOINTS: 0}
+        # units the prefix cache holds that no running request reads (pages, checkpoint units)
+        self.units_evictable = {SWA_PAGES: 0, FULL_PAGES: 0, CHECKPOINTS: 0}
         self.running_requests = 0
         self.admission_refusals = 0
+        self.checkpoints_skipped = 0   # resume points not saved: no checkpoint unit free or evictable
         self._pools: dict[str, list[BufferSpec]] = plan.pools()
 
     # --- moved by the allocator (O(1) per call) ---
     def add_units(self, group: str, delta: int) -> None:
         self.units_used[group] += delta
+
+    def add_evictable(self, group: str, delta: int) -> None:
+        self.units_evictable[group] += delta
 
     def add_entries(self, key: str, delta: int) -> None:
         self.entries_used[key] = self.entries_used.get(key, 0) + delta
@@ -132,13 +142,19 @@ class Ledger:
         reserved, physical = self.arena.backend.buffer_backing(spec.name, region.tensor_bytes)
         return Measures(planned_bytes=spec.bytes, tensor_bytes=region.tensor_bytes, reserved_bytes=reserved,
                         physical_bytes=physical, addressable_bytes=spec.addressable_bytes,
-                        occupied_bytes=self._occupied(spec))
+                        occupied_bytes=self._occupied(spec), evictable_bytes=self._evictable(spec))
 
     def _occupied(self, spec: BufferSpec) -> int:
         key = entry_key(spec)
         if spec.group in (SWA_PAGES, FULL_PAGES):
             return self.entries_used.get(key, 0) * spec.entry_bytes * len(spec.layers)
-        return self.units_used[spec.group] * spec.unit_payload_bytes if spec.group == REQUEST_SLOTS else 0
+        if spec.group in (REQUEST_SLOTS, CHECKPOINTS):
+            return self.units_used[spec.group] * spec.unit_payload_bytes
+        return 0
+
+    def _evictable(self, spec: BufferSpec) -> int:
+        """Cached pages are complete (every entry live); a checkpoint unit is whole."""
+        return self.units_evictable.get(spec.group, 0) * spec.unit_payload_bytes
 
     def snapshot(self) -> LedgerSnapshot:
         pools, kinds = {}, {}
@@ -165,7 +181,7 @@ class Ledger:
             planned_bytes=self.plan.total_bytes, tensor_bytes=backend.tensor_bytes,
             reserved_bytes=backend.reserved_bytes, physical_bytes=backend.physical_bytes,
             addressable_bytes=total.addressable_bytes, occupied_bytes=total.occupied_bytes,
-            pools=pools, layer_kinds=kinds, running_requests=self.running_requests,
+            evictable_bytes=total.evictable_bytes, pools=pools, layer_kinds=kinds, running_requests=self.running_requests,
             admission_refusals=self.admission_refusals)
 
     @property

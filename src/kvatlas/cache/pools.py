@@ -78,6 +78,13 @@ class StatePool(Pool):
         return self.spec.entries_per_unit
 
 
+class CheckpointPool(Pool):
+    """Prefix-cache resume points: [unit, layer, resume rows, width] — the rows of a per-request
+    ring (C4 state overlap, V4.1 window) saved at a page boundary ("ckpt.<ring pool>")."""
+
+    role = "checkpoint"
+
+
 class WindowPool(Pool):
     """V4.1 request window: [slot, layer, window_rows × row_bytes] uint8."""
 
@@ -104,7 +111,7 @@ class BlockTablePool(Pool):
 
 
 _BY_ROLE = {"kv": PagedKVPool, "indexer": IndexerPool, "state": StatePool, "window": WindowPool,
-            "workspace": WorkspacePool, "table": BlockTablePool}
+            "workspace": WorkspacePool, "table": BlockTablePool, "checkpoint": CheckpointPool}
 
 
 def build_pools(plan, tensors: dict) -> dict[str, Pool]:

@@ -23,6 +23,8 @@ SLAB_ALIGN = 2 << 20
 
 # index spaces a buffer's units come from
 SWA_PAGES, FULL_PAGES, REQUEST_SLOTS, WORKSPACE = "swa_pages", "full_pages", "request_slots", "workspace"
+# prefix-cache resume points: the rows of per-request rings that resuming at a page boundary reads
+CHECKPOINTS = "checkpoints"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -119,14 +121,18 @@ def _kv_pool(pool, group, kind, layers, fmt, entries, role="kv"):
     return out
 
 
-def _state(ring: formats.StateRing, kind, layers, state_dtype: str):
+def _state(ring: formats.StateRing, kind, layers, state_dtype: str, checkpoint: bool = False):
+    """A request's ring, or (checkpoint) the ring's resume rows saved at a page boundary."""
     dtype = _STATE_DTYPE[state_dtype]
     n, size = len(layers), itemsize(dtype)
     row = ring.width * size
-    return BufferSpec(name=ring.name, pool=ring.name, group=REQUEST_SLOTS, role="state", layer_kind=kind,
-                      layers=layers, dtype=dtype, inner_shape=(n, ring.rows, ring.width),
-                      unit_bytes=n * ring.rows * row, unit_payload_bytes=n * ring.rows * row,
-                      entries_per_unit=ring.rows, entry_bytes=row)
+    rows = ring.resume_rows if checkpoint else ring.rows
+    name = f"ckpt.{ring.name}" if checkpoint else ring.name
+    return BufferSpec(name=name, pool=name, group=CHECKPOINTS if checkpoint else REQUEST_SLOTS,
+                      role="checkpoint" if checkpoint else "state", layer_kind=kind,
+                      layers=layers, dtype=dtype, inner_shape=(n, rows, ring.width),
+                      unit_bytes=n * rows * row, unit_payload_bytes=n * rows * row,
+                      entries_per_unit=rows, entry_bytes=row)
 
 
 def _table(name, pages_per_request):
@@ -145,9 +151,17 @@ def templates(model, opts, layers: tuple[LayerSpec, ...], sizing):
     page = opts.page_tokens
     out: list[BufferSpec] = []
     all_ids = tuple(layer.index for layer in layers)
+    ckpt = opts.prefix_checkpoints > 0
     if lay.window_rows:
         fmt = lay.swa
         row = fmt.entry_bytes
+        if ckpt:   # the window - 1 raw rows before a boundary, saved as the window holds them
+            tail = model.sliding_window - 1
+            out.append(BufferSpec(name="ckpt.swa_window", pool="ckpt.swa_window", group=CHECKPOINTS,
+                                  role="checkpoint", layer_kind="swa", layers=all_ids, dtype="uint8",
+                                  inner_shape=(len(all_ids), tail * row), unit_bytes=len(all_ids) * tail * row,
+                                  unit_payload_bytes=len(all_ids) * tail * (row - fmt.pad_bytes),
+                                  entries_per_unit=tail, entry_bytes=row - fmt.pad_bytes))
         out.append(BufferSpec(name="swa_window", pool="swa_window", group=REQUEST_SLOTS, role="window",
                               layer_kind="swa", layers=all_ids, dtype="uint8",
                               inner_shape=(len(all_ids), window_rows * row),
@@ -171,6 +185,8 @@ def templates(model, opts, layers: tuple[LayerSpec, ...], sizing):
                               kind.value, ids, idx, entries))
         for ring in _rings(model, opts, kind, spec):
             out.append(_state(ring, kind.value, ids, opts.state_dtype))
+            if ckpt and ring.resume_rows:
+                out.append(_state(ring, kind.value, ids, opts.state_dtype, checkpoint=True))
     if any(t.group == FULL_PAGES for t in out):
         out.append(_table("block_table.full", sizing.pages_per_request))
     if not lay.window_rows:  # a ring: logical SWA page j of a request sits at entry j % ring pages

@@ -125,6 +125,8 @@ class StateRing:
     width: int      # elements per row (kv and score halves together)
     rows: int
     window: int     # raw tokens one compressed entry is built from (sets the write pad)
+    resume_rows: int = 0   # rows of the tokens before a page boundary that the next block reads
+                           # (C4 overlap: the previous block's 4); what a prefix checkpoint saves
 
     @property
     def write_pad(self) -> int:
@@ -133,11 +135,12 @@ class StateRing:
 
 
 def c4_attention_ring(head_dim: int, spec: bool) -> StateRing:
-    return StateRing(name="c4_state", width=4 * head_dim, rows=16 if spec else 8, window=8)
+    return StateRing(name="c4_state", width=4 * head_dim, rows=16 if spec else 8, window=8, resume_rows=4)
 
 
 def c4_indexer_ring(index_head_dim: int, spec: bool) -> StateRing:
-    return StateRing(name="c4_indexer_state", width=4 * index_head_dim, rows=16 if spec else 8, window=8)
+    return StateRing(name="c4_indexer_state", width=4 * index_head_dim, rows=16 if spec else 8, window=8,
+                     resume_rows=4)
 
 
 def c128_ring(head_dim: int, spec: bool, online: bool) -> StateRing:

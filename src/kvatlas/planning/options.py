@@ -34,6 +34,7 @@ class ServeOptions:
     pp: int = 1
     dp: int = 1
     pp_rank: int = 0
+    prefix_checkpoints: int = 0           # resume points the prefix cache may keep; 0: no prefix cache
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "ServeOptions":
@@ -49,7 +50,7 @@ class ServeOptions:
 
     def validated(self) -> "ServeOptions":
         _positive_int(self, "page_tokens", "swa_page_tokens", "max_running_requests", "chunked_prefill_tokens", "tp", "pp", "dp")
-        _non_negative_int(self, "draft_tokens", "weights_bytes", "pp_rank")
+        _non_negative_int(self, "draft_tokens", "weights_bytes", "pp_rank", "prefix_checkpoints")
         if self.memory_bytes is not None:
             _positive_int(self, "memory_bytes")
         if self.max_model_len is not None:
@@ -60,6 +61,9 @@ class ServeOptions:
         if self.swa_page_tokens % 64:
             raise ConfigError("swa_page_tokens", f"{self.swa_page_tokens} is not a multiple of 64",
                               "use 64 (the attention kernels read 64-entry blocks)")
+        if self.prefix_checkpoints and self.page_tokens % self.swa_page_tokens:
+            raise ConfigError("swa_page_tokens", f"{self.swa_page_tokens} does not divide page_tokens={self.page_tokens}",
+                              "use 64 with the prefix cache (a cached page must end on an SWA page boundary)")
         if self.pp_rank >= self.pp:
             raise ConfigError("pp_rank", f"{self.pp_rank} is not below pp={self.pp}", "pick a rank in 0..pp-1")
         if self.gpu not in GPU_MEMORY_BYTES:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from . import buffers as bufmod
 from . import formats
-from .buffers import FULL_PAGES, REQUEST_SLOTS, SWA_PAGES, WORKSPACE, BufferSpec
+from .buffers import CHECKPOINTS, FULL_PAGES, REQUEST_SLOTS, SWA_PAGES, WORKSPACE, BufferSpec
 from ..errors import BudgetError, ConfigError
 from .model import LayerSpec, ModelSpec, load_model
 from .options import ServeOptions
@@ -70,6 +70,8 @@ class Sizing:
     workspace_rows: int
     pages_per_request: int
     swa_ring_pages: int     # SWA block-table entries per request: ≥ the most pages one request holds
+    checkpoint_units: int = 0   # prefix resume points: kept ones + one being saved per request + a chunk's
+    checkpoint_swa_pages: int = 0   # SWA pages one resume point holds (window - 1 tokens before it)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -152,19 +154,31 @@ class Plan:
         return min(self.sizing.requests, (self.num_full_pages - 1) // cdiv(context_tokens, self.page_tokens))
 
 
+def checkpoint_units(opts: ServeOptions, requests: int) -> int:
+    """Resume points (null excluded): the kept ones, one being saved per running request (its next
+    boundary) and the boundaries one prefill chunk can cross, each needing its own."""
+    if not opts.prefix_checkpoints:
+        return 0
+    return opts.prefix_checkpoints + requests + opts.chunked_prefill_tokens // opts.page_tokens + 1
+
+
 def _sizing(model: ModelSpec, opts: ServeOptions, requests: int) -> Sizing:
     lay = formats.layout(opts.kv_layout)
     page, window = opts.swa_page_tokens, model.sliding_window
     decode = 1 + opts.draft_tokens
     chunk = opts.chunked_prefill_tokens
+    ckpts = checkpoint_units(opts, requests)
     if lay.window_rows:
         return Sizing(requests=requests, swa_pages_per_request=0, swa_extra_pages=0,
                       window_rows=window + decode - 1, workspace_rows=chunk,
-                      pages_per_request=cdiv(opts.max_model_len, opts.page_tokens), swa_ring_pages=0)
+                      pages_per_request=cdiv(opts.max_model_len, opts.page_tokens), swa_ring_pages=0,
+                      checkpoint_units=ckpts)
+    tail = cdiv(window - 1, page) if ckpts else 0   # page | page_tokens: the tail ends on a page
     return Sizing(requests=requests, swa_pages_per_request=swa_pages_per_step(window, decode, page),
-                  swa_extra_pages=chunk_extra_swa_pages(window, decode, page, chunk, requests),
+                  swa_extra_pages=chunk_extra_swa_pages(window, decode, page, chunk, requests) + ckpts * tail,
                   window_rows=0, workspace_rows=0, pages_per_request=cdiv(opts.max_model_len, opts.page_tokens),
-                  swa_ring_pages=_pow2(swa_pages_per_step(window, max(chunk, decode), page)))
+                  swa_ring_pages=_pow2(swa_pages_per_step(window, max(chunk, decode), page)),
+                  checkpoint_units=ckpts, checkpoint_swa_pages=tail)
 
 
 class _Sizer:
@@ -181,7 +195,7 @@ class _Sizer:
         s = _sizing(self.model, self.opts, requests)
         swa = requests * s.swa_pages_per_request + s.swa_extra_pages + 1
         units = {REQUEST_SLOTS: requests + 1, SWA_PAGES: swa, FULL_PAGES: full_pages + 1 if self.page_price else 0,
-                 WORKSPACE: 1}
+                 WORKSPACE: 1, CHECKPOINTS: s.checkpoint_units + 1 if s.checkpoint_units else 0}
         return s, units
 
     def total(self, requests: int, full_pages: int) -> int:

@@ -1,0 +1,273 @@
+"""What the allocator knows of the prefix cache: pages held by the cache, reference counts, and
+the resume rows saved at page boundaries. The tree, the keys and the policies live in
+kvatlas.prefix; this mixin only hands out and takes back units.
+
+- A page whose owner is CACHE_OWNER is held by the prefix cache, not by a request. `full_refs` /
+  `swa_refs` count the running requests reading it (a shared page is read-only: a request only
+  writes positions at or past the boundary it resumed from, which is a page boundary). A cached
+  page with no reference is evictable.
+- A request that resumes at boundary b starts with its first b / page_tokens full pages and the
+  SWA pages of the window - 1 tokens before b taken from the cache (`admit(shared=...)`).
+- Resume points. When a write touches the last `resume_tokens` positions before a boundary, the
+  slot gets a checkpoint unit for that boundary and the WriteIndices name, per checkpoint buffer,
+  which tokens' rows the caller must also save there (`checkpoint_rows`): the compressor-state
+  rows of the C4 overlap, V4.1's window rows. They are saved as they are written, so any chunking
+  and any rollback (the rewritten rows are saved again) leave the exact rows of the final
+  sequence. The capture is committed when the forward pass that reached b is over (the next one
+  begins, flush or finish): the SWA pages of the tail then pass to the cache (pinned by one
+  reference while the capture is undecided) and `on_capture` (set by the prefix cache) decides.
+- A released resume point whose SWA pages a running request still reads leaves them orphaned:
+  freed when the last reader lets go.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import KvatlasError, PoolExhaustedError
+from ..planning.buffers import CHECKPOINTS, FULL_PAGES, SWA_PAGES
+from ..units import cdiv
+from .arrays import EMPTY, div, mod
+from .entries import ratio_key
+
+CACHE_OWNER = -1
+
+
+class Sharing:
+    def _init_sharing(self, plan, free_list) -> None:
+        n = plan.num_request_slots
+        units = plan.units.get(CHECKPOINTS, 0)
+        self.prefix_on = units > 0
+        self.full_refs = np.zeros(max(plan.num_full_pages, 1), np.int64)
+        self.swa_refs = np.zeros(max(plan.num_swa_pages, 1), np.int64)
+        self.swa_orphan = np.zeros(max(plan.num_swa_pages, 1), bool)
+        self.full_shared = np.zeros(n, np.int64)   # leading table pages held by the cache
+        self.swa_cached = np.zeros(n, np.int64)    # cache-held pages among the slot's SWA pages
+        self.ckpt = free_list(units) if units else None
+        self.ckpt_buffers = {b.name: b.entries_per_unit for b in plan.buffers if b.group == CHECKPOINTS}
+        self.resume_tokens = max(self.ckpt_buffers.values(), default=0)
+        self.tail_swa_pages = plan.sizing.checkpoint_swa_pages
+        self.pending: dict[int, dict[int, int]] = {}   # slot -> boundary -> unit (0: not saved)
+        self.on_capture = None                         # prefix cache: (slot, boundary, unit, swa_pages)
+        self.on_need_checkpoint = None                 # prefix cache: free one unit by eviction, or False
+
+    # ------------------------------------------------------------ resume rows in the write path
+    def _checkpoint_rows(self, tok_slots, pos) -> dict:
+        """Per checkpoint buffer: (token index, row in the buffer) of the rows to save."""
+        P, k = self.P, self.resume_tokens
+        if not k or not len(pos):
+            return {}
+        within = mod(pos, P)
+        hit = np.flatnonzero(within >= P - k)
+        if not len(hit):
+            return {}
+        boundary = (div(pos[hit], P) + 1) * P
+        units = np.fromiter((self._pending_unit(int(s), int(b)) for s, b in zip(tok_slots[hit], boundary)),
+                            np.int64, len(hit))
+        out = {}
+        for name, rows in self.ckpt_buffers.items():
+            off = pos[hit] - (boundary - rows)
+            keep = (off >= 0) & (units > 0)
+            out[name] = (hit[keep], units[keep] * rows + off[keep])
+        return out
+
+    def _pending_unit(self, slot: int, boundary: int) -> int:
+        mine = self.pending.setdefault(slot, {})
+        unit = mine.get(boundary)
+        if unit is None:
+            unit = mine[boundary] = self._take_checkpoint_unit(slot)
+        return unit
+
+    def _take_checkpoint_unit(self, slot: int) -> int:
+        """Best effort: a resume point not saved is a miss later, never a refused write."""
+        if self.ckpt.free == 0 and not (self.on_need_checkpoint and self.on_need_checkpoint()):
+            if self.ledger is not None:
+                self.ledger.checkpoints_skipped += 1
+            return 0
+        if self.backing is not None:
+            try:
+                self.backing.acquire(((CHECKPOINTS, self.ckpt.peek(1)),))
+            except PoolExhaustedError:
+                return 0
+        unit = int(self.ckpt.pop(1, 0)[0])
+        self.ckpt.owner[unit] = CACHE_OWNER
+        if self.ledger is not None:
+            self.ledger.add_units(CHECKPOINTS, 1)
+        return unit
+
+    # ------------------------------------------------------------ commit: pass the tail to the cache
+    def _commit_captures(self, slots) -> None:
+        """The forward pass that wrote `slots` is over: resume points they reached are final."""
+        if not self.pending:
+            return
+        for slot in (int(s) for s in slots):
+            mine = self.pending.get(slot)
+            if not mine:
+                continue
+            L = int(self.length[slot])
+            for b in [b for b in mine if b <= L]:
+                unit = mine.pop(b)
+                if unit:
+                    self._capture(slot, b, unit)
+            if not mine:
+                del self.pending[slot]
+
+    def _capture(self, slot: int, b: int, unit: int) -> None:
+        pages = EMPTY
+        if self.swa is not None:
+            lo = div(b - (self.window - 1), self.Ps)
+            logical = np.arange(lo, b // self.Ps)
+            pages = self.swa_table[slot, mod(logical, self.ring)].copy()
+            own = self.swa.owner[pages] == slot + 1
+            self.swa.owner[pages[own]] = CACHE_OWNER
+            self.swa_refs[pages[own]] += 1      # still in the slot's window
+            self.swa_cached[slot] += int(own.sum())
+            self.swa_refs[pages] += 1           # the pin of an undecided capture
+        if self.on_capture is None:
+            self.release_checkpoint(unit, pages, pinned=True)
+        else:
+            self.on_capture(slot, b, unit, pages)
+
+    def unpin_checkpoint(self, pages) -> None:
+        """A capture the cache keeps: drop its pin; pages read by no request become evictable."""
+        self.swa_refs[pages] -= 1
+        if self.ledger is not None:
+            self.ledger.add_evictable(SWA_PAGES, int(np.count_nonzero(self.swa_refs[pages] == 0)))
+
+    def release_checkpoint(self, unit: int, pages, pinned: bool = False) -> None:
+        """Give a resume point back: its unit, and its SWA pages (orphaned while still read)."""
+        if pinned:
+            self.swa_refs[pages] -= 1
+        elif self.ledger is not None:
+            self.ledger.add_evictable(SWA_PAGES, -int(np.count_nonzero(self.swa_refs[pages] == 0)))
+        idle = pages[self.swa_refs[pages] == 0]
+        self.swa_orphan[pages[self.swa_refs[pages] > 0]] = True
+        self._drop_cached_swa(idle)
+        self._free(self.ckpt, CHECKPOINTS, np.array([unit]))
+        if self.ledger is not None:
+            self.ledger.add_units(CHECKPOINTS, -1)
+
+    def _drop_cached_swa(self, pages) -> None:
+        if len(pages) == 0:
+            return
+        self.swa_orphan[pages] = False
+        self._free(self.swa, SWA_PAGES, pages)
+        if self.ledger is not None:
+            self.ledger.add_units(SWA_PAGES, -len(pages))
+            self.ledger.add_entries("swa", -len(pages) * self.Ps)
+
+    def _unref_swa(self, slot_of_page, pages) -> np.ndarray:
+        """Cache-held pages leaving requests' windows: one reference less each; orphans that
+        nobody reads are freed. Returns the mask of `pages` that are cache-held."""
+        cached = self.swa.owner[pages] == CACHE_OWNER
+        if not cached.any():
+            return cached
+        p = pages[cached]
+        np.subtract.at(self.swa_refs, p, 1)
+        np.subtract.at(self.swa_cached, slot_of_page[cached], 1)
+        zero = p[self.swa_refs[p] == 0]
+        orphans = zero[self.swa_orphan[zero]]
+        self._drop_cached_swa(orphans)
+        if self.ledger is not None:
+            self.ledger.add_evictable(SWA_PAGES, len(zero) - len(orphans))
+        return cached
+
+    # ------------------------------------------------------------ admission with a cached prefix
+    def _attach(self, slot: int, shared) -> None:
+        """Start `slot` at shared.boundary_tokens, reading the cache's pages."""
+        b, full, swa = shared.boundary_tokens, np.asarray(shared.full_pages, np.int64), np.asarray(shared.swa_pages, np.int64)
+        if self.full is not None:
+            k = len(full)
+            self.full_table[slot, :k] = full
+            self.full_held[slot] = self.full_shared[slot] = k
+            newly = full[self.full_refs[full] == 0]
+            self.full_refs[full] += 1
+            if self.ledger is not None:
+                self.ledger.add_evictable(FULL_PAGES, -len(newly))
+        if self.swa is not None and len(swa):
+            lo = div(b - (self.window - 1), self.Ps)
+            self.swa_table[slot, mod(np.arange(lo, lo + len(swa)), self.ring)] = swa
+            self.swa_lo[slot], self.swa_hi[slot] = lo, lo + len(swa)
+            if self.ledger is not None:
+                self.ledger.add_evictable(SWA_PAGES, -int(np.count_nonzero(self.swa_refs[swa] == 0)))
+            self.swa_refs[swa] += 1
+            self.swa_cached[slot] = len(swa)
+        self.length[slot] = b
+
+    def check_shared(self, shared, total_tokens: int) -> None:
+        b = shared.boundary_tokens
+        if b % self.P or b >= total_tokens:
+            raise KvatlasError(f"shared: boundary {b} is not a page boundary below the request's length")
+        if self.full is not None and (len(shared.full_pages) != b // self.P
+                                      or np.any(self.full.owner[shared.full_pages] != CACHE_OWNER)):
+            raise KvatlasError("shared: full pages must be the cache's, one per page before the boundary")
+        if self.swa is not None and len(shared.swa_pages) != self.tail_swa_pages:
+            raise KvatlasError(f"shared: {len(shared.swa_pages)} SWA pages, the tail needs {self.tail_swa_pages}")
+
+    # ------------------------------------------------------------ pages into the cache at finish
+    def _keep_full(self, slot: int, cols) -> np.ndarray:
+        """Hand the slot's private pages at table columns `cols` to the cache (evictable)."""
+        cols = np.asarray(cols, np.int64)
+        if not len(cols):
+            return EMPTY
+        pages = self.full_table[slot, cols].copy()
+        if np.any(self.full.owner[pages] != slot + 1):
+            raise KvatlasError("keep: a kept page is not the request's own")
+        self.full.owner[pages] = CACHE_OWNER
+        self.full_table[slot, cols] = 0
+        if self.ledger is not None:
+            for r in self.ratios:
+                self.ledger.add_entries(ratio_key(r), len(pages) * (self.P // r))
+            self.ledger.add_evictable(FULL_PAGES, len(pages))
+        return pages
+
+    def _unref_full(self, slot: int) -> None:
+        k = int(self.full_shared[slot])
+        if not k:
+            return
+        pages = self.full_table[slot, :k].copy()
+        self.full_refs[pages] -= 1
+        self.full_table[slot, :k] = 0
+        if self.ledger is not None:
+            self.ledger.add_evictable(FULL_PAGES, int(np.count_nonzero(self.full_refs[pages] == 0)))
+
+    def evict_full(self, pages) -> None:
+        """The cache drops pages no request reads."""
+        pages = np.asarray(pages, np.int64)
+        if np.any(self.full_refs[pages] != 0) or np.any(self.full.owner[pages] != CACHE_OWNER):
+            raise KvatlasError("evict: a page is read by a running request or not the cache's")
+        self._free(self.full, FULL_PAGES, pages)
+        if self.ledger is not None:
+            self.ledger.add_units(FULL_PAGES, -len(pages))
+            self.ledger.add_evictable(FULL_PAGES, -len(pages))
+            for r in self.ratios:
+                self.ledger.add_entries(ratio_key(r), -len(pages) * (self.P // r))
+
+    def free_full_pages(self) -> int:
+        """Full pages an admission may take now, before eviction."""
+        return self.full.free - self.outstanding if self.full is not None else 0
+
+    def _private_entries(self, slot: int, L: int) -> dict:
+        """Entries a request's ledger share holds (not those of pages the cache holds)."""
+        out = {ratio_key(r): L // r - int(self.full_shared[slot]) * (self.P // r) for r in self.ratios}
+        if self.swa is not None:
+            out["swa"] = L - (int(self.swa_lo[slot]) + int(self.swa_cached[slot])) * self.Ps
+        return out
+
+    def cached_swa_check(self, live) -> list[str]:
+        """Integrity of the sharing arrays (called by alloc.integrity)."""
+        out = []
+        if self.full is not None:
+            want = np.zeros_like(self.full_refs)
+            for s in live:
+                np.add.at(want, self.full_table[s, : self.full_shared[s]], 1)
+            if not np.array_equal(want[1:], self.full_refs[1:]):
+                out.append("full_pages: reference counts disagree with the requests' tables")
+        if self.swa is not None:
+            for s in live:
+                held = self.swa_table[s, np.arange(self.swa_lo[s], self.swa_hi[s]) % self.ring]
+                if int(np.count_nonzero(self.swa.owner[held] == CACHE_OWNER)) != self.swa_cached[s]:
+                    out.append(f"slot {s}: cached SWA pages miscounted")
+        if self.ckpt is not None:
+            out += self.ckpt.check("checkpoints")
+        return out

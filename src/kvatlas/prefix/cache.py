@@ -1,0 +1,236 @@
+"""PrefixCache: match a prompt's pages at admission, keep resume points, publish pages at finish.
+
+A request's life with the cache (see the README): admit(token_ids=...) walks the tree along the
+prompt's page keys; the hit is the deepest matched page boundary that has a resume point and
+leaves at least one prompt token to compute. The request starts there (`Admission.cached_tokens`),
+reading the cached pages read-only. Every boundary it reaches is captured; the policy keeps some
+(kvatlas.prefix.policy). At finish its full pages and kept resume points join the tree; pages
+already there (the same content, cached meanwhile) are freed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import KvatlasError, PoolExhaustedError, RequestStateError
+from ..units import cdiv
+from .keys import check_keys, page_keys
+from .policy import policy_named
+from .stats import PrefixStats
+from .tree import Checkpoint, Tree
+
+
+@dataclass(frozen=True, slots=True)
+class SharedPrefix:
+    """What a request resumes from: the boundary, the cached full pages before it, the SWA pages
+    of its tail, and the checkpoint unit whose rows are copied into the request's rings."""
+    boundary_tokens: int
+    full_pages: np.ndarray
+    swa_pages: np.ndarray
+    checkpoint_unit: int
+
+
+class _Request:
+    __slots__ = ("keys", "path", "divergence", "tentative", "kept", "prompt_tokens")
+
+    def __init__(self, keys, path, divergence, prompt_tokens) -> None:
+        self.keys, self.path, self.divergence, self.prompt_tokens = keys, path, divergence, prompt_tokens
+        self.tentative = None
+        self.kept: list = []
+
+
+@dataclass(frozen=True, slots=True)
+class _Match:
+    keys: np.ndarray
+    path: list
+    resume_pages: int
+
+
+class PrefixCache:
+    def __init__(self, allocator, ledger=None, policy="kvatlas") -> None:
+        if not allocator.prefix_on:
+            raise KvatlasError("prefix_checkpoints: the plan has no prefix cache; plan with prefix_checkpoints > 0")
+        self.alloc, self.ledger = allocator, ledger
+        self.P = allocator.P
+        self.policy = policy_named(policy)
+        self.stats = PrefixStats()
+        self.tree = Tree(allocator, self.policy, self.stats, ledger)
+        self.requests: dict = {}
+        self.clock = 0
+        allocator.on_capture = self._on_capture
+        allocator.on_need_checkpoint = self.tree.evict_checkpoint
+
+    @property
+    def evictor(self):
+        return self.tree.evictor
+
+    @evictor.setter
+    def evictor(self, value) -> None:
+        self.tree.evictor = value
+
+    # ---------------------------------------------------------------- matching
+    def _keys(self, prompt_tokens, token_ids, keys) -> np.ndarray:
+        if keys is not None:
+            return check_keys(keys, prompt_tokens, self.P)
+        if token_ids is None:
+            return np.zeros(0, np.uint64)
+        if len(token_ids) < prompt_tokens:
+            raise KvatlasError(f"token_ids: {len(token_ids)} ids for a {prompt_tokens}-token prompt; give at least "
+                               "the prompt's ids")
+        return page_keys(token_ids[:prompt_tokens], self.P)
+
+    def _match(self, prompt_tokens, token_ids, keys) -> _Match:
+        keys = self._keys(prompt_tokens, token_ids, keys)
+        path = self.tree.match(keys)
+        j = min(len(path), (prompt_tokens - 1) // self.P)   # at least one prompt token left to compute
+        while j and path[j - 1].checkpoint is None:
+            j -= 1
+        return _Match(keys, path, j)
+
+    def _room(self, m: _Match, total_tokens: int) -> tuple[int, int]:
+        """(pages the admission needs, pages it can have: free now + evictable but not its own hit)."""
+        need = cdiv(total_tokens, self.P) - m.resume_pages if self.alloc.full is not None else 0
+        mine = sum(1 for node in m.path[: m.resume_pages] if node.refs == 0)
+        return need, self.alloc.free_full_pages() + self.tree.idle_pages - mine
+
+    def can_admit(self, prompt_tokens, max_new_tokens=0, *, token_ids=None, page_keys=None) -> bool:
+        """Counts what eviction would free: never False while eviction could make room."""
+        total = self.alloc._validate_lengths(prompt_tokens, max_new_tokens)
+        m = self._match(prompt_tokens, token_ids, page_keys)
+        need, room = self._room(m, total)
+        short = self.alloc._admission_shortfall(total, m.resume_pages)
+        if short is None:
+            return True
+        return short.pool == "full_pages" and need <= room
+
+    # ---------------------------------------------------------------- admission
+    def admit(self, request_id, prompt_tokens, max_new_tokens=0, *, token_ids=None, page_keys=None):
+        total = self.alloc._validate_lengths(prompt_tokens, max_new_tokens)
+        if request_id in self.alloc.slot_of:
+            raise RequestStateError(f"request_id {request_id!r} is already running; finish it first or use a new id")
+        m = self._match(prompt_tokens, token_ids, page_keys)
+        j = m.resume_pages
+        hit = m.path[:j]
+        self.tree.ref(hit)   # protected from the eviction below
+        try:
+            need, room = self._room(m, total)
+            short = self.alloc._admission_shortfall(total, j)
+            if short is not None and short.pool == "full_pages" and need <= room:
+                self.tree.evict_pages(need - self.alloc.free_full_pages())
+            adm = self.alloc.admit(request_id, prompt_tokens, max_new_tokens, shared=self._shared(hit))
+        except (KvatlasError, PoolExhaustedError):
+            self.tree.unref(hit, self.clock)
+            raise
+        self.clock += 1
+        ck = hit[-1].checkpoint if hit else None
+        if ck is not None:
+            self.tree.touch_checkpoint(ck, self.clock)
+        divergence = len(m.path) * self.P if len(m.path) > j else -1
+        self.requests[request_id] = _Request(m.keys, hit, divergence, prompt_tokens)
+        self._count(m, prompt_tokens)
+        return adm
+
+    def _shared(self, hit) -> SharedPrefix | None:
+        if not hit:
+            return None
+        ck = hit[-1].checkpoint
+        pages = np.fromiter((n.page for n in hit), np.int64, len(hit))
+        return SharedPrefix(len(hit) * self.P, pages, ck.swa_pages, ck.unit)
+
+    def _count(self, m: _Match, prompt: int) -> None:
+        s, P = self.stats, self.P
+        full, cap = prompt // P, (prompt - 1) // P
+        matched, j = len(m.path), m.resume_pages
+        usable = min(matched, cap)
+        s.queried_tokens += prompt
+        s.hit_tokens += j * P
+        lost = (usable - j) * P
+        if usable > j and m.path[usable - 1].checkpoint_evicted:
+            s.missed_evicted += lost
+        else:
+            s.missed_no_checkpoint += lost
+        s.missed_partial_page += prompt - full * P + (P if matched > cap else 0)
+        gone = self.tree.evicted_run(m.keys, matched)
+        s.missed_evicted += gone * P
+        s.missed_no_cached_prefix += (full - matched - gone) * P
+
+    # ---------------------------------------------------------------- resume points
+    def _on_capture(self, slot, boundary, unit, swa_pages) -> None:
+        req = self.requests.get(self.alloc.rid_of[slot])
+        ck = Checkpoint(boundary, unit, swa_pages)
+        if req is None:
+            self._drop(ck)
+            return
+        ck.divergence = boundary == req.divergence
+        prev, req.tentative = req.tentative, ck
+        if prev is not None:
+            if self.policy.keep(end=False, divergence=prev.divergence):
+                req.kept.append(prev)
+            else:
+                self._drop(prev)
+
+    def _drop(self, ck) -> None:
+        self.alloc.release_checkpoint(ck.unit, ck.swa_pages, pinned=True)
+        self.stats.checkpoints_dropped += 1
+
+    # ---------------------------------------------------------------- finish: publish
+    def finish(self, request_id, token_ids=None) -> None:
+        """Finish a request; its full pages and kept resume points join the tree. token_ids (the
+        prompt and what was generated) key the pages past the prompt; without them only the
+        prompt's pages are cached."""
+        a = self.alloc
+        if request_id not in a.slot_of:
+            raise RequestStateError(f"request_id {request_id!r} is not running (never admitted or already "
+                                    "finished); finish each request once")
+        req = self.requests[request_id]
+        slot = a.slot_of[request_id]
+        L = int(a.length[slot])
+        keys = req.keys
+        if token_ids is not None and len(token_ids) // self.P > len(keys):
+            keys = page_keys(np.asarray(token_ids)[:L], self.P)
+        a._commit_captures([slot])   # the last pass's resume points, while the request is known
+        del self.requests[request_id]
+        if req.tentative is not None:
+            req.tentative.end = True
+            req.kept.append(req.tentative)
+        self.clock += 1
+        keep_cols, nodes = self._publish(slot, keys[: min(L // self.P, len(keys))])
+        a.finish(request_id, keep_pages=keep_cols)
+        for ck in req.kept:
+            self._place(ck, nodes)
+        self.tree.unref(req.path, self.clock)
+
+    def _publish(self, slot, keys) -> tuple[list, list]:
+        """Walk the request's pages; make nodes for the ones the tree lacks (kept, not freed)."""
+        tree, a = self.tree, self.alloc
+        nodes, keep, parent = [], [], None
+        shared = int(a.full_shared[slot]) if a.full is not None else 0
+        for i, k in enumerate(keys.tolist()):
+            node = tree.nodes.get(k)
+            if node is None:
+                page = int(a.full_table[slot, i]) if a.full is not None else -1
+                if i < shared:    # a page it read was evicted meanwhile: cannot be (it held a reference)
+                    raise KvatlasError("prefix tree lost a page a running request reads")
+                if a.full is not None:
+                    keep.append(i)
+                node = tree.add(k, parent, page, self.clock)
+            nodes.append(node)
+            parent = node
+        return keep, nodes
+
+    def _place(self, ck, nodes) -> None:
+        i = ck.boundary_tokens // self.P - 1
+        if i >= len(nodes) or nodes[i].checkpoint is not None:
+            self._drop(ck)   # no key for that page, or another request saved this point first
+            return
+        self.alloc.unpin_checkpoint(ck.swa_pages)
+        self.tree.attach(nodes[i], ck, self.clock)
+        self.stats.checkpoints_saved += 1
+
+    # ---------------------------------------------------------------- reports
+    def summary(self) -> dict:
+        t = self.tree
+        return {"policy": self.policy.name, "nodes": len(t.nodes), "cached_pages": len(t.nodes),
+                "idle_pages": t.idle_pages, "checkpoints": t.checkpoints, **self.stats.as_dict()}

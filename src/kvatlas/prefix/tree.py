@@ -1,0 +1,190 @@
+"""The page tree: one node per cached full page, found by its chained key; resume points hang on
+the node whose page ends at their boundary. Eviction: least recently used first, leaves first
+(a page is dropped only when no cached page extends it), and never what a running request reads.
+
+Heaps with lazy deletion: an entry carries the stamp it was pushed with; a popped entry whose
+node changed since (touched, gained a child, read again, gone) is skipped. A node is pushed again
+whenever it becomes evictable, so each evictable node always has one live entry.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+
+_EVICTED_MEMORY = 1 << 20   # keys remembered as evicted, for the miss reason
+
+
+class Checkpoint:
+    __slots__ = ("boundary_tokens", "unit", "swa_pages", "end", "divergence", "node", "last_used")
+
+    def __init__(self, boundary_tokens, unit, swa_pages) -> None:
+        self.boundary_tokens, self.unit, self.swa_pages = boundary_tokens, unit, swa_pages
+        self.end = self.divergence = False
+        self.node = None
+        self.last_used = 0
+
+
+class Node:
+    __slots__ = ("key", "parent", "depth", "page", "checkpoint", "children", "refs", "last_used",
+                 "checkpoint_evicted")
+
+    def __init__(self, key, parent, depth, page) -> None:
+        self.key, self.parent, self.depth, self.page = key, parent, depth, page
+        self.checkpoint = None
+        self.children = self.refs = self.last_used = 0
+        self.checkpoint_evicted = False
+
+
+@dataclass(frozen=True, slots=True)
+class Evicted:
+    """What the evictor hook sees before the storage is freed (see the host tier)."""
+    kind: str               # "page" | "checkpoint"
+    key: int
+    parent_key: int
+    depth_pages: int
+    full_page: int = -1
+    boundary_tokens: int = 0
+    unit: int = 0
+    swa_pages: tuple = ()
+
+
+class Tree:
+    def __init__(self, allocator, policy, stats, ledger=None) -> None:
+        self.alloc, self.policy, self.stats, self.ledger = allocator, policy, stats, ledger
+        self.nodes: dict[int, Node] = {}
+        self.checkpoints = 0
+        self.idle_pages = 0        # nodes no running request reads: all evictable, leaves first
+        self.evictor = None
+        self._pages: list = []     # (last_used, seq, stamp, node)
+        self._ckpts: list = []     # (class, last_used, seq, checkpoint)
+        self._seq = 0
+        self.evicted_keys: OrderedDict = OrderedDict()
+
+    # ---------------------------------------------------------------- lookup
+    def match(self, keys) -> list[Node]:
+        path, nodes = [], self.nodes
+        for k in keys.tolist():
+            node = nodes.get(k)
+            if node is None:
+                break
+            path.append(node)
+        return path
+
+    def evicted_run(self, keys, start: int) -> int:
+        """Pages from `start` whose keys were cached once and evicted (a miss reason)."""
+        n = 0
+        for k in keys[start:].tolist():
+            if k not in self.evicted_keys:
+                break
+            n += 1
+        return n
+
+    # ---------------------------------------------------------------- references
+    def ref(self, path) -> None:
+        for node in path:
+            if node.refs == 0:
+                self.idle_pages -= 1
+            node.refs += 1
+
+    def unref(self, path, now: int) -> None:
+        for node in path:
+            node.refs -= 1
+            node.last_used = now
+            if node.refs == 0:
+                self.idle_pages += 1
+                self._push_page(node)
+
+    def add(self, key, parent, page, now: int) -> Node:
+        node = Node(key, parent, parent.depth + 1 if parent else 1, page)
+        node.last_used = now
+        if parent is not None:
+            parent.children += 1
+        self.nodes[key] = node
+        self.evicted_keys.pop(key, None)
+        self.idle_pages += 1
+        self._push_page(node)
+        return node
+
+    def attach(self, node, ck, now: int) -> None:
+        node.checkpoint, ck.node, ck.last_used = ck, node, now
+        node.checkpoint_evicted = False
+        self.checkpoints += 1
+        if self.ledger is not None:
+            self.ledger.add_evictable("checkpoints", 1)
+        self._push_ckpt(ck)
+
+    def touch_checkpoint(self, ck, now: int) -> None:
+        ck.last_used = now
+        self._push_ckpt(ck)
+
+    def _push_page(self, node) -> None:
+        if node.refs == 0 and node.children == 0:
+            self._seq += 1
+            heapq.heappush(self._pages, (node.last_used, self._seq, node))
+
+    def _push_ckpt(self, ck) -> None:
+        self._seq += 1
+        cls = self.policy.eviction_class(end=ck.end, divergence=ck.divergence)
+        heapq.heappush(self._ckpts, (cls, ck.last_used, self._seq, ck))
+
+    # ---------------------------------------------------------------- eviction
+    def evict_pages(self, need: int) -> int:
+        """Free up to `need` full pages, LRU leaves first; returns how many."""
+        freed = []
+        while len(freed) < need and self._pages:
+            stamp, _, node = heapq.heappop(self._pages)
+            if self.nodes.get(node.key) is not node or node.refs or node.children or stamp != node.last_used:
+                continue
+            if node.checkpoint is not None:
+                self.drop_checkpoint(node.checkpoint)
+            self._hook(Evicted("page", node.key, node.parent.key if node.parent else 0, node.depth,
+                               full_page=node.page))
+            del self.nodes[node.key]
+            self.idle_pages -= 1
+            self._remember(node.key)
+            if node.page >= 0:
+                freed.append(node.page)
+            parent = node.parent
+            if parent is not None:
+                parent.children -= 1
+                self._push_page(parent)
+        if freed:
+            self.alloc.evict_full(np.array(freed, np.int64))
+        self.stats.evicted_pages += len(freed)
+        return len(freed)
+
+    def evict_checkpoint(self) -> bool:
+        """Free one checkpoint unit (the allocator asks when a capture finds none free)."""
+        while self._ckpts:
+            _, stamp, _, ck = heapq.heappop(self._ckpts)
+            node = ck.node
+            if node is None or node.checkpoint is not ck or stamp != ck.last_used:
+                continue
+            self.drop_checkpoint(ck)
+            return True
+        return False
+
+    def drop_checkpoint(self, ck) -> None:
+        node = ck.node
+        self._hook(Evicted("checkpoint", node.key, node.parent.key if node.parent else 0, node.depth,
+                           boundary_tokens=ck.boundary_tokens, unit=ck.unit, swa_pages=tuple(ck.swa_pages.tolist())))
+        node.checkpoint, ck.node = None, None
+        node.checkpoint_evicted = True
+        self.checkpoints -= 1
+        if self.ledger is not None:
+            self.ledger.add_evictable("checkpoints", -1)
+        self.alloc.release_checkpoint(ck.unit, ck.swa_pages)
+        self.stats.evicted_checkpoints += 1
+
+    def _hook(self, entry) -> None:
+        if self.evictor is not None:
+            self.evictor.on_evict(entry)
+
+    def _remember(self, key) -> None:
+        self.evicted_keys[key] = None
+        if len(self.evicted_keys) > _EVICTED_MEMORY:
+            self.evicted_keys.popitem(last=False)
