@@ -25,7 +25,10 @@ class Session:
         plan = cache.plan
         self.free_pages = list(range(1, plan.num_full_pages))
         self.free_swa = list(range(1, plan.num_swa_pages))
-        self.free_slots = list(range(1, plan.num_request_slots))
+        # checkpoint rows live in request slots, or (prefix cache) in checkpoint units
+        units = [cache.arena.regions[s.buffer].spec.units for n, s in tier.plan.sources.items()
+                 if n.startswith("checkpoint.") and cache.arena.regions[s.buffer].spec.group != "swa_pages"]
+        self.free_slots = list(range(1, min(units, default=plan.num_request_slots)))
         self.page_buffers = [b.name for b in tier.plan.group_buffers("host_pages")]
         self.expected: dict = {}                # key -> expected bytes per part
         self.host_lru = {"page": OrderedDict(), "checkpoint": OrderedDict()}   # the model's LRU

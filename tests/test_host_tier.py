@@ -18,6 +18,8 @@ PLANS = {
     "v4-draft": dict(model="tiny-v4", memory="64MiB", max_running_requests=4, draft_tokens=3),
     "unified-fp8": dict(model="tiny-v4", memory="64MiB", max_running_requests=4, kv_layout="unified-fp8"),
     "v4.1": dict(model="tiny-v4.1", memory="64MiB", max_running_requests=4),
+    "v4-prefix": dict(model="tiny-v4", memory="64MiB", max_running_requests=4, prefix_checkpoints=8),
+    "v4.1-prefix": dict(model="tiny-v4.1", memory="64MiB", max_running_requests=4, prefix_checkpoints=8),
 }
 
 

@@ -156,13 +156,6 @@ def r2_pair_ring(head_dim: int, draft_tokens: int, name: str = "r2_state") -> St
     return StateRing(name=name, width=2 * head_dim, rows=rows if draft_tokens else 2, window=2)
 
 
-def resume_state_rows(ring: StateRing, ratio: int) -> int:
-    """Rows of a compressor ring that resuming at a page boundary needs (SPEC §8): the part of the
-    next block's window that lies before the boundary. C4 overlaps (window 8, ratio 4): 4 rows;
-    C128, online C128 and V4.1 r2 (window = ratio, boundary a multiple of it): none."""
-    return max(ring.window - ratio, 0)
-
-
 def per_token_row_bytes(model, kv: RowFormat, indexer: RowFormat) -> float:
     """Growing KV per cached token from row sizes alone, no page padding (SPEC §5)."""
     total = 0.0

@@ -23,8 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from . import buffers as bufmod
-from . import formats
-from .buffers import FULL_PAGES, REQUEST_SLOTS, SWA_PAGES, BufferSpec
+from .buffers import CHECKPOINTS, FULL_PAGES, SWA_PAGES, BufferSpec
 from .model import LayerKind
 from ..errors import BudgetError, ConfigError
 from ..units import cdiv, fmt_bytes, parse_bytes
@@ -101,27 +100,32 @@ def _page_templates(plan) -> list[tuple[BufferSpec, HostSource]]:
 
 
 def _checkpoint_templates(plan) -> list[tuple[BufferSpec, HostSource]]:
+    """With the prefix cache, a host checkpoint mirrors one device checkpoint: its tail SWA pages
+    and one unit of every CHECKPOINTS buffer (saved ring rows, V4.1 window rows). Without it, the
+    same content is taken from a running request: the ring rows the next block reads back into
+    (`StateRing.resume_rows`), or its whole V4.1 window."""
     out = []
     opts, window = plan.options, plan.model.sliding_window
-    tail_pages = cdiv(window - 1, opts.swa_page_tokens)
+    tail_pages = plan.sizing.checkpoint_swa_pages or cdiv(window - 1, opts.swa_page_tokens)
+    prefix = any(b.group == CHECKPOINTS for b in plan.buffers)
     for b in plan.buffers:
-        name = f"checkpoint.{b.name}"
+        name = f"checkpoint.{b.name.removeprefix('ckpt.')}"
         if b.group == SWA_PAGES:
             out.append((_host_spec(b, name, HOST_CHECKPOINTS, (tail_pages, *b.inner_shape),
                                    tail_pages * b.unit_bytes, tail_pages * b.unit_payload_bytes,
                                    tail_pages * b.entries_per_unit),
                         HostSource(buffer=b.name, device_units=tail_pages)))
-        elif b.role == "window":
+        elif b.group == CHECKPOINTS or (not prefix and b.role == "window"):
             out.append((_host_spec(b, name, HOST_CHECKPOINTS, b.inner_shape, b.unit_bytes,
                                    b.unit_payload_bytes, b.entries_per_unit), HostSource(buffer=b.name)))
-        elif b.role == "state":
+        elif b.role == "state" and not prefix:
             kind = LayerKind(b.layer_kind)
             ring = next(r for r in bufmod.state_rings(plan.model, opts, kind) if r.name == b.name)
-            rows = formats.resume_state_rows(ring, kind.ratio)
-            if rows:
+            if ring.resume_rows:
                 n, _, width = b.inner_shape
-                out.append((_host_spec(b, name, HOST_CHECKPOINTS, (n, rows, width), n * rows * b.entry_bytes,
-                                       n * rows * b.entry_bytes, rows), HostSource(buffer=b.name, rows=rows)))
+                size = n * ring.resume_rows * b.entry_bytes
+                out.append((_host_spec(b, name, HOST_CHECKPOINTS, (n, ring.resume_rows, width), size, size,
+                                       ring.resume_rows), HostSource(buffer=b.name, rows=ring.resume_rows)))
     return out
 
 

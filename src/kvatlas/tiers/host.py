@@ -39,8 +39,9 @@ KINDS = {"page": HOST_PAGES, "checkpoint": HOST_CHECKPOINTS}
 @dataclass(frozen=True, slots=True, kw_only=True)
 class CheckpointAt:
     """Where one checkpoint lives on the device: the SWA pages under the window − 1 tokens before
-    the boundary (oldest first; paged layouts), and the unit (request slot) of the state / window
-    buffers with the ring row of the first resume row (position boundary − rows, modulo the ring)."""
+    the boundary (oldest first; paged layouts), and `unit`: with the prefix cache, its checkpoint
+    unit (the CHECKPOINTS buffers); without, the request slot whose rings hold the rows, with
+    `first_row` the ring row of the first resume row ((boundary − rows) modulo the ring)."""
 
     swa_pages: tuple = ()
     unit: int = 0
@@ -179,6 +180,8 @@ class HostTier:
         if len(at) != n:
             raise ConfigError("at", f"{len(at)} checkpoint places for {n} keys", "give one CheckpointAt per key")
         plan = self.cache.plan
+        units = min((self.cache.arena.regions[s.buffer].spec.units for b, s in self.plan.sources.items()
+                     if b.startswith("checkpoint.") and self._source_group[b] != SWA_PAGES), default=0)
         tail = max((s.device_units for b, s in self.plan.sources.items() if self._source_group[b] == SWA_PAGES),
                    default=0)
         for a in at:
@@ -187,9 +190,9 @@ class HostTier:
             if tail and (len(a.swa_pages) != tail or min(a.swa_pages) < 1 or max(a.swa_pages) >= plan.num_swa_pages):
                 raise ConfigError("at.swa_pages", f"{a.swa_pages!r} is not {tail} SWA page ids in 1..{plan.num_swa_pages - 1}",
                                   "give the SWA pages under the window before the boundary, oldest first")
-            if not 1 <= a.unit < plan.num_request_slots:
-                raise ConfigError("at.unit", f"{a.unit} is not a request slot in 1..{plan.num_request_slots - 1}",
-                                  "give the slot whose state rings hold the checkpoint")
+            if units and not 1 <= a.unit < units:
+                raise ConfigError("at.unit", f"{a.unit} is not a unit in 1..{units - 1}",
+                                  "give the request slot (or prefix-cache checkpoint unit) holding the rows")
             rings = [self._ring_rows[s.buffer] - s.rows for s in self.plan.sources.values() if s.rows]
             if rings and not 0 <= a.first_row <= min(rings):
                 raise ConfigError("at.first_row", f"{a.first_row} leaves the resume rows outside the ring",
