@@ -121,7 +121,8 @@ def test_several_ranks_report_through_one_collector(plan):
 def test_names_follow_the_convention_and_have_help():
     for name, text in HELP.items():
         assert name == "kvatlas" or name.rsplit("_", 1)[1] in {"bytes", "rows", "tokens", "pages", "slots",
-                                                             "requests", "refusals", "token", "request"}
+                                                             "requests", "refusals", "token", "request",
+                                                             "entries", "seconds"}
         assert text and not text.endswith(".")
 
 
@@ -131,6 +132,7 @@ def test_readme_documents_every_metric():
     for name, text in HELP.items():
         shown = "kvatlas_info" if name == "kvatlas" else name
         shown = "kvatlas_admission_refusals_total" if name == "kvatlas_admission_refusals" else shown
+        shown = f"{name}_total" if f"`{name}_total`" in readme else shown
         assert f"`{shown}`" in readme and text in readme, name
 
 

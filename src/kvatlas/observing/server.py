@@ -35,16 +35,18 @@ def state_document(collector: KvatlasCollector, extra=None, requests=None) -> di
     `requests`: a callable returning per-request usage for the first cache (the driver knows the
     request progress); otherwise each running request's bytes come from `cache.request_usage`."""
     from ..planning.capacity import plan_to_dict
-    snaps = collector.snapshots()
+    snaps, hosts = collector.snapshots(), collector.host_snapshots()
     caches = []
-    for i, (src, snap) in enumerate(zip(collector.sources, snaps)):
+    for i, (src, snap, host) in enumerate(zip(collector.sources, snaps, hosts)):
         if requests is not None and i == 0:
             usage = requests()
         else:
             with collector.lock:
                 usage = {rid: {"pools": src.cache.request_usage(rid)} for rid in list(src.cache.allocator.slot_of)}
         caches.append({"labels": dict(src.ranks), "ledger": snap.to_dict(), "plan": plan_to_dict(src.cache.plan),
-                       "requests": {str(k): v for k, v in usage.items()}})
+                       "requests": {str(k): v for k, v in usage.items()},
+                       # the tiers side by side: "ledger" is the device, "host_tier" pinned host memory
+                       "host_tier": host.to_dict() if host is not None else None})
     doc = {"schema": "kvatlas.state", "schema_version": STATE_SCHEMA_VERSION, "time_unix_s": time.time(),
            "version": collector.version, "caches": caches}
     if extra is not None:

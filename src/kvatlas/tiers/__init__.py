@@ -2,5 +2,6 @@
 checkpoints (see kvatlas.tiers.host)."""
 
 from .host import CheckpointAt, HostTier, Offload
+from .prefix_link import HostLink, Ready, attach_host_tier
 
-__all__ = ["CheckpointAt", "HostTier", "Offload"]
+__all__ = ["CheckpointAt", "HostLink", "HostTier", "Offload", "Ready", "attach_host_tier"]

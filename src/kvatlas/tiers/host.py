@@ -223,7 +223,7 @@ class HostTier:
             t.synchronize()
         self.poll()
 
-    def snapshot(self) -> HostSnapshot:
+    def snapshot(self, hits: dict | None = None) -> HostSnapshot:
         in_flight = self.poll()
         groups, total = {}, None
         for g, s in self.slots.items():
@@ -241,7 +241,7 @@ class HostTier:
             evicted={GROUP_LABEL[g]: v for g, v in mv.evicted.items()},
             dropped={GROUP_LABEL[g]: v for g, v in mv.dropped.items()},
             restores_completed=mv.restores, restore_latency_sum_s=mv.restore_latency_sum_s,
-            restore_latency_max_s=mv.restore_latency_max_s, transfers_in_flight=in_flight)
+            restore_latency_max_s=mv.restore_latency_max_s, transfers_in_flight=in_flight, hits=hits or {})
 
     def check_integrity(self) -> HostSnapshot:
         from ..errors import IntegrityError

@@ -57,6 +57,7 @@ class HostSnapshot:
     restore_latency_sum_s: float
     restore_latency_max_s: float
     transfers_in_flight: int
+    hits: dict = field(default_factory=dict)   # under the prefix cache: prompt tokens served from host
 
     def to_dict(self) -> dict:
         return {
@@ -71,7 +72,7 @@ class HostSnapshot:
             "restores_completed": self.restores_completed,
             "restore_latency_sum_s": self.restore_latency_sum_s,
             "restore_latency_max_s": self.restore_latency_max_s,
-            "transfers_in_flight": self.transfers_in_flight,
+            "transfers_in_flight": self.transfers_in_flight, "hits": self.hits,
         }
 
 
