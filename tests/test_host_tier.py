@@ -177,3 +177,17 @@ def test_gap_bridging_restores_only_the_wanted_rows():
     for k, t in kv.items():
         assert torch.equal(t[dst], want[k][keys])
         assert bool((t[1:n + 1] == 7).all()) and bool((t[n + 1 + len(keys):] == 7).all())
+
+
+def test_modeled_host_keeps_the_books_and_charges_measured_time():
+    from kvatlas.tiers.modeled import COPY_CALL_S, RESTORE_BYTES_PER_S, ModeledHost
+    p = kvatlas.plan("deepseek-v4-flash", "120GiB")      # larger than this machine: no tensors
+    host = ModeledHost(p, "128GiB")
+    page = host.plan.unit_bytes("host_pages")
+    moved = host.offload_pages(list(range(100)), list(range(1, 101)))
+    assert moved.transfer.done() and moved.evicted == ()
+    t = host.restore_pages([0, 1, 2, 50], [7, 8, 9, 10])  # host slots 0-2 and 50: two runs
+    assert t.latency_s == pytest.approx(4 * page / RESTORE_BYTES_PER_S + 2 * 3 * COPY_CALL_S)
+    snap = host.check_integrity()
+    assert snap.totals.tensor_bytes == 0 and snap.groups["pages"].units_used == 96
+    assert snap.bytes_to_device == 4 * page and snap.copy_device == "modeled"

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..errors import KvatlasError
-from .host import CheckpointAt, HostTier
+from ..errors import KvatlasError, PoolExhaustedError
+from .host import HostTier
+from .index import CheckpointAt
 
 
 @dataclass(slots=True)
@@ -36,12 +37,14 @@ class TierHits:
 
 
 class HostLink:
-    def __init__(self, cache, tier: HostTier) -> None:
-        if cache.prefix is None:
+    """`prefix`: a PrefixCache; `tier`: a HostTier (bytes) or a ModeledHost (bookkeeping only)."""
+
+    def __init__(self, prefix, tier) -> None:
+        if prefix is None:
             raise KvatlasError("host tier: the plan has no prefix cache to evict from; plan with "
                                "prefix_checkpoints > 0")
-        self.cache, self.tier, self.prefix = cache, tier, cache.prefix
-        self.P = cache.plan.page_tokens
+        self.tier, self.prefix = tier, prefix
+        self.P = tier.device_plan.page_tokens
         self.parent: dict = {}        # host page key -> parent key (0: the root)
         self.children: dict = {}      # key -> host page keys below it
         self.boundary: dict = {}      # host checkpoint key -> boundary tokens
@@ -55,7 +58,10 @@ class HostLink:
                 self.tier.touch("checkpoint", [e.key])
                 return
             at = CheckpointAt(swa_pages=tuple(e.swa_pages), unit=e.unit)
-            moved = self.tier.offload_checkpoints([e.key], [at])
+            try:
+                moved = self.tier.offload_checkpoints([e.key], [at])
+            except PoolExhaustedError:
+                return
             self.boundary[e.key] = e.boundary_tokens
             for k in moved.evicted:
                 self.boundary.pop(k, None)
@@ -63,7 +69,10 @@ class HostLink:
         if self.tier.contains("page", e.key):
             self.tier.touch("page", [e.key])
             return
-        moved = self.tier.offload_pages([e.key], [e.full_page])
+        try:
+            moved = self.tier.offload_pages([e.key], [e.full_page])
+        except PoolExhaustedError:    # every host slot is claimed by a restore under way: drop it
+            return
         self.parent[e.key] = e.parent_key
         self.children.setdefault(e.parent_key, set()).add(e.key)
         for k in moved.evicted:
@@ -112,22 +121,33 @@ class HostLink:
         return None
 
     def _bring_back(self, keys, device: int, j: int):
-        transfers, restored = [], 0
-        if j > device:
-            ks = [int(k) for k in keys[device:j]]
-            pages = self.prefix.restore_pages(int(keys[device - 1]) if device else 0, ks)
-            transfers.append(self.tier.restore_pages(ks, pages))
-            for k in ks:
-                self._unlink(k)
-            restored = len(ks)
+        """Claim the host entries first (so evictions the restore causes cannot drop them), then
+        make room on the device, then copy."""
+        ks = [int(k) for k in keys[device:j]]
         key = int(keys[j - 1])
         node = self.prefix.tree.nodes.get(key)
-        if node is not None and node.checkpoint is None and self.tier.contains("checkpoint", key):
-            unit, swa = self.prefix.restore_checkpoint(key, self.boundary[key])
-            transfers.append(self.tier.restore_checkpoints([key], [CheckpointAt(swa_pages=tuple(swa), unit=unit)]))
-            self.boundary.pop(key, None)
-            self.hits.restored_checkpoints += 1
-        self.hits.restored_pages += restored
+        want_ck = (node is None or node.checkpoint is None) and self.tier.contains("checkpoint", key)
+        pages_claim = self.tier.claim("page", ks) if ks else None
+        ck_claim = self.tier.claim("checkpoint", [key]) if want_ck else None
+        transfers = []
+        try:
+            if ks:
+                pages = self.prefix.restore_pages(int(keys[device - 1]) if device else 0, ks)
+                transfers.append(self.tier.restore(pages_claim, pages))
+                pages_claim = None
+                for k in ks:
+                    self._unlink(k)
+            if ck_claim is not None:
+                unit, swa = self.prefix.restore_checkpoint(key, self.boundary[key])
+                transfers.append(self.tier.restore(ck_claim, [CheckpointAt(swa_pages=tuple(swa.tolist()), unit=unit)]))
+                ck_claim = None
+                self.boundary.pop(key, None)
+                self.hits.restored_checkpoints += 1
+        finally:
+            for c in (pages_claim, ck_claim):
+                if c is not None:
+                    self.tier.unclaim(c)
+        self.hits.restored_pages += len(ks)
         self.hits.host_hit_tokens += (j - device) * self.P
         self.hits.host_hit_requests += 1
         return Ready(transfers)
@@ -166,6 +186,8 @@ class Ready:
 
 def attach_host_tier(cache, host_memory_bytes, **options) -> HostLink:
     """A HostTier for `cache`, wired under its prefix cache; `cache.host` reports it."""
-    link = HostLink(cache, HostTier(cache, host_memory_bytes, **options))
+    if cache.prefix is None:     # refused before any host memory is pinned
+        HostLink(None, None)
+    link = HostLink(cache.prefix, HostTier(cache, host_memory_bytes, **options))
     cache.host = link
     return link

@@ -22,10 +22,11 @@ class HostSlots:
         self.units = units
         self._free = LowestFreeList(units + 1)   # ids 1..units; slot = id − 1
         self._lru: OrderedDict = OrderedDict()   # key -> slot, least recently used first
+        self.claimed = 0                         # slots taken out of the LRU for a restore under way
 
     @property
     def used(self) -> int:
-        return len(self._lru)
+        return len(self._lru) + self.claimed
 
     @property
     def free(self) -> int:
@@ -49,8 +50,9 @@ class HostSlots:
         if present:
             raise RequestStateError(f"{self.name}: {present[0]!r} is already in host memory; "
                                     "drop or restore it before moving it again")
-        if len(keys) > self.units:
-            raise PoolExhaustedError(self.name, len(keys), self.units, "slots", "move to host")
+        room = self.free + len(self._lru)     # claimed slots cannot be evicted
+        if len(keys) > room:
+            raise PoolExhaustedError(self.name, len(keys), room, "slots", "move to host")
 
     def check_resident(self, keys) -> None:
         if len(set(keys)) != len(keys):
@@ -79,6 +81,22 @@ class HostSlots:
         self._free.push(slots + 1)
         return slots
 
+    def claim(self, keys) -> np.ndarray:
+        """Take resident keys out of the LRU (no eviction can pick them) while their slots stay
+        held; then free_claimed() once copied back, or unclaim() to keep them."""
+        slots = np.fromiter((self._lru.pop(k) for k in keys), dtype=np.int64, count=len(keys))
+        self.claimed += len(keys)
+        return slots
+
+    def free_claimed(self, slots: np.ndarray) -> None:
+        self.claimed -= len(slots)
+        self._free.push(slots + 1)
+
+    def unclaim(self, keys, slots: np.ndarray) -> None:
+        self.claimed -= len(slots)
+        for k, s in zip(keys, slots.tolist()):
+            self._lru[k] = s
+
     def touch(self, keys) -> None:
         for k in keys:
             self._lru.move_to_end(k)
@@ -88,6 +106,8 @@ class HostSlots:
         slots = np.fromiter(self._lru.values(), dtype=np.int64, count=len(self._lru))
         if len(np.unique(slots)) != len(slots):
             problems.append(f"{self.name}: a host slot holds two entries")
+        if self._free.used != len(slots) + self.claimed:
+            problems.append(f"{self.name}: {self._free.used} slots held, {len(slots)} entries + {self.claimed} claimed")
         if len(slots) and not np.all(self._free.owner[slots + 1]):
             problems.append(f"{self.name}: an entry sits in a free slot")
         if self.used + self.free != self.units:

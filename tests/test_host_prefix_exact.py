@@ -1,0 +1,99 @@
+"""The host tier under the prefix cache, exact: the prefix cache's own exactness sessions (random
+shared prefixes, multi-turn follow-ups, chunked prefill, drafts with rollback, eviction) run with
+every eviction going to host memory and every admission first bringing back the host pages and
+resume point its prompt reaches. Each request must still read, for every pool and layer, exactly
+what its cold twin computed from scratch reads; integrity of both tiers after every operation."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import test_prefix_exact as exact
+from kvatlas import allocate, plan
+from kvatlas.errors import KvatlasError
+from kvatlas.tiers import attach_host_tier
+
+HOST = "8MiB"
+
+
+class HostSession(exact.Session):
+    def __init__(self, p, device="cpu", impl="torch"):
+        super().__init__(p, device, impl)
+        self.link = attach_host_tier(self.hot, HOST, checkpoint_share=0.5)
+
+    def admit(self, seq, prompt, max_new):
+        ready = self.link.prefetch(prompt, token_ids=np.asarray(seq[:prompt], np.int64))
+        if ready is not None:
+            ready.wait()        # before the request's first forward pass
+        super().admit(seq, prompt, max_new)
+
+    def check(self, where):
+        super().check(where)
+        self.link.tier.check_integrity()
+
+
+def run(data, draft_tokens):
+    saved, exact.Session = exact.Session, HostSession
+    try:
+        return exact.run_session(data, draft_tokens)
+    finally:
+        exact.Session = saved
+
+
+@pytest.mark.parametrize("draft_tokens", [0, 3])
+@settings(max_examples=15, deadline=None, suppress_health_check=exact.SLOW)
+@given(data=st.data())
+def test_restored_hits_read_what_a_cold_run_reads(draft_tokens, data):
+    run(data, draft_tokens)
+
+
+def _turns(link, cache, rng, n):
+    """Multi-turn conversations that outgrow the device: each turn re-sends the last one."""
+    convs = [rng.integers(0, 50_000, 300) for _ in range(6)]
+    for i in range(n):
+        c = i % 6
+        convs[c] = np.concatenate((convs[c], rng.integers(0, 50_000, 200)))
+        seq = convs[c][:1500]
+        ready = link.prefetch(len(seq), token_ids=seq)
+        if ready is not None:
+            ready.wait()
+        cache.admit(f"r{i}", len(seq), 8, token_ids=seq)
+        left = len(seq) - int(cache.allocator.length[cache.allocator.slot_of[f"r{i}"]])
+        while left:
+            cache.extend(f"r{i}", min(left, 512))
+            left -= min(left, 512)
+        for _ in range(8):
+            cache.step([f"r{i}"], 1)
+        cache.finish(f"r{i}", token_ids=np.concatenate((seq, rng.integers(0, 50_000, 8))))
+        cache.check_integrity()
+        link.tier.check_integrity()
+
+
+def test_evictions_go_to_host_and_come_back_as_hits():
+    p = plan("tiny-v4", "64MiB", max_model_len=2048, max_running_requests=2, prefix_checkpoints=2,
+             chunked_prefill_tokens=512)
+    cache = allocate(p)
+    link = attach_host_tier(cache, HOST, checkpoint_share=0.5)
+    _turns(link, cache, np.random.default_rng(0), 24)
+    snap = link.snapshot()
+    assert snap.moved_to_host["pages"] > 0 and snap.moved_to_device["pages"] > 0
+    assert snap.hits["host_hit_tokens"] > 0 and snap.hits["restored_checkpoints"] > 0
+    assert cache.prefix.stats.hit_tokens >= snap.hits["host_hit_tokens"]
+    # /state and /metrics show both tiers, each in its own section / families
+    from kvatlas.observing.metrics import KvatlasCollector, exposition
+    from kvatlas.observing.server import state_document
+    col = KvatlasCollector(cache)
+    doc = state_document(col)["caches"][0]
+    assert doc["host_tier"]["host_totals"]["planned"] == link.tier.plan.total_bytes
+    assert doc["ledger"]["totals"]["planned"] == p.total_bytes
+    text = exposition(col).decode()
+    assert 'kvatlas_prefix_tier_hit_tokens_total{tier="host"}' in text
+    assert "kvatlas_host_tier_restore_seconds_count" in text
+    cache.close()
+
+
+def test_a_plan_without_prefix_cache_is_refused():
+    cache = allocate(plan("tiny-v4", "64MiB", max_running_requests=2))
+    with pytest.raises(KvatlasError, match="prefix_checkpoints"):
+        attach_host_tier(cache, HOST)
