@@ -16,9 +16,9 @@ from kvatlas.driving.simwrite import _row_format
 BANK = 997
 
 
-def prefix_hashes(token_ids) -> np.ndarray:
-    """h_p depends on tokens 0..p: the identity of a row."""
-    out, h = np.empty(len(token_ids), np.int64), 17
+def prefix_hashes(token_ids, seed: int = 17) -> np.ndarray:
+    """h_p depends on tokens 0..p (and the seed: the hash before them): the identity of a row."""
+    out, h = np.empty(len(token_ids), np.int64), seed
     for i, t in enumerate(token_ids):
         h = (h * 1000003 + int(t) + 7) % (1 << 61)
         out[i] = h

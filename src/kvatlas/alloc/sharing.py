@@ -62,8 +62,10 @@ class Sharing:
         if not len(hit):
             return {}
         boundary = (div(pos[hit], P) + 1) * P
-        units = np.fromiter((self._pending_unit(int(s), int(b)) for s, b in zip(tok_slots[hit], boundary)),
-                            np.int64, len(hit))
+        pair = tok_slots[hit] * (self.max_len + P) + boundary     # one unit per (slot, boundary)
+        uniq, inv = np.unique(pair, return_inverse=True)
+        width = self.max_len + P
+        units = np.array([self._pending_unit(q // width, q % width) for q in uniq.tolist()], np.int64)[inv]
         out = {}
         for name, rows in self.ckpt_buffers.items():
             off = pos[hit] - (boundary - rows)
@@ -114,15 +116,17 @@ class Sharing:
 
     def _capture(self, slot: int, b: int, unit: int) -> None:
         pages = EMPTY
-        if self.swa is not None:
-            lo = div(b - (self.window - 1), self.Ps)
-            logical = np.arange(lo, b // self.Ps)
-            pages = self.swa_table[slot, mod(logical, self.ring)].copy()
-            own = self.swa.owner[pages] == slot + 1
-            self.swa.owner[pages[own]] = CACHE_OWNER
-            self.swa_refs[pages[own]] += 1      # still in the slot's window
-            self.swa_cached[slot] += int(own.sum())
-            self.swa_refs[pages] += 1           # the pin of an undecided capture
+        if self.swa is not None:   # two pages: Python scalars beat numpy's per-call cost here
+            lo = (b - (self.window - 1)) // self.Ps
+            row, owner, refs = self.swa_table[slot], self.swa.owner, self.swa_refs
+            ids = [int(row[j % self.ring]) for j in range(lo, b // self.Ps)]
+            for page in ids:
+                if owner[page] == slot + 1:
+                    owner[page] = CACHE_OWNER
+                    refs[page] += 1             # still in the slot's window
+                    self.swa_cached[slot] += 1
+                refs[page] += 1                 # the pin of an undecided capture
+            pages = np.array(ids, np.int64)
         if self.on_capture is None:
             self.release_checkpoint(unit, pages, pinned=True)
         else:

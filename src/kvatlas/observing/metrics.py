@@ -51,6 +51,16 @@ HELP = {
     "kvatlas_bytes_per_request": "Capacity intercept: fixed bytes of one running request",
     "kvatlas_max_total_tokens": "Tokens all live requests together can hold in this plan",
     "kvatlas_max_running_requests": "Request slots of this plan (the most requests that can run at once)",
+    "kvatlas_prefix_queried_tokens": "Prompt tokens looked up in the prefix cache at admission (counter)",
+    "kvatlas_prefix_hit_tokens": "Prompt tokens taken from the prefix cache: not computed again (counter)",
+    "kvatlas_prefix_missed_tokens": "Prompt tokens not taken from the prefix cache, by reason: no_cached_prefix, "
+                                    "no_checkpoint (pages cached but no resume point), evicted, partial_page "
+                                    "(rounded off the partial last page) (counter)",
+    "kvatlas_prefix_evictions": "Prefix-cache entries evicted, by kind: page or checkpoint (counter)",
+    "kvatlas_prefix_checkpoints": "Resume points (SWA tail + compressor state at a page boundary) the cache holds",
+    "kvatlas_prefix_cached_pages": "Full-token pages the prefix cache holds (shared or evictable)",
+    "kvatlas_prefix_cached_bytes": "Bytes the prefix cache holds: its pages and resume points (evictable and "
+                                   "shared with running requests)",
     "kvatlas": "kvatlas build and cache configuration (value always 1)",
     "kvatlas_host_tier_bytes": "Host-tier bytes per entry kind (pages, checkpoints) and measure: host "
                                "memory, never summed with the device's kvatlas_kv_cache_bytes",
@@ -191,6 +201,8 @@ def _cache_samples(f: _Families, cache, snap, rv: list[str], version: str) -> No
     f.add("kvatlas_bytes_per_request", [], rv, p.bytes_per_request)
     f.add("kvatlas_max_total_tokens", [], rv, p.max_total_tokens)
     f.add("kvatlas_max_running_requests", [], rv, p.max_running_requests)
+    if cache.prefix is not None:
+        _prefix_samples(f, cache.prefix, rv)
     info = {"model": p.model.name, "layout": p.options.kv_layout, "version": version,
             "backend": snap.backend, "device": snap.device}
     fam = f.fams.get("kvatlas")
@@ -221,6 +233,19 @@ def host_samples(f: _Families, cache, host, rv: list[str]) -> None:
         served = cache.prefix.stats.hit_tokens
         for tier, v in (("device", served - host.hits["host_hit_tokens"]), ("host", host.hits["host_hit_tokens"])):
             f.add("kvatlas_prefix_tier_hit_tokens", ["tier"], [tier] + rv, v, kind=CounterMetricFamily)
+
+
+def _prefix_samples(f: _Families, prefix, rv: list[str]) -> None:
+    s = prefix.stats
+    f.add("kvatlas_prefix_queried_tokens", [], rv, s.queried_tokens, kind=CounterMetricFamily)
+    f.add("kvatlas_prefix_hit_tokens", [], rv, s.hit_tokens, kind=CounterMetricFamily)
+    for reason, n in s.missed().items():   # every reason, zeros too: a 0 hit rate says why
+        f.add("kvatlas_prefix_missed_tokens", ["reason"], [reason] + rv, n, kind=CounterMetricFamily)
+    for kind, n in (("page", s.evicted_pages), ("checkpoint", s.evicted_checkpoints)):
+        f.add("kvatlas_prefix_evictions", ["kind"], [kind] + rv, n, kind=CounterMetricFamily)
+    f.add("kvatlas_prefix_checkpoints", [], rv, prefix.tree.checkpoints)
+    f.add("kvatlas_prefix_cached_pages", [], rv, len(prefix.tree.nodes))
+    f.add("kvatlas_prefix_cached_bytes", [], rv, prefix.cached_bytes())
 
 
 def _version() -> str:

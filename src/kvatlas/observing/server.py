@@ -43,10 +43,14 @@ def state_document(collector: KvatlasCollector, extra=None, requests=None) -> di
         else:
             with collector.lock:
                 usage = {rid: {"pools": src.cache.request_usage(rid)} for rid in list(src.cache.allocator.slot_of)}
-        caches.append({"labels": dict(src.ranks), "ledger": snap.to_dict(), "plan": plan_to_dict(src.cache.plan),
-                       "requests": {str(k): v for k, v in usage.items()},
-                       # the tiers side by side: "ledger" is the device, "host_tier" pinned host memory
-                       "host_tier": host.to_dict() if host is not None else None})
+        entry = {"labels": dict(src.ranks), "ledger": snap.to_dict(), "plan": plan_to_dict(src.cache.plan),
+                 "requests": {str(k): v for k, v in usage.items()},
+                 # the tiers side by side: "ledger" is the device, "host_tier" pinned host memory
+                 "host_tier": host.to_dict() if host is not None else None}
+        if src.cache.prefix is not None:
+            with collector.lock:
+                entry["prefix_cache"] = src.cache.prefix.summary()
+        caches.append(entry)
     doc = {"schema": "kvatlas.state", "schema_version": STATE_SCHEMA_VERSION, "time_unix_s": time.time(),
            "version": collector.version, "caches": caches}
     if extra is not None:

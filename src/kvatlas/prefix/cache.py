@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import KvatlasError, PoolExhaustedError, RequestStateError
+from ..planning.buffers import CHECKPOINTS, FULL_PAGES, SWA_PAGES
 from ..units import cdiv
 from .keys import check_keys, page_keys
 from .policy import policy_named
@@ -278,7 +279,22 @@ class PrefixCache:
         return unit, pages
 
     # ---------------------------------------------------------------- reports
+    def cached_bytes(self) -> int:
+        """Payload the cache holds: its pages, and per resume point its unit and SWA tail pages
+        (orphaned tail pages, still read by a running request, count as that request's)."""
+        page, unit, swa = self._unit_payload
+        return len(self.tree.nodes) * page + self.tree.checkpoints * (unit + self.alloc.tail_swa_pages * swa)
+
+    @property
+    def _unit_payload(self) -> tuple[int, int, int]:
+        by = {FULL_PAGES: 0, CHECKPOINTS: 0, SWA_PAGES: 0}
+        for b in self.alloc.plan.buffers:
+            if b.group in by:
+                by[b.group] += b.unit_payload_bytes
+        return by[FULL_PAGES], by[CHECKPOINTS], by[SWA_PAGES]
+
     def summary(self) -> dict:
         t = self.tree
         return {"policy": self.policy.name, "nodes": len(t.nodes), "cached_pages": len(t.nodes),
-                "idle_pages": t.idle_pages, "checkpoints": t.checkpoints, **self.stats.as_dict()}
+                "idle_pages": t.idle_pages, "checkpoints": t.checkpoints, "cached_bytes": self.cached_bytes(),
+                **self.stats.as_dict()}
