@@ -33,13 +33,13 @@ class HostSession(exact.Session):
         self.link.tier.check_integrity()
 
 
-def run_conversations(seed, draft_tokens, turns=6, conversations=4):
+def run_conversations(seed, draft_tokens, turns=6, conversations=4, device="cpu", impl="torch"):
     """Multi-turn conversations that outgrow the device (16 full pages for 4 conversations of 4-6
     pages): each turn re-sends the previous turn and its answer plus new tokens, round robin, so
     the conversation coming back is the one evicted to host and returns as a host hit. Chunked
     prefill, drafts with rollback; hot and cold twins compared after every operation."""
     rng = np.random.default_rng(seed)
-    s = HostSession(exact.make_plan(draft_tokens))
+    s = HostSession(exact.make_plan(draft_tokens), device, impl)
     convs = [rng.integers(0, 50_000, int(rng.integers(1000, 1300))) for _ in range(conversations)]
     for i in range(turns):
         c = i % conversations    # round robin: the conversation coming back is the one evicted
@@ -77,6 +77,14 @@ def test_conversation_sessions_do_restore_from_host():
     snap = s.link.snapshot()
     assert snap.moved_to_host["pages"] > 0 and snap.hits["restored_pages"] > 0
     assert snap.hits["restored_checkpoints"] > 0 and s.hits > 0
+
+
+@pytest.mark.gpu
+def test_conversations_through_pinned_host_on_cuda_read_what_a_cold_run_reads():
+    """The same sessions on the GPU: Triton data path, pinned host memory, the copy stream."""
+    s = run_conversations(2, 3, turns=8, device="cuda", impl="auto")
+    snap = s.link.snapshot()
+    assert snap.pinned and snap.hits["restored_pages"] > 0
 
 
 def run(data, draft_tokens):

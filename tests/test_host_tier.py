@@ -43,8 +43,7 @@ def _one_row(name):
 @given(seed=st.integers(0, 2**31), small_staging=st.booleans())
 def test_random_sessions_restore_byte_identical(name, seed, small_staging):
     # a small host tier: host LRU evictions happen within a few dozen steps. Staging of one unit
-    # of the largest buffer: every transfer runs in many chunks; of 64 MiB: restores bridge the
-    # gaps between scattered host rows of small buffers
+    # of the largest buffer: every transfer runs in many chunks; of 64 MiB: in one
     s = _session(name, seed, small_staging)
     for _ in range(50):
         s.step()
@@ -159,9 +158,9 @@ def test_drop_frees_slots():
     assert tier.resident("page") == ["b"] and tier.check_integrity().dropped["pages"] == 1
 
 
-def test_gap_bridging_restores_only_the_wanted_rows():
-    """A restore of every other host slot: spans bridge the gaps, yet only wanted rows land and
-    the device pages between stay untouched."""
+def test_scattered_restore_writes_only_the_wanted_pages():
+    """A restore of every other host slot: only the wanted pages land, the device pages around
+    them stay untouched."""
     cache, tier = _tier(host="3MiB", checkpoint_share=0)
     kv = {b.name: cache.arena.regions[b.name].tensor for b in tier.plan.group_buffers("host_pages")}
     n = tier.plan.num_pages

@@ -7,7 +7,11 @@ Every transfer goes through one device staging buffer, on one copy stream of its
   `index_copy_` per buffer and chunk scatters it to the device units.
 Copying page by page instead costs one `cudaMemcpyAsync` per page per buffer (3 for V4-Flash,
 one of them 34 KB): per-call overhead then rivals the transfer. Through staging, a restore of a
-chain evicted together (consecutive host slots) is a few large copies.
+chain evicted together (consecutive host slots) is a few large copies. Host slots are handed out
+lowest first, so a chain evicted together lands in consecutive slots. Bridging small gaps
+between scattered host rows (copying the rows between, then gathering the wanted ones on the
+device) was tried and measured slower on the H200 (0.57× against 0.63× of a plain copy for a
+random half of the host slots): the extra bytes cost more than the copy calls they save.
 
 Ordering (why it is safe without locks): the copy stream first waits for the compute stream (a
 transfer sees every write issued before it); every transfer runs on the same copy stream, so a
@@ -98,35 +102,6 @@ def _runs(rows: np.ndarray) -> list[tuple[int, int, int]]:
     return [(int(rows[a]), int(b - a), int(a)) for a, b in zip(starts.tolist(), ends.tolist())]
 
 
-GAP_BYTES = 512 << 10   # bridged rather than split: ~9 µs at 55 GB/s, about what one more copy
-                        # call cost in the scattered restore measured on the H200 (bench/RESULTS.md)
-
-
-def _chunks(rows: np.ndarray, cap: int, max_gap: int) -> list[list[tuple[int, int]]]:
-    """Group sorted host rows into staging loads of at most `cap` rows: each load a list of
-    (first, end) index ranges whose rows are copied as one span (gaps ≤ max_gap bridged, a span
-    at most cap / 2 rows). A load that bridges a gap also needs room for its wanted rows,
-    gathered out of the spans."""
-    half = max(cap // 2, 1)
-    cut = np.flatnonzero(np.diff(rows) > max_gap + 1) + 1
-    bounds = np.concatenate(([0], cut, [len(rows)])).tolist()
-    out, load, used, wanted, gappy = [], [], 0, 0, False
-    for a0, b0 in zip(bounds, bounds[1:]):
-        piece = (rows[a0:b0] - rows[a0]) // half       # pieces of a merged run span ≤ half rows
-        edges = (np.flatnonzero(np.diff(piece)) + 1 + a0).tolist()
-        for a, b in zip([a0] + edges, edges + [b0]):
-            span, n = int(rows[b - 1] - rows[a]) + 1, b - a
-            g = gappy or span > n
-            if load and used + span + (wanted + n if g else 0) > cap:
-                out.append(load)
-                load, used, wanted, g = [], 0, 0, span > n
-            load.append((a, b))
-            used, wanted, gappy = used + span, wanted + n, g
-    if load:
-        out.append(load)
-    return out
-
-
 class CopyEngine:
     def __init__(self, device, staging_bytes: int, largest_row_bytes: int) -> None:
         import torch
@@ -169,55 +144,23 @@ class CopyEngine:
                 self._rows(m, direction == "host")
 
     def _units(self, m: UnitMove, to_host: bool) -> None:
+        import torch
         order = np.argsort(m.host_rows, kind="stable")
         rows, units = m.host_rows[order], m.device_units[order]
-        if to_host:
-            self._units_to_host(m, rows, units)
-        else:
-            self._units_to_device(m, rows, units)
-
-    def _index(self, units: np.ndarray):
-        import torch
-        return torch.from_numpy(np.ascontiguousarray(units)).to(self.device, non_blocking=True)
-
-    def _units_to_host(self, m: UnitMove, rows: np.ndarray, units: np.ndarray) -> None:
-        """Gather into staging, then one copy per run of consecutive host rows (gaps never: a
-        gap row belongs to another entry)."""
-        import torch
         row_bytes = m.host.shape[1]
         per_chunk = self.staging_bytes // row_bytes
         for c in range(0, len(rows), per_chunk):
-            hr = rows[c:c + per_chunk]
+            hr, du = rows[c:c + per_chunk], units[c:c + per_chunk]
+            idx = torch.from_numpy(np.ascontiguousarray(du)).to(self.device, non_blocking=True)
             st = self.staging[: len(hr) * row_bytes].view(len(hr), row_bytes)
-            torch.index_select(m.device, 0, self._index(units[c:c + per_chunk]), out=st)
-            for h0, n, off in _runs(hr):
-                m.host[h0:h0 + n].copy_(st[off:off + n], non_blocking=True)
-
-    def _units_to_device(self, m: UnitMove, rows: np.ndarray, units: np.ndarray) -> None:
-        """One copy per span of host rows into staging, then one scatter per chunk. A span
-        bridges gaps of up to GAP_BYTES (a copy call costs more than moving that many bytes):
-        scattered restores of small-row buffers then need far fewer copies."""
-        import torch
-        row_bytes = m.host.shape[1]
-        cap = self.staging_bytes // row_bytes
-        for group in _chunks(rows, cap, GAP_BYTES // row_bytes):
-            pos, off = [], 0
-            for a, b in group:
-                h0, span = int(rows[a]), int(rows[b - 1] - rows[a]) + 1
-                self.staging[off * row_bytes:(off + span) * row_bytes].view(span, row_bytes).copy_(
-                    m.host[h0:h0 + span], non_blocking=True)
-                pos.append(rows[a:b] - h0 + off)
-                off += span
-            pos = np.concatenate(pos)
-            n = len(pos)
-            idx = self._index(units[group[0][0]:group[-1][1]])
-            if off == n:       # no gap bridged: staging rows are the wanted rows, in order
-                src = self.staging[: n * row_bytes].view(n, row_bytes)
+            if to_host:
+                torch.index_select(m.device, 0, idx, out=st)
+                for h0, n, off in _runs(hr):
+                    m.host[h0:h0 + n].copy_(st[off:off + n], non_blocking=True)
             else:
-                st = self.staging[: off * row_bytes].view(off, row_bytes)
-                src = self.staging[off * row_bytes:(off + n) * row_bytes].view(n, row_bytes)
-                torch.index_select(st, 0, self._index(pos), out=src)
-            m.device.index_copy_(0, idx, src)
+                for h0, n, off in _runs(hr):
+                    st[off:off + n].copy_(m.host[h0:h0 + n], non_blocking=True)
+                m.device.index_copy_(0, idx, st)
 
     def _rows(self, m: RowMove, to_host: bool) -> None:
         layers, span = m.host.shape[1], m.host.shape[2]
