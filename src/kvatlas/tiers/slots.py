@@ -68,7 +68,8 @@ class HostSlots:
         evicted = []
         short = len(keys) - self._free.free
         if short > 0:
-            evicted = list(self._lru)[:short]
+            lru = iter(self._lru)            # the first `short`, not a list of every key
+            evicted = [next(lru) for _ in range(short)]
             self.take(evicted)
         slots = self._free.pop(len(keys), 0) - 1
         for k, s in zip(keys, slots.tolist()):
