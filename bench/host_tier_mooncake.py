@@ -34,11 +34,11 @@ from kvatlas.tiers.modeled import ModeledHost  # noqa: E402
 RUNS = ((32, None), (120, None), (32, 128))   # (device GiB, host GiB)
 
 
-def run(trace, device_gib: int, host_gib: int | None, share: float) -> dict:
+def run(trace, device_gib: int, host_gib: int | None, share: float, host_share: float) -> dict:
     p = make_plan(device_gib, share)
     a = Allocator(p)
     pc = PrefixCache(a, policy="kvatlas")
-    link = HostLink(pc, ModeledHost(p, host_gib << 30)) if host_gib else None
+    link = HostLink(pc, ModeledHost(p, host_gib << 30, host_share)) if host_gib else None
     chunk = p.options.chunked_prefill_tokens
     t0 = time.perf_counter()
     for rid, (prompt, out, keys) in enumerate(trace):
@@ -68,6 +68,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--trace", type=Path, default=TRACE)
     ap.add_argument("--checkpoint-share", type=float, default=0.25)
+    ap.add_argument("--host-checkpoint-shares", default="0.33,0.6",
+                    help="host tier: share of its bytes for resume points, one 32+128 run per value")
     ap.add_argument("--limit", type=int, default=0)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
@@ -76,17 +78,22 @@ def main() -> None:
         trace = trace[: args.limit]
     blocks = sum(-(-prompt // 512) for prompt, _, _ in trace)
     print(f"{len(trace)} requests, {blocks} blocks")
-    print(f"{'device':>7} {'host':>6} {'hit':>7} {'from host':>9} {'restored':>18} {'modeled restore s':>17}")
+    print(f"{'device':>7} {'host':>6} {'host ckpt share':>15} {'hit':>7} {'from host':>9} {'restored':>18} "
+          f"{'modeled restore s':>17}")
     rows = []
-    for dev, host in RUNS:
-        r = run(trace, dev, host, args.checkpoint_share)
+    shares = [float(x) for x in args.host_checkpoint_shares.split(",")]
+    runs = [(d, h, 0.0) for d, h in RUNS if not h] + [(d, h, s) for d, h in RUNS if h for s in shares]
+    for dev, host, host_share in runs:
+        r = run(trace, dev, host, args.checkpoint_share, host_share)
+        r["host_checkpoint_share"] = host_share
         r["hit_ratio"] = r["hit_tokens"] / 512 / blocks
         rows.append(r)
         from_host = r.get("host_hit_tokens", 0) / 512 / blocks
         restored = (f"{r['moved_to_device']['pages']} pg, {r['moved_to_device']['checkpoints']} ck"
                     if host else "-")
         secs = f"{r['modeled_seconds']['device']:.1f}" if host else "-"
-        print(f"{dev:>5}Gi {(str(host) + 'Gi') if host else '-':>6} {r['hit_ratio']:>7.2%} {from_host:>9.2%} "
+        print(f"{dev:>5}Gi {(str(host) + 'Gi') if host else '-':>6} {host_share if host else '-':>15} "
+              f"{r['hit_ratio']:>7.2%} {from_host:>9.2%} "
               f"{restored:>18} {secs:>17}  ({r['seconds']:.0f} s)", flush=True)
     if args.json:
         args.json.write_text(json.dumps({"blocks": blocks, "runs": rows}, indent=1))
