@@ -15,6 +15,7 @@ is counted in 512-token blocks: hit tokens / 512 over the trace's blocks, so the
 ceiling is the trace's 63.96%.
 
     python bench/prefix_hit.py [--trace FILE] [--budgets 16,32,64,120] [--plot FILE.png] [--json FILE]
+    python bench/prefix_hit.py --merge A.json B.json ... [--plot FILE.png]   (budgets run apart, one table)
 """
 
 from __future__ import annotations
@@ -91,9 +92,18 @@ def main() -> None:
     ap.add_argument("--budgets", default="16,32,64,120")
     ap.add_argument("--checkpoint-share", type=float, default=0.25)
     ap.add_argument("--limit", type=int, default=0, help="first N requests only (0: all)")
+    ap.add_argument("--policies", default=",".join(POLICIES), help="comma-separated (default: all three)")
     ap.add_argument("--plot", type=Path)
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--merge", type=Path, nargs="+", help="print and plot the results of earlier --json runs")
     args = ap.parse_args()
+    if args.merge:
+        docs = [json.loads(p.read_text()) for p in args.merge]
+        results = sorted((r for d in docs for r in d["results"]), key=lambda r: r["budget_gib"])
+        table(results, docs[0]["ceiling"])
+        if args.plot:
+            plot(results, docs[0]["blocks"], args.plot)
+        return
     trace = load(args.trace)
     if args.limit:
         trace = trace[: args.limit]
@@ -108,7 +118,7 @@ def main() -> None:
     print(f"{'budget':>7} {'checkpoints':>11} {'policy':>11} {'hit':>7} {'of ceiling':>10}  misses (share of queried tokens)")
     for gib in (int(x) for x in args.budgets.split(",")):
         p = make_plan(gib, args.checkpoint_share)
-        for policy in POLICIES:
+        for policy in args.policies.split(","):
             r = simulate(p, policy, trace)
             r.update(budget_gib=gib, prefix_checkpoints=p.options.prefix_checkpoints, hit_ratio=r["hit_blocks"] / blocks)
             results.append(r)
@@ -120,6 +130,17 @@ def main() -> None:
         args.json.write_text(json.dumps({"ceiling": ceiling / blocks, "blocks": blocks, "results": results}))
     if args.plot:
         plot(results, blocks, args.plot)
+
+
+def table(results, ceiling: float) -> None:
+    print(f"| budget | resume points | policy | hit ratio (blocks) | of ceiling {ceiling:.2%} | "
+          + " | ".join(MISS_REASONS) + " |")
+    print("|---|---|---|---|---|" + "---|" * len(MISS_REASONS))
+    for r in results:
+        q = sum(r["missed_tokens"].values()) + r["hit_blocks"] * 512
+        why = " | ".join(f"{r['missed_tokens'][k] / q:.1%}" for k in MISS_REASONS)
+        print(f"| {r['budget_gib']} GiB | {r['prefix_checkpoints']} | {r['policy']} | {r['hit_ratio']:.2%} | "
+              f"{r['hit_ratio'] / ceiling:.1%} | {why} |")
 
 
 def plot(results, blocks, path: Path) -> None:

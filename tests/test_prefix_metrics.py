@@ -11,7 +11,7 @@ from kvatlas.prefix import MISS_REASONS
 
 def test_prefix_metrics_and_state():
     c = allocate(plan("tiny-v4", "64MiB", max_model_len=4096, max_running_requests=2, prefix_checkpoints=4,
-                      chunked_prefill_tokens=1024))
+                      chunked_prefill_tokens=1024), prefix_policy="every-page")
     text = exposition(KvatlasCollector(c)).decode()
     for reason in MISS_REASONS:   # before any request: the reasons are there, at 0
         assert f'kvatlas_prefix_missed_tokens_total{{reason="{reason}"}} 0.0' in text

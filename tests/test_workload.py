@@ -7,7 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvatlas.errors import ConfigError, KvatlasError
-from kvatlas.driving.workload import Request, TraceError, parse_length, read_trace, synthetic, write_trace
+from kvatlas.driving.traces import TraceError, read_trace, write_trace
+from kvatlas.driving.workload import Request, parse_length, synthetic
 
 
 def test_synthetic_is_seeded_sorted_and_bounded():

@@ -21,7 +21,8 @@ def audit(obj, **kwargs):
 def allocate(plan, device="cpu", backend="plain", **backend_options):
     """Allocate `plan` as real tensors (torch) and return the KVCache. Imports torch.
     backend="vmm" maps physical memory only under live data (CUDA + cuda-python); options:
-    max_physical_bytes, keep_empty_chunks."""
+    max_physical_bytes, keep_empty_chunks. backend="none" allocates nothing: allocator and ledger
+    only, every buffer a meta tensor (any plan size; see kvatlas.cache.bookkeeping)."""
     from .cache.kvcache import allocate as _allocate
     return _allocate(plan, device=device, backend=backend, **backend_options)
 

@@ -221,7 +221,7 @@ class Allocator(Release, Sharing):
         if self._epoch != self._written_epoch:   # some request finished since: skip its slot
             written = written[self.slots.owner[written] != 0]
         if self.pending:   # resume points reached by the pass: before their tail can retire
-            self._commit_captures(written)
+            self._commit_captures()
         self._retire(written)
 
     def _retire(self, slots: np.ndarray) -> None:
@@ -283,6 +283,10 @@ class Allocator(Release, Sharing):
         if int((hi[i] - self.swa_lo[sub]).max()) > self.ring:
             raise KvatlasError(f"one write spans more SWA pages than a request can hold ({self.ring}); keep "
                                f"chunks within chunked_prefill_tokens={self.plan.options.chunked_prefill_tokens}")
+        if int(n.sum()) > self.swa.free and self.on_need_checkpoint is not None:
+            # resume points hold SWA tails: drop some rather than refuse a write
+            while int(n.sum()) > self.swa.free and self.on_need_checkpoint():
+                pass
         if int(n.sum()) > self.swa.free:
             raise PoolExhaustedError("swa_kv", int(n.sum()), self.swa.free, "pages",
                                      "prefill in flight beyond the planned chunk budget")

@@ -101,6 +101,7 @@ class Release:
                 self._free(self.ckpt, CHECKPOINTS, np.array([unit]))
                 if self.ledger is not None:
                     self.ledger.add_units(CHECKPOINTS, -1)
+        self._pending_changed(slot)
 
     def _finish_shared(self, slot: int, keep_pages) -> None:
         """Full pages at finish: shared ones lose a reader, kept ones pass to the cache; _trim

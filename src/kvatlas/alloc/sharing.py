@@ -48,6 +48,11 @@ class Sharing:
         self.resume_tokens = max(self.ckpt_buffers.values(), default=0)
         self.tail_swa_pages = plan.sizing.checkpoint_swa_pages
         self.pending: dict[int, dict[int, int]] = {}   # slot -> boundary -> unit (0: not saved)
+        # the decode path's fast lookups: each slot's latest pending boundary and its unit, and its
+        # smallest pending boundary (numpy over a batch instead of a dict per token)
+        self.pend_b = np.zeros(n, np.int64)
+        self.pend_u = np.zeros(n, np.int64)
+        self.pend_min = np.full(n, np.iinfo(np.int64).max, np.int64)
         self.on_capture = None                         # prefix cache: (slot, boundary, unit, swa_pages)
         self.on_need_checkpoint = None                 # prefix cache: free one unit by eviction, or False
 
@@ -62,10 +67,14 @@ class Sharing:
         if not len(hit):
             return {}
         boundary = (div(pos[hit], P) + 1) * P
-        pair = tok_slots[hit] * (self.max_len + P) + boundary     # one unit per (slot, boundary)
-        uniq, inv = np.unique(pair, return_inverse=True)
-        width = self.max_len + P
-        units = np.array([self._pending_unit(q // width, q % width) for q in uniq.tolist()], np.int64)[inv]
+        s = tok_slots[hit]
+        units = np.where(self.pend_b[s] == boundary, self.pend_u[s], -1)
+        miss = np.flatnonzero(units < 0)
+        if len(miss):   # first touch of a boundary's tail (or an older pending one of a chunk)
+            width = self.max_len + P
+            uniq, inv = np.unique(s[miss] * width + boundary[miss], return_inverse=True)
+            got = [self._pending_unit(q // width, q % width) for q in uniq.tolist()]
+            units[miss] = np.array(got, np.int64)[inv]
         out = {}
         for name, rows in self.ckpt_buffers.items():
             off = pos[hit] - (boundary - rows)
@@ -78,6 +87,9 @@ class Sharing:
         unit = mine.get(boundary)
         if unit is None:
             unit = mine[boundary] = self._take_checkpoint_unit(slot)
+            if boundary > self.pend_b[slot]:
+                self.pend_b[slot], self.pend_u[slot] = boundary, unit
+            self.pend_min[slot] = min(int(self.pend_min[slot]), boundary)
         return unit
 
     def _take_checkpoint_unit(self, slot: int) -> int:
@@ -98,21 +110,34 @@ class Sharing:
         return unit
 
     # ------------------------------------------------------------ commit: pass the tail to the cache
-    def _commit_captures(self, slots) -> None:
-        """The forward pass that wrote `slots` is over: resume points they reached are final."""
+    def _commit_captures(self, slots=None) -> None:
+        """The forward pass that wrote `slots` (None: every slot) is over: the resume points they
+        reached are final (a slot not written cannot have reached a new one)."""
         if not self.pending:
             return
-        for slot in (int(s) for s in slots):
-            mine = self.pending.get(slot)
-            if not mine:
-                continue
+        reached = np.flatnonzero(self.pend_min <= self.length)   # a few slots per decode step
+        if slots is not None:
+            reached = np.intersect1d(reached, np.asarray(slots, np.int64))
+        for slot in reached.tolist():
+            mine = self.pending[slot]
             L = int(self.length[slot])
-            for b in [b for b in mine if b <= L]:
+            for b in sorted(b for b in mine if b <= L):
                 unit = mine.pop(b)
                 if unit:
                     self._capture(slot, b, unit)
-            if not mine:
-                del self.pending[slot]
+            self._pending_changed(slot)
+
+    def _pending_changed(self, slot: int) -> None:
+        mine = self.pending.get(slot)
+        if not mine:
+            self.pending.pop(slot, None)
+            self.pend_b[slot] = self.pend_u[slot] = 0
+            self.pend_min[slot] = np.iinfo(np.int64).max
+            return
+        self.pend_min[slot] = min(mine)
+        if self.pend_b[slot] not in mine:
+            last = max(mine)
+            self.pend_b[slot], self.pend_u[slot] = last, mine[last]
 
     def _capture(self, slot: int, b: int, unit: int) -> None:
         pages = EMPTY

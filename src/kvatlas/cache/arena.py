@@ -70,6 +70,7 @@ class Backend:
 
     name = "abstract"
     commits_upfront = True   # the whole plan is physical memory from allocate() on
+    holds_memory = True      # False: bookkeeping only, buffers are meta tensors (cache/bookkeeping.py)
 
     def allocate(self, plan: Plan, device) -> dict[str, object]:
         """Return a uint8 tensor of spec.bytes for every buffer, by name."""
@@ -146,7 +147,8 @@ class PlainBackend(Backend):
 
 # Backends by name: a class, or "module:attribute" imported on first use. The arena names the
 # backends that build on it (vmm imports this module for Backend) by path, so no import circle.
-BACKENDS: dict[str, object] = {"plain": PlainBackend, "vmm": "kvatlas.vmm.backend:VmmBackend"}
+BACKENDS: dict[str, object] = {"plain": PlainBackend, "vmm": "kvatlas.vmm.backend:VmmBackend",
+                               "none": "kvatlas.cache.bookkeeping:BookkeepingBackend"}
 
 
 def register_backend(name: str, factory) -> None:
@@ -201,6 +203,11 @@ def _host_available_bytes() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+def _meta_device():
+    import torch
+    return torch.device("meta")
+
+
 def check_device_fits(plan: Plan, device) -> None:
     """Refuse, before allocating, a plan larger than the device's free memory."""
     import torch
@@ -227,13 +234,16 @@ class Arena:
         if self.backend.commits_upfront:   # a lazily backed arena checks what it maps, as it maps
             check_device_fits(plan, device)
         raw = self.backend.allocate(plan, device)
-        self.device = parse_device(device)
+        # a bookkeeping backend's buffers live on "meta": the device they report is that one
+        self.device = parse_device(device) if self.backend.holds_memory else _meta_device()
         self.regions: dict[str, Region] = {}
         for b in plan.buffers:
             span = raw[b.name]
             typed = span.narrow(0, 0, b.data_bytes).view(torch_dtype(b.dtype)).view(b.shape)
-            self.regions[b.name] = Region(spec=b, tensor=typed, tensor_bytes=span.numel())
-        self._init_null_units()
+            spanned = span.numel() if self.backend.holds_memory else 0   # a meta tensor spans no allocation
+            self.regions[b.name] = Region(spec=b, tensor=typed, tensor_bytes=spanned)
+        if self.backend.holds_memory:
+            self._init_null_units()
 
     def _init_null_units(self) -> None:
         for r in self.regions.values():

@@ -58,7 +58,7 @@ class KVCache:
         else:
             adm = self.allocator.admit(request_id, prompt_tokens, max_new_tokens)
         self._clear_state(adm.request_slot)
-        if adm.cached_tokens:
+        if adm.cached_tokens and self.arena.backend.holds_memory:   # backend none holds no rows
             self._restore_rows(adm.request_slot, adm.resume_unit, adm.cached_tokens)
         return adm
 
@@ -102,7 +102,10 @@ class KVCache:
         self.allocator.flush()
 
     def _clear_state(self, slot: int) -> None:
-        """A new request's rings start cleared: kv = 0, score = -inf (online C128: max = -inf)."""
+        """A new request's rings start cleared: kv = 0, score = -inf (online C128: max = -inf).
+        A bookkeeping cache (backend "none") holds no rows to clear."""
+        if not self.arena.backend.holds_memory:
+            return
         for pool in self.pools.values():
             if pool.role != "state":
                 continue

@@ -35,6 +35,8 @@ def add_deployment_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--pp", type=int, default=1)
     g.add_argument("--dp", type=int, default=1)
     g.add_argument("--pp-rank", type=int, default=0)
+    g.add_argument("--prefix-checkpoints", type=int, default=0, help="prefix cache: resume points it may keep "
+                   "(each the SWA tail and C4 state at a page boundary; default 0: no prefix cache)")
 
 
 def options_from_args(args) -> dict:
@@ -51,6 +53,7 @@ def options_from_args(args) -> dict:
         "chunked_prefill_tokens": args.chunked_prefill_tokens, "draft_tokens": args.draft_tokens,
         "draft_layers": None if args.draft_layers is None else args.draft_layers == "on",
         "tp": args.tp, "pp": args.pp, "dp": args.dp, "pp_rank": args.pp_rank,
+        "prefix_checkpoints": args.prefix_checkpoints,
     }
 
 

@@ -3,6 +3,7 @@ simulator and its writer, and the end-of-run summary."""
 
 from __future__ import annotations
 
+import math
 import sys
 
 from ..errors import ConfigError
@@ -12,34 +13,74 @@ from ..units import fmt_bytes
 
 def add_workload_args(p) -> None:
     g = p.add_argument_group("workload")
-    g.add_argument("--workload", default="synthetic", help="synthetic (default) or a JSONL trace file "
-                   '(one {"arrival_s", "prompt_tokens", "output_tokens"} per line)')
+    g.add_argument("--workload", default="synthetic", help="synthetic (default) or a JSONL trace file: "
+                   'kvatlas (one {"arrival_s", "prompt_tokens", "output_tokens"} per line) or Mooncake '
+                   '(one {"timestamp" ms, "input_length", "output_length", "hash_ids"} per line)')
+    g.add_argument("--trace-format", default="auto", choices=("auto", "kvatlas", "mooncake"),
+                   help="format of the trace's lines (default auto: Mooncake when a line has its fields)")
     g.add_argument("--rate", type=float, default=4.0, help="synthetic: arrivals per second (Poisson, default 4)")
     g.add_argument("--duration", type=float, default=10.0, help="synthetic: seconds of arrivals (default 10)")
     g.add_argument("--prompt-len", default="uniform:64:1024",
                    help="synthetic prompt lengths: N, uniform:LO:HI, exp:MEAN, lognormal:MEDIAN:SIGMA")
     g.add_argument("--output-len", default="uniform:16:256", help="synthetic output lengths (same forms)")
+    g.add_argument("--turns", default="1", help="synthetic: turns per session (same forms; default 1). Turn k's "
+                   "prompt = turn k-1's prompt + its output + a follow-up; --rate then counts sessions")
+    g.add_argument("--followup-len", default="uniform:16:256", help="synthetic: tokens a user adds per later turn")
+    g.add_argument("--think", default="exp:5", help="synthetic: seconds from a turn's end to the next turn "
+                   "(same forms, e.g. exp:5 or 0; default exp:5)")
+    g.add_argument("--system-prompts", type=int, default=0, help="synthetic: N distinct system prompts, one "
+                   "opening every session (uniformly chosen), shared as a prefix (default 0: none)")
+    g.add_argument("--system-prompt-len", default="2048", help="synthetic: system prompt lengths (same forms)")
     g.add_argument("--seed", type=int, default=0, help="seed of arrivals, lengths and draft acceptance")
     g.add_argument("--strict-trace", action="store_true", help="a malformed trace line is fatal (default: skip it)")
     g.add_argument("--accept-rate", type=float, default=0.7, help="probability each draft token is accepted")
-    g.add_argument("--step-ms", type=float, default=20.0, help="time of one forward pass (default 20 ms)")
     g.add_argument("--write-layers", default=None,
                    help="layers per pool that get real KV writes: N or 'all' (default: 1 on CPU, all on CUDA)")
+    g = p.add_argument_group("time model (one forward pass = step + prefill × tokens + decode × tokens)")
+    g.add_argument("--step-ms", type=float, default=20.0, help="fixed time of every forward pass (default 20 ms)")
+    g.add_argument("--prefill-us-per-token", type=float, default=40.0,
+                   help="time per prompt token computed; cache hits are not computed (default 40 µs)")
+    g.add_argument("--decode-us-per-token", type=float, default=100.0,
+                   help="time per token a decoding request writes (default 100 µs)")
+    g.add_argument("--sample-ms", type=float, default=None,
+                   help="simulate: a timeline point at most every this many ms of virtual time "
+                        "(default: 1/2000 of the workload's span)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
-    p.add_argument("--backend", default="plain", help="arena backend: plain (default) or vmm (CUDA)")
+    p.add_argument("--backend", default="plain", help="arena backend: plain (default), vmm (CUDA), or none: "
+                   "allocator and ledger only, no pool tensors (any plan size; no KV writes)")
 
 
 def requests_from_args(args) -> list:
     from ..driving import workload
+    if args.workload == "synthetic" and (args.turns.strip() != "1" or args.system_prompts != 0):
+        from ..driving.sessions import sessions
+        return sessions(rate_per_s=args.rate, duration_s=args.duration, turns=args.turns, first_len=args.prompt_len,
+                        followup_len=args.followup_len, output=args.output_len, think=args.think,
+                        system_prompts=args.system_prompts, system_len=args.system_prompt_len, seed=args.seed)
     if args.workload == "synthetic":
         return workload.synthetic(rate_per_s=args.rate, duration_s=args.duration, prompt=args.prompt_len,
                                   output=args.output_len, seed=args.seed)
 
-    def report(line_no: int, problem: str) -> None:
-        print(f"{args.workload}:{line_no}: skipped: {problem}", file=sys.stderr)
+    from ..driving import traces
+    skipped = {"count": 0, "last": 0}   # counters, not a list: a file of garbage has many bad lines
 
-    reqs, _ = workload.read_trace(args.workload, strict=args.strict_trace, on_error=report)
+    def report(line_no: int, problem: str) -> None:
+        skipped["count"] += 1
+        skipped["last"] = line_no
+        if skipped["count"] <= _SHOWN_PROBLEMS:
+            print(f"{args.workload}:{line_no}: skipped: {problem}", file=sys.stderr)
+
+    reqs, _ = traces.read_trace(args.workload, fmt=args.trace_format, strict=args.strict_trace, on_error=report)
+    if skipped["count"] > _SHOWN_PROBLEMS:
+        print(f"{args.workload}: {skipped['count'] - _SHOWN_PROBLEMS:,} more lines skipped, the last on line "
+              f"{skipped['last']}", file=sys.stderr)
+    if not reqs:
+        raise ConfigError("--workload", f"{args.workload!r} holds no request ({skipped['count']:,} lines skipped)",
+                          "give a trace with at least one valid line")
     return reqs
+
+
+_SHOWN_PROBLEMS = 20
 
 
 def write_layers(args, device) -> int | None:
@@ -62,8 +103,10 @@ def build(args, plan_from_args, *, lock=None, record=True):
     """(cache, simulator, writer) for the parsed arguments; the cache is allocated for real."""
     if not 0.0 <= args.accept_rate <= 1.0:
         raise ConfigError("--accept-rate", f"{args.accept_rate}", "give a probability in [0, 1]")
-    if not args.step_ms > 0:
-        raise ConfigError("--step-ms", f"{args.step_ms}", "give a positive number of milliseconds")
+    tm = time_model(args)
+    if args.backend == "none" and args.write_layers not in (None, "0"):
+        raise ConfigError("--write-layers", f"{args.write_layers!r} with --backend none",
+                          "drop --write-layers: the bookkeeping backend holds no rows to write")
     requests = requests_from_args(args)
     p = plan_from_args(args)
     import kvatlas
@@ -71,11 +114,34 @@ def build(args, plan_from_args, *, lock=None, record=True):
     from ..driving.sim import Simulator
     from ..driving.simwrite import KVWriter
     cache = kvatlas.allocate(p, device=args.device, backend=args.backend)
-    layers = write_layers(args, parse_device(args.device))
+    layers = write_layers(args, parse_device(args.device)) if cache.arena.backend.holds_memory else 0
     writer = KVWriter(cache, layers=layers, seed=args.seed) if layers != 0 else None
     sim = Simulator(cache, requests, accept_rate=args.accept_rate, seed=args.seed, writer=writer, lock=lock,
-                    step_s=args.step_ms / 1e3, record=record)
+                    record=record, time_model=tm, sample_s=sample_s(args, requests))
     return cache, sim, writer
+
+
+_TIME_FLAGS = {"pass_s": "--step-ms", "prefill_s_per_token": "--prefill-us-per-token",
+               "decode_s_per_token": "--decode-us-per-token"}
+
+
+def time_model(args):
+    from ..driving.timemodel import TimeModel
+    try:
+        return TimeModel(pass_s=args.step_ms / 1e3, prefill_s_per_token=args.prefill_us_per_token / 1e6,
+                         decode_s_per_token=args.decode_us_per_token / 1e6)
+    except ConfigError as exc:   # name the flag the user typed
+        raise ConfigError(_TIME_FLAGS[exc.field], exc.problem, exc.fix) from None
+
+
+def sample_s(args, requests) -> float:
+    """A long trace would otherwise put every pass (tens of thousands) on the timeline."""
+    if args.sample_ms is not None:
+        if not (math.isfinite(args.sample_ms) and args.sample_ms >= 0):
+            raise ConfigError("--sample-ms", f"{args.sample_ms}", "give a finite number of milliseconds ≥ 0")
+        return args.sample_ms / 1e3
+    span = max((r.arrival_s for r in requests), default=0.0)
+    return span / 2000
 
 
 def summary(cache, sim, writer, wall_s: float, how: str) -> str:
@@ -87,22 +153,41 @@ def summary(cache, sim, writer, wall_s: float, how: str) -> str:
                      f"{len(sim.waiting) + len(sim.pending)} never admitted, {len(sim.running)} still running"],
         ["tokens", f"{s.prefill_tokens:,} prefilled, {s.decode_tokens:,} decoded "
                    f"({s.drafts_accepted:,} drafts accepted, {s.drafts_rejected:,} rolled back)"],
-        ["forward passes", f"{s.steps:,} ({s.blocked_steps:,} with the queue head waiting for memory)"],
+        ["forward passes", f"{s.steps:,} ({s.blocked_steps:,} with the queue head waiting for a slot or memory)"],
         ["peak", f"{s.peak_running} running, {fmt_bytes(s.peak_occupied_bytes)} occupied "
                  f"({100 * s.peak_occupied_bytes / addr:.1f}% of addressable)"],
         ["end", f"{snap.running_requests} running, {fmt_bytes(snap.occupied_bytes)} occupied "
                 f"({snap.occupied_bytes:,} B)"],
-        ["cache", f"{fmt_bytes(snap.tensor_bytes)} tensor on {snap.device} ({snap.backend}), "
-                  f"{fmt_bytes(snap.addressable_bytes)} addressable"],
+        ["cache", _cache_line(cache, snap)],
+        ["prefix cache", _prefix_line(cache)],
         ["KV writes", _writes(writer)],
+        ["time model", sim.time_model.describe()],
         ["wall time", f"{wall_s:.2f} s ({how})"],
     ]
     return render(["", "summary"], rows, title=f"kvatlas — {cache.plan.model.name}")
 
 
+def _prefix_line(cache) -> str:
+    if cache.prefix is None:
+        return "off (plan with --prefix-checkpoints N to cache prompt prefixes)"
+    s = cache.prefix.stats
+    missed = ", ".join(f"{k} {v:,}" for k, v in s.missed().items())
+    return (f"{s.why_not()}; {s.hit_tokens:,} of {s.queried_tokens:,} prompt tokens hit; missed: {missed}; "
+            f"{s.evicted_pages:,} pages and {s.evicted_checkpoints:,} resume points evicted")
+
+
+def _cache_line(cache, snap) -> str:
+    if not cache.arena.backend.holds_memory:
+        return (f"NO POOL TENSORS (backend none): allocator and ledger only; {fmt_bytes(snap.planned_bytes)} "
+                f"planned, {fmt_bytes(snap.addressable_bytes)} addressable, 0 B allocated "
+                "(tensor, reserved and physical are 0)")
+    return (f"{fmt_bytes(snap.tensor_bytes)} tensor on {snap.device} ({snap.backend}), "
+            f"{fmt_bytes(snap.addressable_bytes)} addressable")
+
+
 def _writes(writer) -> str:
     if writer is None:
-        return "none (--write-layers 0): allocator and ledger only"
+        return "none: allocator and ledger only"
     layers = writer.layers_written
     text = f"{writer.rows_written:,} rows stored through kvatlas.datapath; layers per pool: " + \
         ", ".join(f"{k} {v}" for k, v in layers.items())

@@ -82,7 +82,7 @@ class _Progress:
 
 
 def _drive(sim, args, stop: _Stop, progress: _Progress) -> str:
-    t0, step_s = time.monotonic(), sim.step_s
+    t0 = time.monotonic()
     done_at = None
     while not stop.event.is_set():
         now = time.monotonic() - t0
@@ -95,7 +95,7 @@ def _drive(sim, args, stop: _Stop, progress: _Progress) -> str:
             continue
         sim.step(now)
         progress.update(sim, now)
-        wait = step_s - (time.monotonic() - t0 - now)
+        wait = sim.last_pass_s - (time.monotonic() - t0 - now)   # paced by the time model
         if not (sim.running or sim.waiting) and sim.next_arrival_s is not None:
             wait = sim.next_arrival_s - (time.monotonic() - t0)
         if wait > 0:

@@ -13,17 +13,38 @@ Each `step(now_s)` is one forward pass, the way an engine's scheduler loop makes
 5. finished requests are released; a ledger snapshot is recorded on the timeline.
 
 The driver holds `lock` while it mutates the cache, so a scrape in another thread never sees a
-half-done step. Time is the caller's: `run_offline` advances a virtual clock by `step_s` per pass,
-`kvatlas serve` passes the wall clock.
+half-done step. Time is the caller's: `run_offline` advances a virtual clock by each pass's
+duration under the time model (`driving.timemodel`), `kvatlas serve` passes the wall clock and
+paces itself by the same durations.
+
+Sessions: a request with `after` set (the next turn of a conversation) is held until the request
+it follows finishes (or is rejected), then arrives `think_s` later (not before its own arrival_s).
+
+A bookkeeping cache (backend "none") runs the same code; only the writer is absent. Each pass
+reads the ledger's occupied counter for the peaks; the full snapshot for the timeline is taken at
+most once per `sample_s` of time (0: every pass), because a snapshot walks every pool.
 """
 
 from __future__ import annotations
 
 import contextlib
+import heapq
 from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from ..errors import ConfigError
+from .timemodel import TimeModel
+
+
+def _sequence(req):
+    """Prompt and output token ids (None when the request carries no content)."""
+    prompt = req.token_ids()
+    out = req.output_token_ids()
+    if prompt is None or out is None:
+        return prompt
+    return np.concatenate((prompt, out))
 
 
 @dataclass(slots=True)
@@ -45,6 +66,8 @@ class TimelinePoint:
     waiting: int
     finished: int
     snapshot: object
+    prefix_queried_tokens: int = 0   # prefix cache counters so far (0 without one)
+    prefix_hit_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -67,13 +90,40 @@ class SimStats:
         return {k: getattr(self, k) for k in self.__slots__ if k != "rejected_ids"}
 
 
+def _split_sessions(requests) -> tuple[list, dict]:
+    """(open-loop requests, {id: [requests that follow it]}); refuses repeated ids and links to
+    requests not given before (which would hold a turn back forever)."""
+    seen, free, followers = set(), [], {}
+    for r in requests:
+        if r.id in seen:
+            raise ConfigError("requests", f"id {r.id!r} appears twice", "give each request its own id")
+        if r.after is not None:
+            if r.after not in seen:
+                raise ConfigError("requests", f"{r.id!r} follows {r.after!r}, which is not an earlier request",
+                                  "list a session's turns in order")
+            followers.setdefault(r.after, []).append(r)
+        else:
+            free.append(r)
+        seen.add(r.id)
+    return free, followers
+
+
 class Simulator:
     def __init__(self, cache, requests, *, accept_rate: float = 0.7, seed: int = 0, writer=None, lock=None,
-                 step_s: float = 0.02, record: bool = True) -> None:
+                 step_s: float = 0.02, record: bool = True, time_model: TimeModel | None = None,
+                 sample_s: float = 0.0) -> None:
         self.cache = cache
-        self.pending = deque(sorted(requests, key=lambda r: r.arrival_s))
+        free, self._followers = _split_sessions(requests)
+        self.pending = deque(sorted(free, key=lambda r: r.arrival_s))
+        self._released: list = []      # heap of (arrival_s, order, request): turns whose predecessor ended
+        self._order = 0
         self.waiting: deque = deque()
+        # running = prefilling + decoding, each in admission order; the split spares every pass a
+        # scan of all running requests (256 of them, thousands of passes)
         self.running: dict[str, _Live] = {}
+        self._prefilling: dict[str, _Live] = {}
+        self._decoding: dict[str, _Live] = {}
+        self._finishing: list = []
         self.draft_tokens = cache.plan.options.draft_tokens
         self.chunk = cache.plan.options.chunked_prefill_tokens
         self.max_len = cache.plan.options.max_model_len
@@ -81,56 +131,87 @@ class Simulator:
         self.rng = np.random.default_rng(seed)
         self.writer = writer
         self.lock = lock if lock is not None else contextlib.nullcontext()
-        self.step_s = step_s
+        self.time_model = time_model if time_model is not None else TimeModel(pass_s=step_s)
+        self.step_s = self.time_model.pass_s
+        self.last_pass_s = self.time_model.pass_s   # duration of the latest pass under the time model
         self.record = record
+        self.sample_s = sample_s
+        self._next_sample_s = float("-inf")
         self.stats = SimStats()
         self.timeline: list[TimelinePoint] = []
         self._rr = 0   # round-robin start of the decode batch when it exceeds the token budget
+        self.clock_s = 0.0   # run_offline: virtual time when the run ended
 
     @property
     def done(self) -> bool:
-        return not (self.pending or self.waiting or self.running)
+        return not (self.pending or self._released or self.waiting or self.running or self._followers)
 
     @property
     def next_arrival_s(self) -> float | None:
-        return self.pending[0].arrival_s if self.pending else None
+        heads = [self.pending[0].arrival_s] if self.pending else []
+        if self._released:
+            heads.append(self._released[0][0])
+        return min(heads) if heads else None
 
     # ------------------------------------------------------------------ one pass
     def step(self, now_s: float) -> None:
+        self._arrive(now_s)
+        with self.lock:
+            self._admit(now_s)
+            if self.running:
+                with self.cache.allocator.forward():
+                    decoded = self._decode(self.chunk)
+                    prefilled = self._prefill(self.chunk - decoded)
+                self._finish_done(now_s)
+                self.stats.steps += 1
+                self.last_pass_s = self.time_model.pass_time_s(prefilled, decoded)
+            else:
+                self.cache.flush()
+                self.last_pass_s = self.time_model.pass_s
+            occupied = self.cache.ledger.occupied_bytes()
+            snap = self.cache.ledger.snapshot() if self._sampling(now_s) else None
+        self._observe(now_s, occupied, snap)
+
+    def _arrive(self, now_s: float) -> None:
         while self.pending and self.pending[0].arrival_s <= now_s:
             self.waiting.append(self.pending.popleft())
             self.stats.arrived += 1
-        with self.lock:
-            self._admit()
-            if self.running:
-                with self.cache.allocator.forward():
-                    left = self.chunk - self._decode(self.chunk)
-                    self._prefill(left)
-                self._finish_done()
-                self.stats.steps += 1
-            else:
-                self.cache.flush()
-            snap = self.cache.ledger.snapshot()
-        self._observe(now_s, snap)
+        while self._released and self._released[0][0] <= now_s:
+            self.waiting.append(heapq.heappop(self._released)[2])
+            self.stats.arrived += 1
 
-    def _admit(self) -> None:
+    def _release_followers(self, rid, now_s: float) -> None:
+        for r in self._followers.pop(rid, ()):
+            self._order += 1
+            heapq.heappush(self._released, (max(r.arrival_s, now_s + r.think_s), self._order, r))
+
+    def _sampling(self, now_s: float) -> bool:
+        if not self.record or now_s < self._next_sample_s:
+            return False
+        self._next_sample_s = now_s + self.sample_s
+        return True
+
+    def _admit(self, now_s: float) -> None:
         while self.waiting:
             r = self.waiting[0]
             if r.prompt_tokens + r.output_tokens > self.max_len:
                 self.waiting.popleft()
                 self.stats.rejected_too_long += 1
                 self.stats.rejected_ids.append(r.id)
+                self._release_followers(r.id, now_s)
                 continue
-            if not self.cache.can_admit(r.prompt_tokens, r.output_tokens):
+            ids = r.token_ids() if self.cache.prefix is not None else None
+            if not self.cache.can_admit(r.prompt_tokens, r.output_tokens, token_ids=ids):
                 self.stats.blocked_steps += 1
                 return
             self.waiting.popleft()
-            self.cache.admit(r.id, r.prompt_tokens, r.output_tokens)
-            self.running[r.id] = _Live(r)
+            adm = self.cache.admit(r.id, r.prompt_tokens, r.output_tokens, token_ids=ids)
+            live = _Live(r, prefilled=adm.cached_tokens)   # the cached prompt is not computed again
+            self.running[r.id] = self._prefilling[r.id] = live
             self.stats.admitted += 1
 
     def _decode(self, budget: int) -> int:
-        live = [x for x in self.running.values() if x.decoding]
+        live = list(self._decoding.values())
         if not live:
             return 0
         start = self._rr % len(live)
@@ -149,6 +230,8 @@ class Simulator:
             if w - 1 > a:
                 self.cache.rollback(x.req.id, int(w - 1 - a))
             x.generated += 1 + int(a)
+            if x.generated >= x.req.output_tokens:
+                self._finishing.append(x.req.id)
         self.stats.decode_tokens += int(want.sum())
         self.stats.drafts_accepted += int(accepted.sum())
         self.stats.drafts_rejected += int((want - 1 - accepted).sum())
@@ -162,32 +245,45 @@ class Simulator:
         ok = self.rng.random((len(drafts), d)) < self.accept_rate
         return np.minimum(np.cumprod(ok, axis=1).sum(axis=1), drafts)
 
-    def _prefill(self, budget: int) -> None:
-        for x in self.running.values():
-            if budget <= 0:
-                return
-            n = min(x.req.prompt_tokens - x.prefilled, budget)
-            if n <= 0:
-                continue
+    def _prefill(self, budget: int) -> int:
+        """Prompt tokens written this pass (at most budget)."""
+        done, complete = 0, []
+        for x in self._prefilling.values():
+            if budget <= done:
+                break
+            n = min(x.req.prompt_tokens - x.prefilled, budget - done)
             idx = self.cache.extend(x.req.id, n)
             if self.writer is not None:
                 self.writer.write(idx)
             x.prefilled += n
-            budget -= n
-            self.stats.prefill_tokens += n
+            done += n
+            if x.decoding:
+                complete.append(x)
+        for x in complete:   # decoding from the next pass on, in the order their prompts completed
+            del self._prefilling[x.req.id]
+            self._decoding[x.req.id] = x
+        self.stats.prefill_tokens += done
+        return done
 
-    def _finish_done(self) -> None:
-        for rid in [rid for rid, x in self.running.items() if x.generated >= x.req.output_tokens]:
-            self.cache.finish(rid)
-            del self.running[rid]
+    def _finish_done(self, now_s: float) -> None:
+        for rid in self._finishing:
+            if self.cache.prefix is not None:   # the whole sequence keys the pages it leaves cached
+                self.cache.finish(rid, token_ids=_sequence(self.running[rid].req))
+            else:
+                self.cache.finish(rid)
+            del self.running[rid], self._decoding[rid]
             self.stats.finished += 1
+            self._release_followers(rid, now_s)
+        self._finishing.clear()
 
-    def _observe(self, now_s: float, snap) -> None:
+    def _observe(self, now_s: float, occupied: int, snap) -> None:
         s = self.stats
-        s.peak_running = max(s.peak_running, snap.running_requests)
-        s.peak_occupied_bytes = max(s.peak_occupied_bytes, snap.occupied_bytes)
-        if self.record:
-            self.timeline.append(TimelinePoint(now_s, s.steps, len(self.running), len(self.waiting), s.finished, snap))
+        s.peak_running = max(s.peak_running, self.cache.ledger.running_requests)
+        s.peak_occupied_bytes = max(s.peak_occupied_bytes, occupied)
+        if snap is not None:
+            pc = self.cache.prefix.stats if self.cache.prefix is not None else None
+            self.timeline.append(TimelinePoint(now_s, s.steps, len(self.running), len(self.waiting), s.finished, snap,
+                                               pc.queried_tokens if pc else 0, pc.hit_tokens if pc else 0))
 
     # ------------------------------------------------------------------ drivers
     def run_offline(self, max_steps: int | None = None) -> SimStats:
@@ -195,13 +291,17 @@ class Simulator:
         t = 0.0
         steps = 0
         while not self.done and (max_steps is None or steps < max_steps):
-            if not (self.waiting or self.running) and self.pending:
-                t = max(t, self.pending[0].arrival_s)
+            if not (self.waiting or self.running) and self.next_arrival_s is not None:
+                t = max(t, self.next_arrival_s)
             self.step(t)
-            t += self.step_s
+            t += self.last_pass_s
             steps += 1
         with self.lock:
             self.cache.flush()
+            if self.record and (not self.timeline or self.timeline[-1].step != self.stats.steps):
+                self._next_sample_s = float("-inf")   # the end state is always on the timeline
+                self._observe(t, self.cache.ledger.occupied_bytes(), self.cache.ledger.snapshot())
+        self.clock_s = t
         return self.stats
 
     def request_usage(self) -> dict:
@@ -213,5 +313,7 @@ class Simulator:
 
     def state(self) -> dict:
         return {"stats": self.stats.as_dict(), "running": len(self.running), "waiting": len(self.waiting),
-                "pending": len(self.pending), "done": self.done, "draft_tokens": self.draft_tokens,
-                "accept_rate": self.accept_rate}
+                "pending": len(self.pending) + len(self._released) + sum(map(len, self._followers.values())),
+                "done": self.done, "draft_tokens": self.draft_tokens,
+                "accept_rate": self.accept_rate,
+                "prefix": self.cache.prefix.stats.as_dict() if self.cache.prefix is not None else None}

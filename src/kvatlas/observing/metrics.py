@@ -29,7 +29,7 @@ _UNIT_OF_GROUP = {SWA_PAGES: "pages", FULL_PAGES: "pages", REQUEST_SLOTS: "slots
 # name → help text. The README section "Metrics" is generated from this table.
 HELP = {
     "kvatlas_kv_cache_bytes": "KV cache bytes per pool and measure (planned, tensor, reserved, physical, "
-                              "addressable, occupied), equal to the ledger",
+                              "addressable, occupied, evictable), equal to the ledger",
     "kvatlas_kv_cache_total_bytes": "KV cache bytes of the whole cache per measure (includes slab alignment "
                                     "that no pool owns)",
     "kvatlas_pool_used_rows": "Rows (entries per layer) holding live request data, per pool",
@@ -56,7 +56,8 @@ HELP = {
     "kvatlas_prefix_missed_tokens": "Prompt tokens not taken from the prefix cache, by reason: no_cached_prefix, "
                                     "no_checkpoint (pages cached but no resume point), evicted, partial_page "
                                     "(rounded off the partial last page) (counter)",
-    "kvatlas_prefix_evictions": "Prefix-cache entries evicted, by kind: page or checkpoint (counter)",
+    "kvatlas_prefix_evicted_pages": "Full-token pages the prefix cache evicted (counter)",
+    "kvatlas_prefix_evicted_checkpoints": "Resume points the prefix cache evicted (counter)",
     "kvatlas_prefix_checkpoints": "Resume points (SWA tail + compressor state at a page boundary) the cache holds",
     "kvatlas_prefix_cached_pages": "Full-token pages the prefix cache holds (shared or evictable)",
     "kvatlas_prefix_cached_bytes": "Bytes the prefix cache holds: its pages and resume points (evictable and "
@@ -241,8 +242,8 @@ def _prefix_samples(f: _Families, prefix, rv: list[str]) -> None:
     f.add("kvatlas_prefix_hit_tokens", [], rv, s.hit_tokens, kind=CounterMetricFamily)
     for reason, n in s.missed().items():   # every reason, zeros too: a 0 hit rate says why
         f.add("kvatlas_prefix_missed_tokens", ["reason"], [reason] + rv, n, kind=CounterMetricFamily)
-    for kind, n in (("page", s.evicted_pages), ("checkpoint", s.evicted_checkpoints)):
-        f.add("kvatlas_prefix_evictions", ["kind"], [kind] + rv, n, kind=CounterMetricFamily)
+    f.add("kvatlas_prefix_evicted_pages", [], rv, s.evicted_pages, kind=CounterMetricFamily)
+    f.add("kvatlas_prefix_evicted_checkpoints", [], rv, s.evicted_checkpoints, kind=CounterMetricFamily)
     f.add("kvatlas_prefix_checkpoints", [], rv, prefix.tree.checkpoints)
     f.add("kvatlas_prefix_cached_pages", [], rv, len(prefix.tree.nodes))
     f.add("kvatlas_prefix_cached_bytes", [], rv, prefix.cached_bytes())

@@ -13,7 +13,7 @@ def timeline_columns(timeline) -> list[str]:
     cols = ["t_s", "step", "running_requests", "waiting_requests", "finished_requests"]
     cols += [f"total_{m}_bytes" for m in MEASURES]
     cols += [f"{p}_{m}_bytes" for p in pools for m in MEASURES]
-    return cols
+    return cols + ["prefix_queried_tokens", "prefix_hit_tokens"]
 
 
 def timeline_rows(timeline):
@@ -22,7 +22,7 @@ def timeline_rows(timeline):
         row = [f"{pt.t_s:.6f}", pt.step, pt.running, pt.waiting, pt.finished]
         row += [getattr(s, f"{m}_bytes") for m in MEASURES]
         row += [getattr(u.measures, f"{m}_bytes") for u in s.pools.values() for m in MEASURES]
-        yield row
+        yield row + [pt.prefix_queried_tokens, pt.prefix_hit_tokens]
 
 
 def write_csv(path: str, timeline) -> None:
@@ -41,21 +41,30 @@ def write_png(path: str, timeline, title: str = "") -> None:
 
     t = [pt.t_s for pt in timeline]
     pools = list(timeline[0].snapshot.pools) if timeline else []
-    fig, axes = plt.subplots(2, 4, figsize=(18, 8), sharex=True)
+    fig, axes = plt.subplots(2, 5, figsize=(22, 8), sharex=True)
+    books_only = bool(timeline) and timeline[0].snapshot.backend == "none"
     for ax, m in zip(axes.flat, MEASURES):
+        ax.set_title(f"{m} (MiB)")
+        if books_only and m in ("tensor", "reserved", "physical"):   # an empty panel would read as "0 used"
+            ax.text(0.5, 0.5, "not allocated\n(backend none: allocator\nand ledger only)", ha="center",
+                    va="center", transform=ax.transAxes)
+            ax.set_yticks([])
+            continue
         series = [[getattr(pt.snapshot.pools[p].measures, f"{m}_bytes") / 2**20 for pt in timeline] for p in pools]
         if t:
             ax.stackplot(t, *series, labels=pools)
-        ax.set_title(f"{m} (MiB)")
     axes.flat[0].legend(loc="upper left", fontsize=7)
-    ax = axes.flat[6]
+    ax = axes.flat[len(MEASURES)]
     ax.plot(t, [pt.running for pt in timeline], label="running")
     ax.plot(t, [pt.waiting for pt in timeline], label="waiting")
     ax.set_title("requests")
     ax.legend(fontsize=7)
-    ax = axes.flat[7]
+    ax = axes.flat[len(MEASURES) + 1]
     ax.plot(t, [pt.snapshot.occupied_bytes / max(pt.snapshot.addressable_bytes, 1) * 100 for pt in timeline])
     ax.set_title("occupied / addressable (%)")
+    ax = axes.flat[len(MEASURES) + 2]   # cumulative: hits / prompt tokens queried so far
+    ax.plot(t, [pt.prefix_hit_tokens / max(pt.prefix_queried_tokens, 1) * 100 for pt in timeline])
+    ax.set_title("prefix-cache hit ratio so far (%)")
     for ax in axes[1]:
         ax.set_xlabel("time (s)")
     fig.suptitle(title or "kvatlas: KV memory over time")

@@ -10,6 +10,7 @@ already there (the same content, cached meanwhile) are freed.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,7 +19,7 @@ from ..errors import KvatlasError, PoolExhaustedError, RequestStateError
 from ..planning.buffers import CHECKPOINTS, FULL_PAGES, SWA_PAGES
 from ..units import cdiv
 from .keys import check_keys, page_keys
-from .policy import policy_named
+from .policy import fitted, policy_named
 from .stats import PrefixStats
 from .tree import Checkpoint, Tree
 
@@ -55,13 +56,15 @@ class PrefixCache:
             raise KvatlasError("prefix_checkpoints: the plan has no prefix cache; plan with prefix_checkpoints > 0")
         self.alloc, self.ledger = allocator, ledger
         self.P = allocator.P
-        self.policy = policy_named(policy)
+        self.policy = fitted(policy_named(policy), max(allocator.plan.num_full_pages - 1, 0),
+                             allocator.plan.options.prefix_checkpoints)
         self.stats = PrefixStats()
         self.tree = Tree(allocator, self.policy, self.stats, ledger)
         self.requests: dict = {}
+        self._intermediate: deque = deque()   # (request, kept intermediate point): what goes first
         self.clock = 0
         allocator.on_capture = self._on_capture
-        allocator.on_need_checkpoint = self.tree.evict_checkpoint
+        allocator.on_need_checkpoint = self._need_checkpoint
 
     @property
     def evictor(self):
@@ -167,13 +170,30 @@ class PrefixCache:
         ck.divergence = boundary == req.divergence
         prev, req.tentative = req.tentative, ck
         if prev is not None:
-            if self.policy.keep(end=False, divergence=prev.divergence):
+            if self.policy.keep(end=False, divergence=prev.divergence, page=prev.boundary_tokens // self.P):
                 req.kept.append(prev)
+                if not prev.divergence:
+                    self._intermediate.append((req, prev))
             else:
                 self._drop(prev)
 
+    def _need_checkpoint(self) -> bool:
+        """A capture finds no free unit: evict a cached resume point, or else drop an intermediate
+        one a running request kept (never its end or a divergence point), so that the points the
+        policy values most still find room."""
+        if self.tree.evict_checkpoint():
+            return True
+        while self._intermediate:   # oldest first; entries of finished requests are stale
+            req, ck = self._intermediate.popleft()
+            if ck.node is None and ck.unit > 0 and ck in req.kept:
+                req.kept.remove(ck)
+                self._drop(ck)
+                return True
+        return False
+
     def _drop(self, ck) -> None:
         self.alloc.release_checkpoint(ck.unit, ck.swa_pages, pinned=True)
+        ck.unit = -1
         self.stats.checkpoints_dropped += 1
 
     # ---------------------------------------------------------------- finish: publish

@@ -6,16 +6,18 @@ object so the benchmark runs several side by side:
 
 - "ends":       request ends and divergence points only (the first baseline);
 - "every-page": every page boundary, plain LRU (the second baseline);
-- "kvatlas":    every page boundary, but evict the resume points that are neither an end nor a
-                divergence point first. With room, it is every-page; short of room, it sheds the
-                intermediate points before a single end or divergence point, degrading to "ends"
-                instead of below it. No fixed spacing is best at every budget (SPEC §8); this
-                needs none.
+- "kvatlas":    ends and divergence points, plus intermediate points spaced to fit the plan: one
+                every `spacing` pages, the smallest power of two at which the intermediate points
+                of a cache full of pages take at most half the checkpoint units; and the
+                intermediate points are evicted first. Short of room it sheds them before a single
+                end or divergence point, degrading to "ends" instead of below it. No fixed
+                spacing is best at every budget (SPEC §8): the spacing follows the plan's ratio of
+                pages to resume points.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..errors import ConfigError
 
@@ -25,9 +27,10 @@ class Policy:
     name: str
     keep_intermediate: bool
     protect_marked: bool     # ends and divergence points leave after every intermediate one
+    spacing_pages: int = 1   # intermediate points kept only every this many pages (0: fit the plan)
 
-    def keep(self, *, end: bool, divergence: bool) -> bool:
-        return end or divergence or self.keep_intermediate
+    def keep(self, *, end: bool, divergence: bool, page: int = 0) -> bool:
+        return end or divergence or (self.keep_intermediate and page % self.spacing_pages == 0)
 
     def eviction_class(self, *, end: bool, divergence: bool) -> int:
         """Lower classes are evicted first; LRU within a class."""
@@ -37,8 +40,19 @@ class Policy:
 POLICIES = {
     "ends": Policy("ends", keep_intermediate=False, protect_marked=False),
     "every-page": Policy("every-page", keep_intermediate=True, protect_marked=False),
-    "kvatlas": Policy("kvatlas", keep_intermediate=True, protect_marked=True),
+    "kvatlas": Policy("kvatlas", keep_intermediate=True, protect_marked=True, spacing_pages=0),
 }
+
+
+def fitted(policy: Policy, cached_pages: int, checkpoints: int) -> Policy:
+    """A policy with spacing 0 gets the smallest power of two at which one intermediate point per
+    `spacing` pages, over `cached_pages` pages, needs at most half of `checkpoints`."""
+    if policy.spacing_pages:
+        return policy
+    spacing = 1
+    while cached_pages // spacing > max(checkpoints // 2, 1):
+        spacing *= 2
+    return replace(policy, spacing_pages=spacing)
 
 
 def policy_named(name) -> Policy:
