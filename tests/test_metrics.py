@@ -122,7 +122,7 @@ def test_names_follow_the_convention_and_have_help():
     for name, text in HELP.items():
         assert name == "kvatlas" or name.rsplit("_", 1)[1] in {"bytes", "rows", "tokens", "pages", "slots",
                                                              "requests", "refusals", "token", "request",
-                                                             "checkpoints"}
+                                                             "entries", "seconds", "checkpoints"}
         assert text and not text.endswith(".")
 
 
@@ -132,6 +132,7 @@ def test_readme_documents_every_metric():
     for name, text in HELP.items():
         shown = "kvatlas_info" if name == "kvatlas" else name
         shown = "kvatlas_admission_refusals_total" if name == "kvatlas_admission_refusals" else shown
+        shown = f"{name}_total" if f"`{name}_total`" in readme else shown
         assert f"`{shown}`" in readme and text in readme, name
 
 

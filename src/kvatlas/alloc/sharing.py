@@ -272,6 +272,47 @@ class Sharing:
             for r in self.ratios:
                 self.ledger.add_entries(ratio_key(r), -len(pages) * (self.P // r))
 
+    # ------------------------------------------------------------ storage for entries restored from a lower tier
+    def take_cached_full(self, n: int) -> np.ndarray:
+        """n full pages straight into the cache (their bytes come back from the host tier):
+        complete, read by nobody, evictable. Refused with nothing changed when fewer are free."""
+        free = self.free_full_pages()
+        if n > free:
+            raise PoolExhaustedError("full_pages", n, free, "pages", "restore cached pages")
+        if self.backing is not None and n:
+            self.backing.acquire(((FULL_PAGES, self.full.peek(n)),))
+        pages = self.full.pop(n, 0)
+        self.full.owner[pages] = CACHE_OWNER
+        if self.ledger is not None:
+            self.ledger.add_units(FULL_PAGES, n)
+            self.ledger.add_evictable(FULL_PAGES, n)
+            for r in self.ratios:
+                self.ledger.add_entries(ratio_key(r), n * (self.P // r))
+        return pages
+
+    def take_cached_checkpoint(self) -> tuple[int, np.ndarray]:
+        """A checkpoint unit and the tail's SWA pages, held by the cache (restored from a lower
+        tier): (unit, SWA pages in logical order). Refused with nothing changed when none is free."""
+        tail = self.tail_swa_pages if self.swa is not None else 0
+        if self.ckpt.free < 1 or (tail and self.swa.free < tail):
+            raise PoolExhaustedError("checkpoints", 1, self.ckpt.free, "units", "restore a resume point")
+        if self.backing is not None:
+            want = [(CHECKPOINTS, self.ckpt.peek(1))] + ([(SWA_PAGES, self.swa.peek(tail))] if tail else [])
+            self.backing.acquire(tuple(want))
+        unit = int(self.ckpt.pop(1, 0)[0])
+        self.ckpt.owner[unit] = CACHE_OWNER
+        pages = EMPTY
+        if tail:
+            pages = self.swa.pop(tail, 0)
+            self.swa.owner[pages] = CACHE_OWNER
+        if self.ledger is not None:
+            self.ledger.add_units(CHECKPOINTS, 1)
+            if tail:
+                self.ledger.add_units(SWA_PAGES, tail)
+                self.ledger.add_entries("swa", tail * self.Ps)
+                self.ledger.add_evictable(SWA_PAGES, tail)
+        return unit, pages
+
     def free_full_pages(self) -> int:
         """Full pages an admission may take now, before eviction."""
         return self.full.free - self.outstanding if self.full is not None else 0

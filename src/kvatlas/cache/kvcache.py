@@ -47,6 +47,7 @@ class KVCache:
         self.ledger = Ledger(plan, self.arena)
         self.allocator = Allocator(plan, self.ledger, backing=self.arena.backend.allocator_hooks())
         self.prefix = None
+        self.host = None    # a host tier below the pools (kvatlas.tiers.attach_host_tier): /state, /metrics
         if self.allocator.prefix_on:   # imported here: the prefix package stands above this one
             from ..prefix import PrefixCache
             self.prefix = PrefixCache(self.allocator, self.ledger, policy=prefix_policy)
@@ -197,6 +198,9 @@ class KVCache:
         return self.ledger.check_integrity()
 
     def close(self) -> None:
+        if self.host is not None:    # its copies read and write the pools: finish them first
+            self.host.close()
+            self.host = None
         self.pools.clear()
         self.arena.close()
 

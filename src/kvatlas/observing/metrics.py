@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass, field
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, SummaryMetricFamily
 
 from ..planning.buffers import FULL_PAGES, REQUEST_SLOTS, SWA_PAGES
 from ..errors import ConfigError
@@ -63,6 +63,19 @@ HELP = {
     "kvatlas_prefix_cached_bytes": "Bytes the prefix cache holds: its pages and resume points (evictable and "
                                    "shared with running requests)",
     "kvatlas": "kvatlas build and cache configuration (value always 1)",
+    "kvatlas_host_tier_bytes": "Host-tier bytes per entry kind (pages, checkpoints) and measure: host "
+                               "memory, never summed with the device's kvatlas_kv_cache_bytes",
+    "kvatlas_host_tier_entries": "Host-tier entries per kind (pages, checkpoints) and state (used, total)",
+    "kvatlas_host_tier_staging_device_bytes": "Device memory of the host tier's copy staging buffer "
+                                              "(outside the KV plan)",
+    "kvatlas_host_tier_moved_bytes": "Bytes copied between device and host tier, per direction (counter)",
+    "kvatlas_host_tier_moved_entries": "Entries copied per kind and direction (to_host, to_device) (counter)",
+    "kvatlas_host_tier_evicted_entries": "Host-tier entries dropped by its own LRU to make room, per kind "
+                                         "(counter)",
+    "kvatlas_host_tier_restore_seconds": "Restores from the host tier (summary): seconds from issue to the "
+                                         "last copy landing",
+    "kvatlas_prefix_tier_hit_tokens": "Prompt tokens served by the prefix cache per tier (device, host) "
+                                         "(counter)",
 }
 
 
@@ -116,16 +129,23 @@ class KvatlasCollector:
         with self.lock:
             return [s.cache.ledger.snapshot() for s in self.sources]
 
+    def host_snapshots(self) -> list:
+        """Per cache its host tier's snapshot, or None without one."""
+        with self.lock:
+            return [s.cache.host.snapshot() if s.cache.host is not None else None for s in self.sources]
+
     def collect(self):
         if not self.sources:
             return
-        snaps = self.snapshots()
+        snaps, hosts = self.snapshots(), self.host_snapshots()
         rank_names = sorted(self.sources[0].ranks, key=RANK_LABELS.index)
         fams = _Families(rank_names)
-        for src, snap in zip(self.sources, snaps):
+        for src, snap, host in zip(self.sources, snaps, hosts):
             rv = [src.ranks[k] for k in rank_names]
             _pool_samples(fams, src.cache.plan, snap, rv)
             _cache_samples(fams, src.cache, snap, rv, self.version)
+            if host is not None:
+                host_samples(fams, src.cache, host, rv)
         yield from fams.all()
 
 
@@ -190,6 +210,30 @@ def _cache_samples(f: _Families, cache, snap, rv: list[str], version: str) -> No
     if fam is None:
         fam = f.fams["kvatlas"] = InfoMetricFamily("kvatlas", HELP["kvatlas"], labels=f.rank_names)
     fam.add_metric(rv, info)
+
+
+def host_samples(f: _Families, cache, host, rv: list[str]) -> None:
+    """The host tier's own families: a host byte never lands in a device family."""
+    for kind, g in host.groups.items():
+        for m in MEASURES:
+            f.add("kvatlas_host_tier_bytes", ["kind", "measure"], [kind, m] + rv, getattr(g.measures, f"{m}_bytes"))
+        for state, v in (("used", g.units_used), ("total", g.units_total)):
+            f.add("kvatlas_host_tier_entries", ["kind", "state"], [kind, state] + rv, v)
+        for d, moved in (("to_host", host.moved_to_host), ("to_device", host.moved_to_device)):
+            f.add("kvatlas_host_tier_moved_entries", ["kind", "direction"], [kind, d] + rv, moved[kind],
+                  kind=CounterMetricFamily)
+        f.add("kvatlas_host_tier_evicted_entries", ["kind"], [kind] + rv, host.evicted[kind], kind=CounterMetricFamily)
+    f.add("kvatlas_host_tier_staging_device_bytes", [], rv, host.staging_device_bytes)
+    for d, v in (("to_host", host.bytes_to_host), ("to_device", host.bytes_to_device)):
+        f.add("kvatlas_host_tier_moved_bytes", ["direction"], [d] + rv, v, kind=CounterMetricFamily)
+    name = "kvatlas_host_tier_restore_seconds"
+    if name not in f.fams:
+        f.fams[name] = SummaryMetricFamily(name, HELP[name], labels=f.rank_names)
+    f.fams[name].add_metric(rv, count_value=host.restores_completed, sum_value=host.restore_latency_sum_s)
+    if host.hits and cache.prefix is not None:
+        served = cache.prefix.stats.hit_tokens
+        for tier, v in (("device", served - host.hits["host_hit_tokens"]), ("host", host.hits["host_hit_tokens"])):
+            f.add("kvatlas_prefix_tier_hit_tokens", ["tier"], [tier] + rv, v, kind=CounterMetricFamily)
 
 
 def _prefix_samples(f: _Families, prefix, rv: list[str]) -> None:

@@ -194,6 +194,11 @@ def templates(model, opts, layers: tuple[LayerSpec, ...], sizing):
     return out
 
 
+def state_rings(model, opts, kind: LayerKind) -> list[formats.StateRing]:
+    """The compressor-state rings a layer kind keeps per request under these options."""
+    return _rings(model, opts, kind, opts.draft_tokens > 0)
+
+
 def _rings(model, opts, kind: LayerKind, spec: bool) -> list[formats.StateRing]:
     if kind is LayerKind.C4:
         return [formats.c4_attention_ring(model.head_dim, spec), formats.c4_indexer_ring(model.index_head_dim, spec)]

@@ -253,6 +253,54 @@ class PrefixCache:
         self.tree.attach(nodes[i], ck, self.clock)
         self.stats.checkpoints_saved += 1
 
+    # ---------------------------------------------------------------- restored from a lower tier
+    def _chain(self, key) -> list:
+        node, out = self.tree.nodes.get(key), []
+        while node is not None:
+            out.append(node)
+            node = node.parent
+        return out
+
+    def restore_pages(self, parent_key, keys) -> np.ndarray:
+        """Cache-held storage for pages coming back from the host tier, linked under parent_key
+        (0: the root); the caller copies their bytes in. Evicts (LRU leaves first, never the
+        parent's chain) when short; raises PoolExhaustedError with nothing changed otherwise."""
+        keys = [int(k) for k in keys]
+        if parent_key and parent_key not in self.tree.nodes:
+            raise KvatlasError(f"restore_pages: parent_key {parent_key} is not cached; restore from the root down")
+        if any(k in self.tree.nodes for k in keys) or len(set(keys)) != len(keys):
+            raise KvatlasError("restore_pages: a key is cached already or given twice; restore missing pages once")
+        chain = self._chain(parent_key) if parent_key else []
+        self.tree.ref(chain)
+        try:
+            short = len(keys) - self.alloc.free_full_pages()
+            if short > 0:
+                self.tree.evict_pages(short)
+            pages = self.alloc.take_cached_full(len(keys))
+        finally:
+            self.tree.unref(chain, self.clock)
+        self.clock += 1
+        node = self.tree.nodes.get(parent_key) if parent_key else None
+        for k, p in zip(keys, pages.tolist()):
+            node = self.tree.add(k, node, p, self.clock)
+        return pages
+
+    def restore_checkpoint(self, key, boundary_tokens: int) -> tuple[int, np.ndarray]:
+        """Cache-held storage for a resume point coming back from the host tier, on the cached
+        page `key` (its boundary): (checkpoint unit, SWA pages). Evicts other resume points when
+        none is free."""
+        node = self.tree.nodes.get(int(key))
+        if node is None or node.checkpoint is not None or boundary_tokens != node.depth * self.P:
+            raise KvatlasError(f"restore_checkpoint: page {key} is not cached without a resume point at "
+                               f"{boundary_tokens} tokens; restore its pages first")
+        tail = self.alloc.tail_swa_pages if self.alloc.swa is not None else 0
+        while (self.alloc.ckpt.free < 1 or (tail and self.alloc.swa.free < tail)) and self.tree.evict_checkpoint():
+            pass
+        unit, pages = self.alloc.take_cached_checkpoint()
+        self.clock += 1
+        self.tree.attach(node, Checkpoint(boundary_tokens, unit, pages), self.clock)
+        return unit, pages
+
     # ---------------------------------------------------------------- reports
     def cached_bytes(self) -> int:
         """Payload the cache holds: its pages, and per resume point its unit and SWA tail pages

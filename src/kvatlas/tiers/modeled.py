@@ -1,0 +1,47 @@
+"""A host tier with no memory behind it: the same slots, LRU and counters as the real one, and
+each move charged the time the H200 measurements give. For simulations of plans larger than the
+machine (the prefix cache's bookkeeping-only runs): hit ratios are a property of the bookkeeping,
+transfer times of the bandwidth.
+
+Time model (bench/host_tier_gpu.py, H200, bench/RESULTS.md): a move costs its bytes at the
+measured staged-copy bandwidth of a contiguous run, plus a fixed cost per run of consecutive
+host slots and per host buffer (one more copy call each: the scattered restore's extra time
+over the contiguous one, per copy).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .copies import Transfer, _runs
+from .index import HostIndex
+
+RESTORE_BYTES_PER_S = 47.3e9     # 3,000 V4-Flash pages, host slots contiguous: 0.86 × plain copy_
+OFFLOAD_BYTES_PER_S = 50.7e9     # device to host, same pages
+COPY_CALL_S = 5e-6               # per run of host slots and buffer: a random half of the host slots
+                                 # (~1,500 runs × 3 buffers) took 85.6 ms against 63.3 contiguous
+
+
+def move_seconds(direction: str, nbytes: int, runs: int, buffers: int) -> float:
+    rate = RESTORE_BYTES_PER_S if direction == "device" else OFFLOAD_BYTES_PER_S
+    return nbytes / rate + runs * buffers * COPY_CALL_S
+
+
+class ModeledHost(HostIndex):
+    """HostIndex whose transfers complete at once and report the modeled seconds as latency."""
+
+    copy_device = "modeled"
+
+    def __init__(self, device_plan, host_memory_bytes, checkpoint_share=None) -> None:
+        kw = {} if checkpoint_share is None else {"checkpoint_share": checkpoint_share}
+        super().__init__(device_plan, host_memory_bytes, **kw)
+        self.modeled_seconds = {"host": 0.0, "device": 0.0}
+
+    def _copy(self, direction: str, group: str, slots: np.ndarray, where) -> Transfer:
+        nbytes = len(slots) * self.plan.unit_bytes(group)
+        runs = len(_runs(np.sort(slots))) if len(slots) else 0
+        seconds = move_seconds(direction, nbytes, runs, len(self.plan.group_buffers(group)))
+        self.modeled_seconds[direction] += seconds
+        t = Transfer(direction, nbytes, len(slots), None, None, 0.0)
+        t._latency_s = seconds
+        return t
