@@ -20,6 +20,8 @@ import urllib.request
 
 import pytest
 
+from kvatlas.cache.ledger import MEASURES
+
 PROMETHEUS = shutil.which("prometheus") or ("/usr/bin/prometheus" if os.path.exists("/usr/bin/prometheus") else None)
 pytestmark = pytest.mark.skipif(PROMETHEUS is None, reason="prometheus binary not found: install Debian's "
                                 "'prometheus' package (apt-get install prometheus) to run this end-to-end test")
@@ -116,7 +118,7 @@ def test_prometheus_scrapes_kvatlas_serve(prometheus, serve):
     scraped = by_pool_measure(query(prom, "kvatlas_kv_cache_bytes"))
     ledger = get_json(url + "/state")["caches"][0]["ledger"]
     want = {(pool, m): float(v[m]) for pool, v in ledger["pools"].items()
-            for m in ("planned", "tensor", "reserved", "physical", "addressable", "occupied")}
+            for m in MEASURES}
     assert scraped == want
     assert ledger["totals"]["occupied"] == 0 and ledger["running_requests"] == 0
     # while the workload ran, Prometheus saw memory occupied, and saw it fall back to 0
