@@ -132,6 +132,7 @@ class Simulator:
         self.draft_tokens = cache.plan.options.draft_tokens
         self.chunk = cache.plan.options.chunked_prefill_tokens
         self.max_len = cache.plan.options.max_model_len
+        self.max_running = cache.plan.options.max_running_requests
         self.accept_rate = accept_rate
         self.rng = np.random.default_rng(seed)
         self.writer = writer
@@ -217,8 +218,8 @@ class Simulator:
                 self._release_followers(r.id, now_s)
                 continue
             ids = r.token_ids() if self.cache.prefix is not None else None
-            if self.host is not None:
-                self.host_clock.prefetch(self.host, r, ids, now_s)
+            if self.host is not None and len(self.running) < self.max_running:   # not before it has a slot:
+                self.host_clock.prefetch(self.host, r, ids, now_s)   # restored pages would be evicted again
             if not self.cache.can_admit(r.prompt_tokens, r.output_tokens, token_ids=ids):
                 self.stats.blocked_steps += 1
                 return
@@ -366,8 +367,10 @@ class HostClock:
         self.restore_s = 0.0       # restore seconds, summed
         self.wait_s = 0.0          # admission to first pass of restoring requests, summed
         self.restoring = 0         # requests that waited for a restore
-        self._ready: dict = {}     # request id -> (ready_s, restore seconds), until its first pass
-        self.first_passes: dict = {}   # request id -> (admitted_s, restore seconds, first pass s)
+        self._ready: dict = {}     # request id -> its restores' times, until its first pass
+        # request id -> (restores issued at, admitted at, queued behind earlier moves, restore
+        # seconds, first pass at): issued before admission when memory held the request back
+        self.first_passes: dict = {}
 
     def charge_offloads(self, link, now_s: float) -> None:
         new = link.tier.modeled_seconds["host"] - self.charged_host_s
@@ -380,21 +383,25 @@ class HostClock:
         self.charge_offloads(link, now_s)    # room made on the device goes first on the stream
         if ready is None:
             return
-        self.free_s = max(self.free_s, now_s) + ready.modeled_s
-        old = self._ready.get(req.id, (0.0, 0.0, now_s))
-        self._ready[req.id] = (self.free_s, old[1] + ready.modeled_s, old[2])
+        start = max(self.free_s, now_s)
+        self.free_s = start + ready.modeled_s
+        w = self._ready.setdefault(req.id, {"queued_s": 0.0, "restore_s": 0.0, "issued_s": now_s})
+        w["queued_s"] += start - now_s
+        w["restore_s"] += ready.modeled_s
+        w["ready_s"] = self.free_s
         self.restore_s += ready.modeled_s
 
     def admitted(self, rid, now_s: float) -> float:
-        ready = self._ready.get(rid)
-        if ready is None:
+        """When this request's restores land (0: it has none)."""
+        w = self._ready.get(rid)
+        if w is None:
             return 0.0
-        self._ready[rid] = (ready[0], ready[1], now_s)
-        return ready[0]
+        w["admitted_s"] = now_s
+        return w["ready_s"]
 
     def first_pass(self, rid, now_s: float) -> None:
-        ready = self._ready.pop(rid, None)
-        if ready is not None:
-            self.first_passes[rid] = (ready[2], ready[1], now_s)
-            self.wait_s += now_s - ready[2]
+        w = self._ready.pop(rid, None)
+        if w is not None:
+            self.first_passes[rid] = (w["issued_s"], w["admitted_s"], w["queued_s"], w["restore_s"], now_s)
+            self.wait_s += now_s - w["admitted_s"]
             self.restoring += 1
