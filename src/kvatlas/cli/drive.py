@@ -8,7 +8,7 @@ import sys
 
 from ..checks import MAX_COUNT, real, require_torch
 from ..driving.workload import MAX_DURATION_S, MAX_RATE_PER_S
-from ..errors import ConfigError
+from ..errors import BudgetError, ConfigError
 from ..observing.table import render
 from ..units import fmt_bytes
 from .common import count, number
@@ -159,6 +159,8 @@ def host_memory(args, plan) -> int | None:
     except ConfigError as exc:   # name the flag the user typed
         flag = "--host-checkpoint-share" if exc.field == "checkpoint_share" else "--host-memory"
         raise ConfigError(flag, exc.problem, exc.fix) from None
+    except BudgetError as exc:   # too small for one page (and one checkpoint)
+        raise BudgetError("--host-memory: " + str(exc).removeprefix("host_memory_bytes: ")) from None
     return n
 
 
