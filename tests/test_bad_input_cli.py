@@ -122,6 +122,14 @@ MISC = [
     (["compare", *TINY, "--sglang-no-radix", "--engines", "vllm"], "sglang"),
     (["simulate", *TINY, "--workload", "no-such-trace.jsonl"], "workload"),
     (["serve", *TINY, "--workload", "no-such-trace.jsonl"], "workload"),
+    # the host tier: it needs the prefix cache, and each value is checked before allocation
+    (["simulate", *TINY, "--host-memory", "1GiB"], "--prefix-checkpoints"),
+    (["serve", *TINY, "--host-memory", "1GiB"], "--host-memory"),
+    *[(["simulate", *TINY, "--prefix-checkpoints", "4", "--host-memory", v], "--host-memory")
+      for v in ("x", "-1GiB", "0", "1B", "nan", "")],
+    *[(["simulate", *TINY, "--prefix-checkpoints", "4", "--host-memory", "64MiB", "--host-checkpoint-share", v],
+       "--host-checkpoint-share") for v in ("1", "-0.1", "nan", "x")],
+    (["simulate", *TINY, "--prefix-checkpoints", "4", "--host-checkpoint-share", "0.5"], "--host-checkpoint-share"),
 ]
 
 CLI_CASES = (_cases(["plan", "compare", "alloc", "serve", "simulate"], DEPLOYMENT)

@@ -8,7 +8,7 @@ import sys
 
 from ..checks import MAX_COUNT, real, require_torch
 from ..driving.workload import MAX_DURATION_S, MAX_RATE_PER_S
-from ..errors import ConfigError
+from ..errors import BudgetError, ConfigError
 from ..observing.table import render
 from ..units import fmt_bytes
 from .common import count, number
@@ -51,6 +51,12 @@ def add_workload_args(p) -> None:
     g.add_argument("--sample-ms", type=number(0.0, 3.6e9), default=None,
                    help="simulate: a timeline point at most every this many ms of virtual time "
                         "(default: 1/2000 of the workload's span)")
+    g = p.add_argument_group("host tier (under the prefix cache)")
+    g.add_argument("--host-memory", default=None, help="bytes of host tier (e.g. 128GiB): pages and resume points "
+                   "evicted from the device move there and come back before the request's first pass; the "
+                   "simulator charges each move its modeled time (H200 bandwidth). Needs --prefix-checkpoints")
+    g.add_argument("--host-checkpoint-share", type=number(0.0, 1.0), default=None,
+                   help="share of the host tier's bytes for resume points, in [0, 1) (default 1/3)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
     p.add_argument("--backend", default="plain", help="arena backend: plain (default), vmm (CUDA), or none: "
                    "allocator and ledger only, no pool tensors (any plan size; no KV writes)")
@@ -119,6 +125,7 @@ def build(args, plan_from_args, *, lock=None, record=True):
                           "drop --write-layers: the bookkeeping backend holds no rows to write")
     requests = requests_from_args(args)
     p = plan_from_args(args)
+    host_bytes = host_memory(args, p)
     require_torch("allocating a cache")
     import kvatlas
     from ..cache.arena import backend_factory, parse_device
@@ -128,10 +135,45 @@ def build(args, plan_from_args, *, lock=None, record=True):
     from ..driving.simwrite import KVWriter
     cache = kvatlas.allocate(p, device=args.device, backend=args.backend)
     layers = layers if cache.arena.backend.holds_memory else 0
+    host = attach_host(cache, host_bytes, args) if host_bytes is not None else None
     writer = KVWriter(cache, layers=layers, seed=args.seed) if layers != 0 else None
     sim = Simulator(cache, requests, accept_rate=args.accept_rate, seed=args.seed, writer=writer, lock=lock,
-                    record=record, time_model=tm, sample_s=sample_s(args, requests))
+                    record=record, time_model=tm, sample_s=sample_s(args, requests), host=host)
     return cache, sim, writer
+
+
+def host_memory(args, plan) -> int | None:
+    """--host-memory in bytes, checked against the plan before anything is allocated."""
+    from ..planning.hostplan import plan_host
+    from ..units import parse_bytes
+    if args.host_memory is None:
+        if args.host_checkpoint_share is not None:
+            raise ConfigError("--host-checkpoint-share", "given without --host-memory", "add --host-memory BYTES")
+        return None
+    n = parse_bytes(args.host_memory, "--host-memory")
+    if not plan.options.prefix_checkpoints:
+        raise ConfigError("--host-memory", "the host tier holds what the prefix cache evicts, and the prefix "
+                          "cache is off", "add --prefix-checkpoints N (N > 0) or drop --host-memory")
+    try:
+        plan_host(plan, n, *([] if args.host_checkpoint_share is None else [args.host_checkpoint_share]))
+    except ConfigError as exc:   # name the flag the user typed
+        flag = "--host-checkpoint-share" if exc.field == "checkpoint_share" else "--host-memory"
+        raise ConfigError(flag, exc.problem, exc.fix) from None
+    except BudgetError as exc:   # too small for one page (and one checkpoint)
+        raise BudgetError("--host-memory: " + str(exc).removeprefix("host_memory_bytes: ")) from None
+    return n
+
+
+def attach_host(cache, host_bytes: int, args):
+    """The real pinned tier when the pools hold memory; the modeled one (no memory) with backend none."""
+    from ..tiers import HostLink, attach_host_tier
+    from ..tiers.modeled import ModeledHost
+    share = args.host_checkpoint_share
+    if cache.arena.backend.holds_memory:
+        return attach_host_tier(cache, host_bytes, **({} if share is None else {"checkpoint_share": share}))
+    link = HostLink(cache.prefix, ModeledHost(cache.plan, host_bytes, share))
+    cache.host = link
+    return link
 
 
 _TIME_FLAGS = {"pass_s": "--step-ms", "prefill_s_per_token": "--prefill-us-per-token",
@@ -173,8 +215,9 @@ def summary(cache, sim, writer, wall_s: float, how: str) -> str:
                 f"({snap.occupied_bytes:,} B)"],
         ["cache", _cache_line(cache, snap)],
         ["prefix cache", _prefix_line(cache)],
+        ["host tier", _host_line(sim)],
         ["KV writes", _writes(writer)],
-        ["time model", sim.time_model.describe()],
+        ["time model", sim.time_model.describe() + _host_model(sim)],
         ["wall time", f"{wall_s:.2f} s ({how})"],
     ]
     return render(["", "summary"], rows, title=f"kvatlas — {cache.plan.model.name}")
@@ -187,6 +230,29 @@ def _prefix_line(cache) -> str:
     missed = ", ".join(f"{k} {v:,}" for k, v in s.missed().items())
     return (f"{s.why_not()}; {s.hit_tokens:,} of {s.queried_tokens:,} prompt tokens hit; missed: {missed}; "
             f"{s.evicted_pages:,} pages and {s.evicted_checkpoints:,} resume points evicted")
+
+
+def _host_model(sim) -> str:
+    if sim.host is None:
+        return ""
+    from ..tiers.modeled import COPY_CALL_S, OFFLOAD_BYTES_PER_S, RESTORE_BYTES_PER_S
+    return (f"; host tier moves: bytes / {RESTORE_BYTES_PER_S / 1e9:g} GB/s to device, "
+            f"/ {OFFLOAD_BYTES_PER_S / 1e9:g} GB/s to host (H200-measured) + {COPY_CALL_S * 1e6:g} µs per copy "
+            "call, one after another; a restoring request's first pass waits for its restores")
+
+
+def _host_line(sim) -> str:
+    if sim.host is None:
+        return "off (--host-memory BYTES with the prefix cache to keep evicted pages in host memory)"
+    snap, hc, pc = sim.host.snapshot(), sim.host_clock, sim.cache.prefix.stats
+    host_tokens = snap.hits["host_hit_tokens"]
+    return (f"{fmt_bytes(sim.host.tier.plan.budget_bytes)} ({'pinned' if sim.host.tier.memory_backed else 'modeled, no memory'}); "
+            f"hit tokens by tier: device {pc.hit_tokens - host_tokens:,}, host {host_tokens:,} "
+            f"({snap.hits['host_hit_requests']:,} requests); moved to host {snap.bytes_to_host:,} B "
+            f"({fmt_bytes(snap.bytes_to_host)}), to device {snap.bytes_to_device:,} B "
+            f"({fmt_bytes(snap.bytes_to_device)}); modeled restore {hc.restore_s:.4f} s, offload "
+            f"{sim.host.tier.modeled_seconds['host']:.4f} s; {hc.restoring:,} requests waited "
+            f"{hc.wait_s:.4f} s in all from admission to first pass")
 
 
 def _cache_line(cache, snap) -> str:

@@ -52,6 +52,7 @@ class _Live:
     req: object
     prefilled: int = 0
     generated: int = 0
+    ready_s: float = 0.0     # its host-tier restores land then: no forward pass before
 
     @property
     def decoding(self) -> bool:
@@ -111,8 +112,12 @@ def _split_sessions(requests) -> tuple[list, dict]:
 class Simulator:
     def __init__(self, cache, requests, *, accept_rate: float = 0.7, seed: int = 0, writer=None, lock=None,
                  step_s: float = 0.02, record: bool = True, time_model: TimeModel | None = None,
-                 sample_s: float = 0.0) -> None:
+                 sample_s: float = 0.0, host=None) -> None:
         self.cache = cache
+        # the host tier under the prefix cache (a tiers.HostLink), and its copy stream's clock:
+        # moves run one after another on it, each for its modeled seconds (tiers.modeled)
+        self.host = host
+        self.host_clock = HostClock()
         free, self._followers = _split_sessions(requests)
         self.pending = deque(sorted(free, key=lambda r: r.arrival_s))
         self._released: list = []      # heap of (arrival_s, order, request): turns whose predecessor ended
@@ -127,6 +132,7 @@ class Simulator:
         self.draft_tokens = cache.plan.options.draft_tokens
         self.chunk = cache.plan.options.chunked_prefill_tokens
         self.max_len = cache.plan.options.max_model_len
+        self.max_running = cache.plan.options.max_running_requests
         self.accept_rate = accept_rate
         self.rng = np.random.default_rng(seed)
         self.writer = writer
@@ -158,19 +164,30 @@ class Simulator:
         self._arrive(now_s)
         with self.lock:
             self._admit(now_s)
-            if self.running:
+            blocked = self._restoring_until(now_s)
+            if self.running and blocked is None:
                 with self.cache.allocator.forward():
                     decoded = self._decode(self.chunk)
-                    prefilled = self._prefill(self.chunk - decoded)
+                    prefilled = self._prefill(self.chunk - decoded, now_s)
                 self._finish_done(now_s)
                 self.stats.steps += 1
                 self.last_pass_s = self.time_model.pass_time_s(prefilled, decoded)
-            else:
+            else:   # idle, or every running request waits for its restores: no pass until they land
                 self.cache.flush()
-                self.last_pass_s = self.time_model.pass_s
+                self.last_pass_s = self.time_model.pass_s if blocked is None else min(self.time_model.pass_s,
+                                                                                      blocked - now_s)
+            if self.host is not None:
+                self.host_clock.charge_offloads(self.host, now_s)
             occupied = self.cache.ledger.occupied_bytes()
             snap = self.cache.ledger.snapshot() if self._sampling(now_s) else None
         self._observe(now_s, occupied, snap)
+
+    def _restoring_until(self, now_s: float) -> float | None:
+        """When nothing running can take a pass before its restores land: the first landing."""
+        if self.host is None or not self.running or self._decoding:
+            return None
+        first = min(x.ready_s for x in self._prefilling.values())
+        return first if first > now_s else None
 
     def _arrive(self, now_s: float) -> None:
         while self.pending and self.pending[0].arrival_s <= now_s:
@@ -201,12 +218,15 @@ class Simulator:
                 self._release_followers(r.id, now_s)
                 continue
             ids = r.token_ids() if self.cache.prefix is not None else None
+            if self.host is not None and len(self.running) < self.max_running:   # not before it has a slot:
+                self.host_clock.prefetch(self.host, r, ids, now_s)   # restored pages would be evicted again
             if not self.cache.can_admit(r.prompt_tokens, r.output_tokens, token_ids=ids):
                 self.stats.blocked_steps += 1
                 return
             self.waiting.popleft()
             adm = self.cache.admit(r.id, r.prompt_tokens, r.output_tokens, token_ids=ids)
-            live = _Live(r, prefilled=adm.cached_tokens)   # the cached prompt is not computed again
+            live = _Live(r, prefilled=adm.cached_tokens,   # the cached prompt is not computed again
+                         ready_s=self.host_clock.admitted(r.id, now_s) if self.host is not None else 0.0)
             self.running[r.id] = self._prefilling[r.id] = live
             self.stats.admitted += 1
 
@@ -245,12 +265,16 @@ class Simulator:
         ok = self.rng.random((len(drafts), d)) < self.accept_rate
         return np.minimum(np.cumprod(ok, axis=1).sum(axis=1), drafts)
 
-    def _prefill(self, budget: int) -> int:
+    def _prefill(self, budget: int, now_s: float = 0.0) -> int:
         """Prompt tokens written this pass (at most budget)."""
         done, complete = 0, []
         for x in self._prefilling.values():
             if budget <= done:
                 break
+            if x.ready_s > now_s:   # its host-tier restores are still in flight
+                continue
+            if self.host is not None:
+                self.host_clock.first_pass(x.req.id, now_s)
             n = min(x.req.prompt_tokens - x.prefilled, budget - done)
             idx = self.cache.extend(x.req.id, n)
             if self.writer is not None:
@@ -327,3 +351,57 @@ class Simulator:
                 "done": self.done, "draft_tokens": self.draft_tokens,
                 "accept_rate": self.accept_rate,
                 "prefix": self.cache.prefix.stats.as_dict() if self.cache.prefix is not None else None}
+
+
+class HostClock:
+    """The host tier's copy stream on the simulator's clock. Every move takes its modeled seconds
+    (`Transfer.modeled_s`: bytes at the measured H200 bandwidth plus a cost per copy call), one
+    after another. Offloads (device to host, at eviction) only occupy the stream: the device
+    units they free are reused at once, as the allocator sees it, and a pass never waits for
+    them; a restore queued behind them waits, and the request that restores waits for its
+    restores to land before its first forward pass."""
+
+    def __init__(self) -> None:
+        self.free_s = 0.0          # when the copy stream is next idle
+        self.charged_host_s = 0.0  # offload seconds already on the stream
+        self.restore_s = 0.0       # restore seconds, summed
+        self.wait_s = 0.0          # admission to first pass of restoring requests, summed
+        self.restoring = 0         # requests that waited for a restore
+        self._ready: dict = {}     # request id -> its restores' times, until its first pass
+        # request id -> (restores issued at, admitted at, queued behind earlier moves, restore
+        # seconds, first pass at): issued before admission when memory held the request back
+        self.first_passes: dict = {}
+
+    def charge_offloads(self, link, now_s: float) -> None:
+        new = link.tier.modeled_seconds["host"] - self.charged_host_s
+        if new > 0:
+            self.free_s = max(self.free_s, now_s) + new
+            self.charged_host_s += new
+
+    def prefetch(self, link, req, ids, now_s: float) -> None:
+        ready = link.prefetch(req.prompt_tokens, token_ids=ids)
+        self.charge_offloads(link, now_s)    # room made on the device goes first on the stream
+        if ready is None:
+            return
+        start = max(self.free_s, now_s)
+        self.free_s = start + ready.modeled_s
+        w = self._ready.setdefault(req.id, {"queued_s": 0.0, "restore_s": 0.0, "issued_s": now_s})
+        w["queued_s"] += start - now_s
+        w["restore_s"] += ready.modeled_s
+        w["ready_s"] = self.free_s
+        self.restore_s += ready.modeled_s
+
+    def admitted(self, rid, now_s: float) -> float:
+        """When this request's restores land (0: it has none)."""
+        w = self._ready.get(rid)
+        if w is None:
+            return 0.0
+        w["admitted_s"] = now_s
+        return w["ready_s"]
+
+    def first_pass(self, rid, now_s: float) -> None:
+        w = self._ready.pop(rid, None)
+        if w is not None:
+            self.first_passes[rid] = (w["issued_s"], w["admitted_s"], w["queued_s"], w["restore_s"], now_s)
+            self.wait_s += now_s - w["admitted_s"]
+            self.restoring += 1

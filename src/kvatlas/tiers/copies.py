@@ -71,6 +71,7 @@ class Transfer:
     def __init__(self, direction: str, nbytes: int, items: int, start, end, issued_s: float) -> None:
         self.direction, self.nbytes, self.items = direction, nbytes, items
         self._start, self._end, self._issued_s = start, end, issued_s
+        self.modeled_s = 0.0   # the H200 time model's seconds for this move (set by the host tier)
         self._latency_s = None if end is not None else time.perf_counter() - issued_s
 
     def done(self) -> bool:

@@ -60,6 +60,7 @@ class HostIndex:
         self.plan = plan_host(device_plan, host_memory_bytes, checkpoint_share)
         self.slots = {g: HostSlots(f"host {GROUP_LABEL[g]}", n) for g, n in self.plan.units.items()}
         self.moves = MoveCounters()
+        self.modeled_seconds = {"host": 0.0, "device": 0.0}   # summed modeled move times, per direction
         self._in_flight: list[Transfer] = []
         spec = {s.buffer: device_plan.buffer(s.buffer) for s in self.plan.sources.values()}
         self._source_group = {b.name: spec[self.plan.sources[b.name].buffer].group for b in self.plan.buffers}
@@ -140,7 +141,7 @@ class HostIndex:
         except BaseException:
             self.unclaim(claim)
             raise
-        t = self._copy("device", g, claim.slots, where)
+        t = self._modeled(self._copy("device", g, claim.slots, where), g, claim.slots)
         self.slots[g].free_claimed(claim.slots)
         self.moves.bytes_to_device += t.nbytes
         self.moves.moved_to_device[g] += len(claim.keys)
@@ -150,7 +151,7 @@ class HostIndex:
     def _offload(self, group: str, keys: list, where) -> Offload:
         self.slots[group].check_new(keys)
         slots, evicted = self.slots[group].put(keys)
-        t = self._copy("host", group, slots, where)
+        t = self._modeled(self._copy("host", group, slots, where), group, slots)
         m = self.moves
         m.bytes_to_host += t.nbytes
         m.moved_to_host[group] += len(keys)
@@ -195,6 +196,14 @@ class HostIndex:
         return at
 
     # ------------------------------------------------------------------ accounting
+    def _modeled(self, t: Transfer, group: str, slots: np.ndarray) -> Transfer:
+        """Stamp `t.modeled_s`: the H200-measured time of this move (the simulator's clock
+        charges it, on either tier, so a CPU run models the same time as a GPU run)."""
+        from .modeled import modeled_move_seconds   # modeled.py builds on this module
+        t.modeled_s = modeled_move_seconds(t.direction, self.plan, group, slots)
+        self.modeled_seconds[t.direction] += t.modeled_s
+        return t
+
     def _track(self, t: Transfer) -> None:
         self._in_flight.append(t)
         self.poll()

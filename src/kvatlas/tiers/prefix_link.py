@@ -172,6 +172,15 @@ class Ready:
     def __init__(self, transfers) -> None:
         self.transfers = transfers
 
+    @property
+    def modeled_s(self) -> float:
+        """Modeled seconds until the request may run (its restores, one after another)."""
+        return sum(t.modeled_s for t in self.transfers)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.transfers)
+
     def done(self) -> bool:
         return all(t.done() for t in self.transfers)
 
