@@ -71,10 +71,10 @@ class Sharing:
         units = np.where(self.pend_b[s] == boundary, self.pend_u[s], -1)
         miss = np.flatnonzero(units < 0)
         if len(miss):   # first touch of a boundary's tail (or an older pending one of a chunk)
-            width = self.max_len + P
-            uniq, inv = np.unique(s[miss] * width + boundary[miss], return_inverse=True)
-            got = [self._pending_unit(q // width, q % width) for q in uniq.tolist()]
-            units[miss] = np.array(got, np.int64)[inv]
+            # a few per decode step: Python tuples beat np.unique; taken in (slot, boundary) order
+            keys = list(zip(s[miss].tolist(), boundary[miss].tolist()))
+            got = {q: self._pending_unit(*q) for q in sorted(set(keys))}
+            units[miss] = [got[q] for q in keys]
         out = {}
         for name, rows in self.ckpt_buffers.items():
             off = pos[hit] - (boundary - rows)
@@ -165,14 +165,19 @@ class Sharing:
 
     def release_checkpoint(self, unit: int, pages, pinned: bool = False) -> None:
         """Give a resume point back: its unit, and its SWA pages (orphaned while still read)."""
-        if pinned:
-            self.swa_refs[pages] -= 1
+        refs, ids = self.swa_refs, pages.tolist()   # a tail of 1-3 distinct pages: Python scalars
+        if pinned:                                   # beat a numpy call per line (~4 per decode step)
+            for page in ids:
+                refs[page] -= 1
         elif self.ledger is not None:
-            self.ledger.add_evictable(SWA_PAGES, -int(np.count_nonzero(self.swa_refs[pages] == 0)))
-        idle = pages[self.swa_refs[pages] == 0]
-        self.swa_orphan[pages[self.swa_refs[pages] > 0]] = True
-        self._drop_cached_swa(idle)
-        self._free(self.ckpt, CHECKPOINTS, np.array([unit]))
+            self.ledger.add_evictable(SWA_PAGES, -sum(1 for page in ids if refs[page] == 0))
+        idle = [page for page in ids if refs[page] == 0]
+        for page in ids:
+            if refs[page] > 0:
+                self.swa_orphan[page] = True
+        if idle:
+            self._drop_cached_swa(np.array(idle, np.int64))
+        self._free(self.ckpt, CHECKPOINTS, np.array([unit], np.int64))
         if self.ledger is not None:
             self.ledger.add_units(CHECKPOINTS, -1)
 
