@@ -50,6 +50,14 @@ class HostMemory:
     def tensor_bytes(self) -> int:
         return 0 if self.slab is None else self.slab.untyped_storage().nbytes()
 
+    def __del__(self) -> None:
+        # A tier dropped without close() must not leave its range registered: the freed slab's
+        # addresses get reused by ordinary tensors, and a copy from pageable memory that a stale
+        # registration covers fails with "invalid argument" (seen on the H200 when a whole GPU
+        # test run shared one process).
+        if getattr(self, "pinned", False):
+            self.release()
+
     def release(self) -> None:
         if self.slab is not None and self.pinned:
             import torch
