@@ -225,12 +225,17 @@ class Allocator(Release, Sharing):
             self._grouped -= 1
 
     def flush(self) -> None:
-        """The last forward pass has completed: retire what fell out of every window now."""
+        """The last forward pass has completed: retire what fell out of every window now, and
+        make the resume-point captures still waiting for their batch (prefix cache)."""
         if not self._grouped:
-            self._begin_forward()
+            self._begin_forward(settle=True)
 
-    def _begin_forward(self) -> None:
-        if self._grouped or not self._written:
+    def _begin_forward(self, settle: bool = False) -> None:
+        if self._grouped:
+            return
+        if self.prefix_on:   # resume points reached by the pass: before their tail can retire
+            self._pass_over(settle)
+        if not self._written:
             return
         written = np.unique(np.concatenate(self._written)) if len(self._written) > 1 else self._written[0]
         self._written.clear()
@@ -239,8 +244,6 @@ class Allocator(Release, Sharing):
         self.last_write[written] = 0
         if self._epoch != self._written_epoch:   # some request finished since: skip its slot
             written = written[self.slots.owner[written] != 0]
-        if self.pending:   # resume points reached by the pass: before their tail can retire
-            self._commit_captures()
         self._retire(written)
 
     def _retire(self, slots: np.ndarray) -> None:
@@ -302,6 +305,8 @@ class Allocator(Release, Sharing):
         if int((hi[i] - self.swa_lo[sub]).max()) > self.ring:
             raise KvatlasError(f"one write spans more SWA pages than a request can hold ({self.ring}); keep "
                                f"chunks within chunked_prefill_tokens={self.plan.options.chunked_prefill_tokens}")
+        if int(n.sum()) > self.swa.free and self._reached:
+            self._commit_captures()   # waiting captures hold tails their decisions give back
         if int(n.sum()) > self.swa.free and self.on_need_checkpoint is not None:
             # resume points hold SWA tails: drop some rather than refuse a write
             while int(n.sum()) > self.swa.free and self.on_need_checkpoint():
@@ -371,9 +376,11 @@ class Allocator(Release, Sharing):
         self.last_write[slots] = counts
         self._written.append(slots)
         self._written_epoch = self._epoch
-        idx = self._indices(slots, counts, L0, prefill)
-        if self.resume_tokens:
-            idx.checkpoint_rows.update(self._checkpoint_rows(idx.request_slots, idx.positions))
+        idx, within = self._indices(slots, counts, L0, prefill)
+        if self.resume_tokens and len(within):
+            most = counts if isinstance(counts, int) else int(counts.max())
+            self._pass_tokens = max(self._pass_tokens, most)
+            idx.checkpoint_rows.update(self._checkpoint_rows(idx.request_slots, idx.positions, within))
         if self.ledger is not None:  # the block-completion masks already count new compressed entries
             if self.swa is not None:
                 self.ledger.add_entries("swa", idx.num_tokens)
@@ -399,10 +406,11 @@ class Allocator(Release, Sharing):
         else:
             tok_slots, pos = np.repeat(slots, counts), np.repeat(L0, counts) + ramp(counts)
         compressed = {}
+        within = mod(pos, self.P)   # position within its full page
         if self.full is not None:   # 1-D takes from the flat tables: cheaper than 2-D fancy indexing
             cols = self.full_table.shape[1]
             page = self.full_table.ravel().take(tok_slots * cols + div(pos, self.P))
-            full_slots = page * self.P + mod(pos, self.P)
+            full_slots = page * self.P + within
             pos1 = pos + 1
             for r in self.ratios:  # r divides P, so entry = page * (P // r) + within // r = full_slot // r
                 compressed[r] = (mod(pos1, r) == 0, div(full_slots, r))
@@ -419,4 +427,4 @@ class Allocator(Release, Sharing):
             full_slots = np.full(len(pos), -1, np.int64)
         ws = np.arange(len(pos), dtype=np.int64) if prefill and self.window_rows else EMPTY
         return WriteIndices(request_slots=tok_slots, positions=pos, swa_slots=swa, full_slots=full_slots,
-                            compressed=compressed, state_rows=rows, workspace_rows=ws)
+                            compressed=compressed, state_rows=rows, workspace_rows=ws), within

@@ -75,6 +75,8 @@ class Release:
         if self.prefix_on:
             self._commit_captures([slot])   # its last write is final: resume points it reached
             self._drop_pending(slot)
+            if self.on_slot_end is not None:
+                self.on_slot_end(slot)
         del self.slot_of[request_id]
         self._epoch += 1
         L = int(self.length[slot])
@@ -101,12 +103,12 @@ class Release:
 
     def _drop_pending(self, slot: int) -> None:
         """Resume points the request did not reach (rolled back, or finished before them)."""
-        for unit in self.pending.pop(slot, {}).values():
-            if unit:
-                self._free(self.ckpt, CHECKPOINTS, np.array([unit]))
-                if self.ledger is not None:
-                    self.ledger.add_units(CHECKPOINTS, -1)
-        self._pending_changed(slot)
+        units = [u for u in (*self.older.pop(slot, {}).values(), int(self.pend_u[slot])) if u]
+        self.pend_b[slot] = self.pend_u[slot] = 0
+        if units:
+            self._free(self.ckpt, CHECKPOINTS, np.array(units, np.int64))
+            if self.ledger is not None:
+                self.ledger.add_units(CHECKPOINTS, -len(units))
 
     def _finish_shared(self, slot: int, keep_pages) -> None:
         """Full pages at finish: shared ones lose a reader, kept ones pass to the cache; _trim

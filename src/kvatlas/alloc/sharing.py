@@ -47,53 +47,100 @@ class Sharing:
         self.ckpt_buffers = {b.name: b.entries_per_unit for b in plan.buffers if b.group == CHECKPOINTS}
         self.resume_tokens = max(self.ckpt_buffers.values(), default=0)
         self.tail_swa_pages = plan.sizing.checkpoint_swa_pages
-        self.pending: dict[int, dict[int, int]] = {}   # slot -> boundary -> unit (0: not saved)
-        # the decode path's fast lookups: each slot's latest pending boundary and its unit, and its
-        # smallest pending boundary (numpy over a batch instead of a dict per token)
+        # pending resume points, one per slot in arrays (the decode path: numpy over a batch, no
+        # dict per token): the slot's latest pending boundary (0: none) and its unit (0: not saved);
+        # `older` holds the rare ones below it (one write that crossed several boundaries)
         self.pend_b = np.zeros(n, np.int64)
         self.pend_u = np.zeros(n, np.int64)
-        self.pend_min = np.full(n, np.iinfo(np.int64).max, np.int64)
-        self.on_capture = None                         # prefix cache: (slot, boundary, unit, swa_pages)
-        self.on_need_checkpoint = None                 # prefix cache: free one unit by eviction, or False
+        self.older: dict[int, dict[int, int]] = {}
+        self._reaching: list = []   # slots that wrote the last token before a pending boundary, this pass
+        self._reached: list = []    # … in passes that are over: their captures are due, in one batch
+        self._pass_tokens = 0       # the most tokens one request wrote in this pass
+        self._defer_tokens = 0      # … summed over the passes since the oldest capture became due
+        self._defer_limit = self._capture_deadline()
+        self._tails_distinct = self.window - 1 <= self.P   # two tails never share a page
+        self._tail_cols = np.arange(self.tail_swa_pages if self.swa is not None else 0, dtype=np.int64)
+        groups: dict[int, list] = {}
+        for name, rows in self.ckpt_buffers.items():
+            groups.setdefault(rows, []).append(name)
+        self._ckpt_groups = sorted(groups.items())
+        self.on_capture = None        # prefix cache: (slots, boundaries, units, swa_pages[m, tail])
+        self.on_need_checkpoint = None  # prefix cache: free one unit by eviction, or False
+        self.on_slot_end = None       # prefix cache: a request it may know of leaves its slot
+
+    def _capture_deadline(self) -> int:
+        """Due captures wait and are made in one batch, as long as the tail pages they take stay in
+        their request's window: a tail's first page retires once the request is `margin` tokens
+        past the boundary. Waiting is capped at 32 tokens of progress (the units and SWA pages the
+        waiting captures hold back are few, and a shortage of either makes them at once)."""
+        if self.swa is None:
+            return 32
+        margin = (1 - self.tail_swa_pages) * self.Ps + self.window - 1
+        return max(min(margin, 32), 1)
 
     # ------------------------------------------------------------ resume rows in the write path
-    def _checkpoint_rows(self, tok_slots, pos) -> dict:
+    def _checkpoint_rows(self, tok_slots, pos, within) -> dict:
         """Per checkpoint buffer: (token index, row in the buffer) of the rows to save."""
         P, k = self.P, self.resume_tokens
-        if not k or not len(pos):
-            return {}
-        within = mod(pos, P)
-        hit = np.flatnonzero(within >= P - k)
+        hit = (within >= P - k).nonzero()[0]
         if not len(hit):
             return {}
-        boundary = (div(pos[hit], P) + 1) * P
-        s = tok_slots[hit]
-        units = np.where(self.pend_b[s] == boundary, self.pend_u[s], -1)
-        miss = np.flatnonzero(units < 0)
-        if len(miss):   # first touch of a boundary's tail (or an older pending one of a chunk)
-            # a few per decode step: Python tuples beat np.unique; taken in (slot, boundary) order
-            keys = list(zip(s[miss].tolist(), boundary[miss].tolist()))
-            got = {q: self._pending_unit(*q) for q in sorted(set(keys))}
-            units[miss] = [got[q] for q in keys]
+        s, w = tok_slots[hit], within[hit]
+        bnd = pos[hit] + (P - w)
+        units = self.pend_u[s]
+        miss = self.pend_b[s] != bnd
+        if miss.any():   # first touch of a boundary's tail (a few per decode step)
+            units = self._touch(s, bnd, units, miss)
+        last = w == P - 1
+        if last.any():   # the boundary is reached when this pass is over (unless rolled back)
+            self._reaching.append(s[last])
         out = {}
-        for name, rows in self.ckpt_buffers.items():
-            off = pos[hit] - (boundary - rows)
-            keep = (off >= 0) & (units > 0)
-            out[name] = (hit[keep], units[keep] * rows + off[keep])
+        for rows, names in self._ckpt_groups:
+            off = w - (P - rows)
+            ok = units > 0 if rows == k else (units > 0) & (off >= 0)
+            got = (hit, units * rows + off) if ok.all() else (hit[ok], units[ok] * rows + off[ok])
+            for name in names:
+                out[name] = got
         return out
 
+    def _touch(self, s, bnd, units, miss) -> np.ndarray:
+        """Units for the tails first written now: popped at once when each is a fresh slot's only
+        one (every decode step), else one by one in token order (chunks, drafts, rewrites)."""
+        i = miss.nonzero()[0]
+        ms, m = s[i], len(i)
+        if (self.backing is None and self.ckpt.free >= m and not self.pend_b[ms].any()
+                and (m == 1 or (ms[1:] != ms[:-1]).all())):   # a slot's tokens are adjacent
+            got = self.ckpt.pop(m, CACHE_OWNER - 1)
+            self.pend_b[ms], self.pend_u[ms] = bnd[i], got
+            if self.ledger is not None:
+                self.ledger.add_units(CHECKPOINTS, m)
+            units[i] = got
+            return units
+        for j, slot, b in zip(i.tolist(), ms.tolist(), bnd[i].tolist()):
+            units[j] = self._pending_unit(slot, b)
+        return units
+
     def _pending_unit(self, slot: int, boundary: int) -> int:
-        mine = self.pending.setdefault(slot, {})
-        unit = mine.get(boundary)
-        if unit is None:
-            unit = mine[boundary] = self._take_checkpoint_unit(slot)
-            if boundary > self.pend_b[slot]:
-                self.pend_b[slot], self.pend_u[slot] = boundary, unit
-            self.pend_min[slot] = min(int(self.pend_min[slot]), boundary)
+        latest = int(self.pend_b[slot])
+        if boundary == latest:
+            return int(self.pend_u[slot])
+        mine = self.older.get(slot, {})
+        if boundary in mine:
+            return mine[boundary]
+        unit = self._take_checkpoint_unit(slot)
+        if latest == 0:
+            self.pend_b[slot], self.pend_u[slot] = boundary, unit
+        elif boundary > latest:
+            self.older.setdefault(slot, {})[latest] = int(self.pend_u[slot])
+            self.pend_b[slot], self.pend_u[slot] = boundary, unit
+        else:
+            self.older.setdefault(slot, {})[boundary] = unit
         return unit
 
     def _take_checkpoint_unit(self, slot: int) -> int:
         """Best effort: a resume point not saved is a miss later, never a refused write."""
+        if self.ckpt.free == 0 and self._reached:
+            self._commit_captures()   # waiting captures hold units their decisions give back
         if self.ckpt.free == 0 and not (self.on_need_checkpoint and self.on_need_checkpoint()):
             if self.ledger is not None:
                 self.ledger.checkpoints_skipped += 1
@@ -103,59 +150,91 @@ class Sharing:
                 self.backing.acquire(((CHECKPOINTS, self.ckpt.peek(1)),))
             except PoolExhaustedError:
                 return 0
-        unit = int(self.ckpt.pop(1, 0)[0])
-        self.ckpt.owner[unit] = CACHE_OWNER
+        unit = int(self.ckpt.pop(1, CACHE_OWNER - 1)[0])
         if self.ledger is not None:
             self.ledger.add_units(CHECKPOINTS, 1)
         return unit
 
     # ------------------------------------------------------------ commit: pass the tail to the cache
+    def _pass_over(self, settle: bool) -> None:
+        """A forward pass is over (called as the next begins): the boundaries it reached are final.
+        Their captures are made in one batch once due (see _capture_deadline), or now if `settle`."""
+        if self._reaching or self._reached:
+            self._defer_tokens += self._pass_tokens
+            self._reached += self._reaching
+            self._reaching = []
+        self._pass_tokens = 0
+        if self._reached and (settle or self._defer_tokens >= self._defer_limit):
+            self._commit_captures()
+
     def _commit_captures(self, slots=None) -> None:
-        """The forward pass that wrote `slots` (None: every slot) is over: the resume points they
-        reached are final (a slot not written cannot have reached a new one)."""
-        if not self.pending:
-            return
-        reached = np.flatnonzero(self.pend_min <= self.length)   # a few slots per decode step
-        if slots is not None:
-            reached = np.intersect1d(reached, np.asarray(slots, np.int64))
-        for slot in reached.tolist():
-            mine = self.pending[slot]
-            L = int(self.length[slot])
-            for b in sorted(b for b in mine if b <= L):
-                unit = mine.pop(b)
-                if unit:
-                    self._capture(slot, b, unit)
-            self._pending_changed(slot)
-
-    def _pending_changed(self, slot: int) -> None:
-        mine = self.pending.get(slot)
-        if not mine:
-            self.pending.pop(slot, None)
-            self.pend_b[slot] = self.pend_u[slot] = 0
-            self.pend_min[slot] = np.iinfo(np.int64).max
-            return
-        self.pend_min[slot] = min(mine)
-        if self.pend_b[slot] not in mine:
-            last = max(mine)
-            self.pend_b[slot], self.pend_u[slot] = last, mine[last]
-
-    def _capture(self, slot: int, b: int, unit: int) -> None:
-        pages = EMPTY
-        if self.swa is not None:   # two pages: Python scalars beat numpy's per-call cost here
-            lo = (b - (self.window - 1)) // self.Ps
-            row, owner, refs = self.swa_table[slot], self.swa.owner, self.swa_refs
-            ids = [int(row[j % self.ring]) for j in range(lo, b // self.Ps)]
-            for page in ids:
-                if owner[page] == slot + 1:
-                    owner[page] = CACHE_OWNER
-                    refs[page] += 1             # still in the slot's window
-                    self.swa_cached[slot] += 1
-                refs[page] += 1                 # the pin of an undecided capture
-            pages = np.array(ids, np.int64)
-        if self.on_capture is None:
-            self.release_checkpoint(unit, pages, pinned=True)
+        """Make the captures of the boundaries that `slots` (None: every slot whose pass is over)
+        have reached: their tails pass to the cache and `on_capture` decides."""
+        if slots is None:
+            if not self._reached:
+                return
+            cand = np.unique(np.concatenate(self._reached))   # a slot may be listed more than once
+            self._reached, self._defer_tokens = [], 0
         else:
-            self.on_capture(slot, b, unit, pages)
+            cand = np.asarray(slots, np.int64)
+        L, b = self.length[cand], self.pend_b[cand]
+        due = (b > 0) & (b <= L)
+        if self.older:   # slots with several pending boundaries: in order, one at a time
+            for slot in set(cand.tolist()) & self.older.keys():
+                self._commit_older(slot, int(self.length[slot]))
+            due &= self.pend_b[cand] > 0
+        r = cand[due]
+        if len(r):
+            u = self.pend_u[r]
+            self.pend_b[r] = self.pend_u[r] = 0
+            self._capture(r, b[due], u)
+
+    def _commit_older(self, slot: int, L: int) -> None:
+        mine = self.older.pop(slot)
+        for b in sorted(mine):
+            if b <= L:
+                self._capture(np.array([slot]), np.array([b]), np.array([mine.pop(b)]))
+        if mine:
+            self.older[slot] = mine
+        latest = int(self.pend_b[slot])
+        if 0 < latest <= L and not mine:
+            u = np.array([self.pend_u[slot]])
+            self.pend_b[slot] = self.pend_u[slot] = 0
+            self._capture(np.array([slot]), np.array([latest]), u)
+
+    def _capture(self, r, b, u) -> None:
+        """Captures of distinct slots r at boundaries b with units u (0: not saved, skipped)."""
+        saved = u > 0
+        if not saved.all():
+            r, b, u = r[saved], b[saved], u[saved]
+            if not len(r):
+                return
+        pages = self._pin_tails(r, b)
+        if self.on_capture is None:
+            self.release_checkpoints(u, pages, pinned=True)
+        else:
+            self.on_capture(r, b, u, pages)
+
+    def _pin_tails(self, r, b) -> np.ndarray:
+        """The SWA pages of the window - 1 tokens before each boundary ([m, tail]): the request's
+        own pass to the cache (still read by the request: one reference), and every one gets the
+        pin of an undecided capture."""
+        if self.swa is None:
+            return np.zeros((len(r), 0), np.int64)
+        rows = r[:, None]
+        cols = mod(div(b, self.Ps)[:, None] - len(self._tail_cols) + self._tail_cols, self.ring)
+        pages = self.swa_table[rows, cols]
+        own = self.swa.owner[pages] == rows + 1
+        pin = 1
+        if own.any():
+            self.swa.owner[pages[own]] = CACHE_OWNER
+            self.swa_cached[r] += own.sum(axis=1)
+            pin = own + 1
+        if self._tails_distinct:
+            self.swa_refs[pages] += pin
+        else:
+            np.add.at(self.swa_refs, pages, np.broadcast_to(pin, pages.shape))
+        return pages
 
     def unpin_checkpoint(self, pages) -> None:
         """A capture the cache keeps: drop its pin; pages read by no request become evictable."""
@@ -164,22 +243,30 @@ class Sharing:
             self.ledger.add_evictable(SWA_PAGES, int(np.count_nonzero(self.swa_refs[pages] == 0)))
 
     def release_checkpoint(self, unit: int, pages, pinned: bool = False) -> None:
-        """Give a resume point back: its unit, and its SWA pages (orphaned while still read)."""
-        refs, ids = self.swa_refs, pages.tolist()   # a tail of 1-3 distinct pages: Python scalars
-        if pinned:                                   # beat a numpy call per line (~4 per decode step)
-            for page in ids:
-                refs[page] -= 1
-        elif self.ledger is not None:
-            self.ledger.add_evictable(SWA_PAGES, -sum(1 for page in ids if refs[page] == 0))
-        idle = [page for page in ids if refs[page] == 0]
-        for page in ids:
-            if refs[page] > 0:
-                self.swa_orphan[page] = True
-        if idle:
-            self._drop_cached_swa(np.array(idle, np.int64))
-        self._free(self.ckpt, CHECKPOINTS, np.array([unit], np.int64))
+        self.release_checkpoints(np.array([unit], np.int64), np.asarray(pages, np.int64)[None], pinned)
+
+    def release_checkpoints(self, units, pages, pinned: bool = False) -> None:
+        """Give resume points back: their units, and their SWA pages ([m, tail]; orphaned while a
+        request still reads them). `pinned`: captures not yet kept, each holding one pin."""
+        ids = pages.ravel()
+        if len(ids):
+            refs = self.swa_refs
+            if pinned:
+                if self._tails_distinct:
+                    refs[ids] -= 1
+                else:
+                    np.subtract.at(refs, ids, 1)
+            elif self.ledger is not None:   # kept ones: their idle pages were counted evictable
+                self.ledger.add_evictable(SWA_PAGES, -int(np.count_nonzero(refs[ids] == 0)))
+            idle = refs[ids] == 0
+            if not idle.all():
+                self.swa_orphan[ids[~idle]] = True
+            if idle.any():
+                gone = ids[idle]
+                self._drop_cached_swa(gone if self._tails_distinct else np.unique(gone))
+        self._free(self.ckpt, CHECKPOINTS, units)
         if self.ledger is not None:
-            self.ledger.add_units(CHECKPOINTS, -1)
+            self.ledger.add_units(CHECKPOINTS, -len(units))
 
     def _drop_cached_swa(self, pages) -> None:
         if len(pages) == 0:

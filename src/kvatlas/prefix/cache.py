@@ -36,11 +36,10 @@ class SharedPrefix:
 
 
 class _Request:
-    __slots__ = ("keys", "path", "divergence", "tentative", "kept", "prompt_tokens")
+    __slots__ = ("keys", "path", "kept", "prompt_tokens")
 
-    def __init__(self, keys, path, divergence, prompt_tokens) -> None:
-        self.keys, self.path, self.divergence, self.prompt_tokens = keys, path, divergence, prompt_tokens
-        self.tentative = None
+    def __init__(self, keys, path, prompt_tokens) -> None:
+        self.keys, self.path, self.prompt_tokens = keys, path, prompt_tokens
         self.kept: list = []
 
 
@@ -64,8 +63,16 @@ class PrefixCache:
         self.requests: dict = {}
         self._intermediate: deque = deque()   # (request, kept intermediate point): what goes first
         self.clock = 0
+        # per request slot: the request's latest captured resume point (tentative: kept or dropped
+        # when its next one is captured, its end point if it finishes first), whether the slot's
+        # request is this cache's, and the boundary where its prompt left the tree (-1: none)
+        n, tail = allocator.plan.num_request_slots, allocator.tail_swa_pages if allocator.swa is not None else 0
+        self._tent_b, self._tent_u = np.zeros(n, np.int64), np.zeros(n, np.int64)
+        self._tent_pages, self._tent_div = np.zeros((n, tail), np.int64), np.zeros(n, bool)
+        self._mine, self._divergence = np.zeros(n, bool), np.full(n, -1, np.int64)
         allocator.on_capture = self._on_capture
         allocator.on_need_checkpoint = self._need_checkpoint
+        allocator.on_slot_end = self._slot_end
 
     @property
     def evictor(self):
@@ -133,8 +140,10 @@ class PrefixCache:
         ck = hit[-1].checkpoint if hit else None
         if ck is not None:
             self.tree.touch_checkpoint(ck, self.clock)
-        divergence = len(m.path) * self.P if len(m.path) > j else -1
-        self.requests[request_id] = _Request(m.keys, hit, divergence, prompt_tokens)
+        slot = adm.request_slot
+        self._mine[slot] = True
+        self._divergence[slot] = len(m.path) * self.P if len(m.path) > j else -1
+        self.requests[request_id] = _Request(m.keys, hit, prompt_tokens)
         self._count(m, prompt_tokens)
         return adm
 
@@ -163,21 +172,52 @@ class PrefixCache:
         s.missed_no_cached_prefix += (full - matched - gone) * P
 
     # ---------------------------------------------------------------- resume points
-    def _on_capture(self, slot, boundary, unit, swa_pages) -> None:
-        req = self.requests.get(self.alloc.rid_of[slot])
-        ck = Checkpoint(boundary, unit, swa_pages)
-        if req is None:
-            self._drop(ck)
-            return
-        ck.divergence = boundary == req.divergence
-        prev, req.tentative = req.tentative, ck
-        if prev is not None:
-            if self.policy.keep(end=False, divergence=prev.divergence, page=prev.boundary_tokens // self.P):
-                req.kept.append(prev)
-                if not prev.divergence:
-                    self._intermediate.append((req, prev))
-            else:
-                self._drop(prev)
+    def _on_capture(self, slots, boundaries, units, swa_pages) -> None:
+        """Captures of distinct slots, one batch: each slot's previous point is kept or dropped
+        (the policy), the new one becomes its tentative point."""
+        mine = self._mine[slots]
+        if not mine.all():   # requests admitted past the cache: nothing of theirs is kept
+            self._drop_many(units[~mine], swa_pages[~mine])
+            slots, boundaries, units, swa_pages = slots[mine], boundaries[mine], units[mine], swa_pages[mine]
+        prev = self._tent_u[slots]
+        had = prev > 0
+        if had.any():
+            div, pb = self._tent_div[slots], self._tent_b[slots]
+            keep = had & self.policy.keeps(div, pb // self.P)
+            drop = had & ~keep
+            if drop.any():
+                self._drop_many(prev[drop], self._tent_pages[slots[drop]])
+            for i in keep.nonzero()[0].tolist():
+                self._keep_intermediate(int(slots[i]), self._tentative(int(slots[i])))
+        self._tent_b[slots], self._tent_u[slots], self._tent_pages[slots] = boundaries, units, swa_pages
+        self._tent_div[slots] = boundaries == self._divergence[slots]
+
+    def _tentative(self, slot: int):
+        """The slot's tentative point as a Checkpoint (None if it has none)."""
+        if not self._tent_u[slot]:
+            return None
+        ck = Checkpoint(int(self._tent_b[slot]), int(self._tent_u[slot]), self._tent_pages[slot].copy())
+        ck.divergence = bool(self._tent_div[slot])
+        return ck
+
+    def _keep_intermediate(self, slot: int, ck) -> None:
+        req = self.requests[self.alloc.rid_of[slot]]
+        req.kept.append(ck)
+        if not ck.divergence:
+            self._intermediate.append((req, ck))
+
+    def _slot_end(self, slot: int) -> None:
+        """The slot's request is gone (finish() has taken its tentative point already; a request
+        finished on the allocator directly leaves nothing to keep)."""
+        if self._tent_u[slot]:
+            self._drop_many(self._tent_u[slot:slot + 1], self._tent_pages[slot:slot + 1])
+        self._tent_u[slot] = self._tent_b[slot] = 0
+        self._mine[slot] = False
+        req = self.requests.pop(self.alloc.rid_of[slot], None)
+        if req is not None:   # finished past the cache: its prefix stops being read
+            for ck in req.kept:
+                self._drop(ck)
+            self.tree.unref(req.path, self.clock)
 
     def _need_checkpoint(self) -> bool:
         """A capture finds no free unit: evict a cached resume point, or else drop an intermediate
@@ -198,6 +238,11 @@ class PrefixCache:
         ck.unit = -1
         self.stats.checkpoints_dropped += 1
 
+    def _drop_many(self, units, swa_pages) -> None:
+        if len(units):
+            self.alloc.release_checkpoints(units, swa_pages, pinned=True)
+            self.stats.checkpoints_dropped += len(units)
+
     # ---------------------------------------------------------------- finish: publish
     def finish(self, request_id, token_ids=None) -> None:
         """Finish a request; its full pages and kept resume points join the tree. token_ids (the
@@ -216,9 +261,11 @@ class PrefixCache:
             keys = page_keys(np.asarray(token_ids)[:L], self.P)
         a._commit_captures([slot])   # the last pass's resume points, while the request is known
         del self.requests[request_id]
-        if req.tentative is not None:
-            req.tentative.end = True
-            req.kept.append(req.tentative)
+        end = self._tentative(slot)
+        if end is not None:
+            end.end = True
+            req.kept.append(end)
+            self._tent_u[slot] = self._tent_b[slot] = 0
         self.clock += 1
         keep_cols, nodes = self._publish(slot, keys[: min(L // self.P, len(keys))])
         a.finish(request_id, keep_pages=keep_cols)

@@ -32,6 +32,12 @@ class Policy:
     def keep(self, *, end: bool, divergence: bool, page: int = 0) -> bool:
         return end or divergence or (self.keep_intermediate and page % self.spacing_pages == 0)
 
+    def keeps(self, divergence, page):
+        """keep() for arrays of points that are not ends."""
+        if not self.keep_intermediate:
+            return divergence
+        return divergence | (page % self.spacing_pages == 0)
+
     def eviction_class(self, *, end: bool, divergence: bool) -> int:
         """Lower classes are evicted first; LRU within a class."""
         return 1 if self.protect_marked and (end or divergence) else 0
