@@ -259,9 +259,10 @@ class Allocator(Release, Sharing):
         cols = mod(logical, self.ring)
         pages = self.swa_table[rows, cols].copy()
         if self.prefix_on:   # pages the cache holds lose a reader, they are not freed
-            cached = self._unref_swa(rows, pages)
-            pages = pages[~cached]
-            total = len(pages)
+            cached = self._unref_swa(pages)
+            if cached is not None:
+                pages = pages[~cached]
+                total = len(pages)
         self._free(self.swa, SWA_PAGES, pages, defer=True)
         self.swa_table[rows, cols] = 0
         self.swa_lo[slots] += k
@@ -305,7 +306,7 @@ class Allocator(Release, Sharing):
         if int((hi[i] - self.swa_lo[sub]).max()) > self.ring:
             raise KvatlasError(f"one write spans more SWA pages than a request can hold ({self.ring}); keep "
                                f"chunks within chunked_prefill_tokens={self.plan.options.chunked_prefill_tokens}")
-        if int(n.sum()) > self.swa.free and self._reached:
+        if int(n.sum()) > self.swa.free and self.prefix_on:
             self._commit_captures()   # waiting captures hold tails their decisions give back
         if int(n.sum()) > self.swa.free and self.on_need_checkpoint is not None:
             # resume points hold SWA tails: drop some rather than refuse a write
@@ -380,7 +381,7 @@ class Allocator(Release, Sharing):
         if self.resume_tokens and len(within):
             most = counts if isinstance(counts, int) else int(counts.max())
             self._pass_tokens = max(self._pass_tokens, most)
-            idx.checkpoint_rows.update(self._checkpoint_rows(idx.request_slots, idx.positions, within))
+            idx.checkpoint_rows.update(self._checkpoint_rows(idx.request_slots, idx.positions, within, most))
         if self.ledger is not None:  # the block-completion masks already count new compressed entries
             if self.swa is not None:
                 self.ledger.add_entries("swa", idx.num_tokens)

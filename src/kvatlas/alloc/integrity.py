@@ -38,7 +38,8 @@ def allocator_problems(a) -> list[str]:
         own = lambda s: cols(s)[a.swa.owner[cols(s)] != CACHE_OWNER]  # noqa: E731
         problems += _owned(a, live, "swa_pages", a.swa, own)
         cached = int(np.count_nonzero(a.swa.owner == CACHE_OWNER))
-        if int((a.swa_hi - a.swa_lo - a.swa_cached)[live].sum()) + cached != a.swa.used:
+        held = sum(int(a.swa_hi[s] - a.swa_lo[s]) - a.swa_cached_pages(s) for s in live)
+        if held + cached != a.swa.used:
             problems.append("swa_pages: held pages + cached pages != used pages")
         for s in live:
             if a.swa_hi[s] < cdiv(int(a.length[s]), a.Ps) or a.swa_hi[s] - a.swa_lo[s] > a.ring:

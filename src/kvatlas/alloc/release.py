@@ -55,7 +55,8 @@ class Release:
             return
         pages = self.swa_table[slot, cols].copy()
         if self.prefix_on:   # cache-held pages lose this reader; only the request's own are freed
-            pages = pages[~self._unref_swa(np.full(len(pages), slot), pages)]
+            cached = self._unref_swa(pages)
+            pages = pages if cached is None else pages[~cached]
         self._free(self.swa, SWA_PAGES, pages)
         self.swa_table[slot, cols] = 0
         if self.ledger is not None:
@@ -92,8 +93,6 @@ class Release:
         self._trim(slot)
         self.outstanding -= max(int(self.reserved[slot]) - int(self.full_held[slot]), 0)
         self.reserved[slot] = self.swa_lo[slot] = self.swa_hi[slot] = self.last_write[slot] = 0
-        if self.prefix_on:
-            self.swa_cached[slot] = 0
         self.rid_of[slot] = None
         self.slots.owner[slot] = 0
         self._free(self.slots, REQUEST_SLOTS, np.array([slot]))
@@ -104,7 +103,7 @@ class Release:
     def _drop_pending(self, slot: int) -> None:
         """Resume points the request did not reach (rolled back, or finished before them)."""
         units = [u for u in (*self.older.pop(slot, {}).values(), int(self.pend_u[slot])) if u]
-        self.pend_b[slot] = self.pend_u[slot] = 0
+        self._clear_pending(slot)
         if units:
             self._free(self.ckpt, CHECKPOINTS, np.array(units, np.int64))
             if self.ledger is not None:

@@ -31,6 +31,7 @@ from .arrays import EMPTY, div, mod
 from .entries import ratio_key
 
 CACHE_OWNER = -1
+NO_ROW = -(1 << 62)   # row_base of a slot with no unit for its next tail: any row from it is < 0
 
 
 class Sharing:
@@ -42,58 +43,69 @@ class Sharing:
         self.swa_refs = np.zeros(max(plan.num_swa_pages, 1), np.int64)
         self.swa_orphan = np.zeros(max(plan.num_swa_pages, 1), bool)
         self.full_shared = np.zeros(n, np.int64)   # leading table pages held by the cache
-        self.swa_cached = np.zeros(n, np.int64)    # cache-held pages among the slot's SWA pages
         self.ckpt = free_list(units) if units else None
         self.ckpt_buffers = {b.name: b.entries_per_unit for b in plan.buffers if b.group == CHECKPOINTS}
         self.resume_tokens = max(self.ckpt_buffers.values(), default=0)
         self.tail_swa_pages = plan.sizing.checkpoint_swa_pages
         # pending resume points, one per slot in arrays (the decode path: numpy over a batch, no
-        # dict per token): the slot's latest pending boundary (0: none) and its unit (0: not saved);
-        # `older` holds the rare ones below it (one write that crossed several boundaries)
+        # dict per token): the slot's latest pending boundary (0: none), its unit (0: not saved)
+        # and, for the decode path, the row of position 0 in it (row = row_base + position; NO_ROW
+        # when none); `older` holds the rare ones below it (one write that crossed several)
         self.pend_b = np.zeros(n, np.int64)
         self.pend_u = np.zeros(n, np.int64)
+        self.row_base = np.full(n, NO_ROW, np.int64)
         self.older: dict[int, dict[int, int]] = {}
-        self._reaching: list = []   # slots that wrote the last token before a pending boundary, this pass
-        self._reached: list = []    # … in passes that are over: their captures are due, in one batch
         self._pass_tokens = 0       # the most tokens one request wrote in this pass
-        self._defer_tokens = 0      # … summed over the passes since the oldest capture became due
-        self._defer_limit = self._capture_deadline()
+        self._defer_tokens = 0      # … summed over the passes since the last upkeep
+        self._defer_limit = self._upkeep_interval()
+        # units are taken ahead for tails that start within this many tokens (the progress until
+        # the next upkeep, one step's tokens more)
+        self._lookahead = self._defer_limit + self.resume_tokens + 1 + plan.options.draft_tokens
+        self._unit_reserve = plan.options.chunked_prefill_tokens // self.P + 1
         self._tails_distinct = self.window - 1 <= self.P   # two tails never share a page
+        self._windowed_cached = 0   # cache-held SWA pages in requests' windows, one per window
         self._tail_cols = np.arange(self.tail_swa_pages if self.swa is not None else 0, dtype=np.int64)
         groups: dict[int, list] = {}
         for name, rows in self.ckpt_buffers.items():
             groups.setdefault(rows, []).append(name)
         self._ckpt_groups = sorted(groups.items())
+        self._one_group = len(groups) == 1 and self.resume_tokens in groups   # every buffer saves k rows
+        self._tail_start = np.int64(self.P - self.resume_tokens)   # (a numpy scalar compares faster)
         self.on_capture = None        # prefix cache: (slots, boundaries, units, swa_pages[m, tail])
         self.on_need_checkpoint = None  # prefix cache: free one unit by eviction, or False
         self.on_slot_end = None       # prefix cache: a request it may know of leaves its slot
 
-    def _capture_deadline(self) -> int:
-        """Due captures wait and are made in one batch, as long as the tail pages they take stay in
-        their request's window: a tail's first page retires once the request is `margin` tokens
-        past the boundary. Waiting is capped at 32 tokens of progress (the units and SWA pages the
-        waiting captures hold back are few, and a shortage of either makes them at once)."""
+    def _upkeep_interval(self) -> int:
+        """Tokens of progress between two upkeeps (_upkeep): due captures wait for it, as long as
+        the tail pages they take stay in their request's window (a tail's first page retires once
+        the request is `margin` tokens past the boundary). At most 32: the units and SWA pages that
+        waiting captures and units taken ahead hold back stay few (for 1,024 decoding requests
+        about 128 units each), and a shortage of either runs the upkeep at once."""
         if self.swa is None:
             return 32
         margin = (1 - self.tail_swa_pages) * self.Ps + self.window - 1
         return max(min(margin, 32), 1)
 
     # ------------------------------------------------------------ resume rows in the write path
-    def _checkpoint_rows(self, tok_slots, pos, within) -> dict:
+    def _checkpoint_rows(self, tok_slots, pos, within, most: int) -> dict:
         """Per checkpoint buffer: (token index, row in the buffer) of the rows to save."""
         P, k = self.P, self.resume_tokens
-        hit = (within >= P - k).nonzero()[0]
+        hit = (within >= self._tail_start).nonzero()[0]
         if not len(hit):
             return {}
-        s, w = tok_slots[hit], within[hit]
+        s = tok_slots[hit]
+        if self._one_group and most <= P - k:
+            # a decode step: each request's tokens meet one tail at most, and its unit was taken
+            # ahead (_take_ahead), unless the request got there faster (NO_ROW: the general path)
+            rows = np.add(self.row_base[s], pos[hit])
+            if rows[rows.argmin()] >= 0:   # (argmin: a fraction of min()'s cost on a few values)
+                return dict.fromkeys(self.ckpt_buffers, (hit, rows))
+        w = within[hit]
         bnd = pos[hit] + (P - w)
         units = self.pend_u[s]
         miss = self.pend_b[s] != bnd
         if miss.any():   # first touch of a boundary's tail (a few per decode step)
             units = self._touch(s, bnd, units, miss)
-        last = w == P - 1
-        if last.any():   # the boundary is reached when this pass is over (unless rolled back)
-            self._reaching.append(s[last])
         out = {}
         for rows, names in self._ckpt_groups:
             off = w - (P - rows)
@@ -111,7 +123,7 @@ class Sharing:
         if (self.backing is None and self.ckpt.free >= m and not self.pend_b[ms].any()
                 and (m == 1 or (ms[1:] != ms[:-1]).all())):   # a slot's tokens are adjacent
             got = self.ckpt.pop(m, CACHE_OWNER - 1)
-            self.pend_b[ms], self.pend_u[ms] = bnd[i], got
+            self._set_pending(ms, bnd[i], got)
             if self.ledger is not None:
                 self.ledger.add_units(CHECKPOINTS, m)
             units[i] = got
@@ -129,18 +141,27 @@ class Sharing:
             return mine[boundary]
         unit = self._take_checkpoint_unit(slot)
         if latest == 0:
-            self.pend_b[slot], self.pend_u[slot] = boundary, unit
+            self._set_pending(slot, boundary, unit)
         elif boundary > latest:
             self.older.setdefault(slot, {})[latest] = int(self.pend_u[slot])
-            self.pend_b[slot], self.pend_u[slot] = boundary, unit
+            self._set_pending(slot, boundary, unit)
         else:
             self.older.setdefault(slot, {})[boundary] = unit
         return unit
 
+    def _set_pending(self, slots, boundaries, units) -> None:
+        self.pend_b[slots], self.pend_u[slots] = boundaries, units
+        base = np.asarray(units) * self.resume_tokens - (np.asarray(boundaries) - self.resume_tokens)
+        self.row_base[slots] = np.where(np.asarray(units) > 0, base, NO_ROW)
+
+    def _clear_pending(self, slots) -> None:
+        self.pend_b[slots] = self.pend_u[slots] = 0
+        self.row_base[slots] = NO_ROW
+
     def _take_checkpoint_unit(self, slot: int) -> int:
         """Best effort: a resume point not saved is a miss later, never a refused write."""
-        if self.ckpt.free == 0 and self._reached:
-            self._commit_captures()   # waiting captures hold units their decisions give back
+        if self.ckpt.free == 0:
+            self.spare_checkpoint_units()
         if self.ckpt.free == 0 and not (self.on_need_checkpoint and self.on_need_checkpoint()):
             if self.ledger is not None:
                 self.ledger.checkpoints_skipped += 1
@@ -158,36 +179,66 @@ class Sharing:
     # ------------------------------------------------------------ commit: pass the tail to the cache
     def _pass_over(self, settle: bool) -> None:
         """A forward pass is over (called as the next begins): the boundaries it reached are final.
-        Their captures are made in one batch once due (see _capture_deadline), or now if `settle`."""
-        if self._reaching or self._reached:
-            self._defer_tokens += self._pass_tokens
-            self._reached += self._reaching
-            self._reaching = []
+        Every `_defer_limit` tokens of progress (or now, if `settle`), one upkeep handles them all."""
+        self._defer_tokens += self._pass_tokens
         self._pass_tokens = 0
-        if self._reached and (settle or self._defer_tokens >= self._defer_limit):
+        if settle or self._defer_tokens >= self._defer_limit:
+            self._defer_tokens = 0
             self._commit_captures()
+            self._take_ahead()
+
+    def spare_checkpoint_units(self) -> int:
+        """Units short: make the due captures (their decisions give units back) and return the
+        units taken ahead for tails nobody has written yet. Returns the free units."""
+        self._commit_captures()
+        idle = ((self.pend_b > 0) & (self.length <= self.pend_b - self.resume_tokens)).nonzero()[0]
+        idle = idle[[s not in self.older for s in idle.tolist()]] if self.older else idle
+        if len(idle):
+            units = self.pend_u[idle]
+            self._clear_pending(idle)
+            units = units[units > 0]
+            self._free(self.ckpt, CHECKPOINTS, units)
+            if self.ledger is not None:
+                self.ledger.add_units(CHECKPOINTS, -len(units))
+        return self.ckpt.free
+
+    def _take_ahead(self) -> None:
+        """Units for the tails that running requests will start writing before the next upkeep
+        (the nearest first, never the last few free units), so a decode step finds its rows in
+        row_base without taking units itself."""
+        if not self._one_group or self.backing is not None:
+            return
+        spare = self.ckpt.free - self._unit_reserve
+        if spare <= 0:
+            return
+        L, P = self.length, self.P
+        ahead = (div(L, P) + 1) * P - L   # tokens to the next boundary
+        want = ((self.slots.owner != 0) & (self.pend_b == 0) & (ahead >= self.resume_tokens)
+                & (ahead <= self._lookahead) & (L + ahead <= self.max_len)).nonzero()[0]
+        if len(want) > spare:
+            want = want[np.argsort(ahead[want], kind="stable")[:spare]]
+        if len(want):
+            self._set_pending(want, L[want] + ahead[want], self.ckpt.pop(len(want), CACHE_OWNER - 1))
+            if self.ledger is not None:
+                self.ledger.add_units(CHECKPOINTS, len(want))
 
     def _commit_captures(self, slots=None) -> None:
-        """Make the captures of the boundaries that `slots` (None: every slot whose pass is over)
-        have reached: their tails pass to the cache and `on_capture` decides."""
-        if slots is None:
-            if not self._reached:
-                return
-            cand = np.unique(np.concatenate(self._reached))   # a slot may be listed more than once
-            self._reached, self._defer_tokens = [], 0
-        else:
-            cand = np.asarray(slots, np.int64)
-        L, b = self.length[cand], self.pend_b[cand]
-        due = (b > 0) & (b <= L)
+        """Make the captures of the boundaries that `slots` (None: every slot) have reached in
+        passes that are over: their tails pass to the cache and `on_capture` decides."""
+        cand = np.asarray(slots, np.int64) if slots is not None else None
+        b = self.pend_b if cand is None else self.pend_b[cand]
+        L = self.length if cand is None else self.length[cand]
+        due = (b <= L) & b.astype(bool)
         if self.older:   # slots with several pending boundaries: in order, one at a time
-            for slot in set(cand.tolist()) & self.older.keys():
+            for slot in (list(self.older) if cand is None else set(cand.tolist()) & self.older.keys()):
                 self._commit_older(slot, int(self.length[slot]))
-            due &= self.pend_b[cand] > 0
-        r = cand[due]
-        if len(r):
-            u = self.pend_u[r]
-            self.pend_b[r] = self.pend_u[r] = 0
-            self._capture(r, b[due], u)
+            due &= (self.pend_b if cand is None else self.pend_b[cand]).astype(bool)
+        i = due.nonzero()[0]
+        if len(i):
+            r = i if cand is None else cand[i]
+            bb, u = self.pend_b[r], self.pend_u[r]
+            self._clear_pending(r)
+            self._capture(r, bb, u)
 
     def _commit_older(self, slot: int, L: int) -> None:
         mine = self.older.pop(slot)
@@ -199,13 +250,13 @@ class Sharing:
         latest = int(self.pend_b[slot])
         if 0 < latest <= L and not mine:
             u = np.array([self.pend_u[slot]])
-            self.pend_b[slot] = self.pend_u[slot] = 0
+            self._clear_pending(slot)
             self._capture(np.array([slot]), np.array([latest]), u)
 
     def _capture(self, r, b, u) -> None:
         """Captures of distinct slots r at boundaries b with units u (0: not saved, skipped)."""
-        saved = u > 0
-        if not saved.all():
+        if not u[u.argmin()]:   # (argmin: cheaper than all() on a few values)
+            saved = u > 0
             r, b, u = r[saved], b[saved], u[saved]
             if not len(r):
                 return
@@ -216,20 +267,31 @@ class Sharing:
             self.on_capture(r, b, u, pages)
 
     def _pin_tails(self, r, b) -> np.ndarray:
-        """The SWA pages of the window - 1 tokens before each boundary ([m, tail]): the request's
-        own pass to the cache (still read by the request: one reference), and every one gets the
-        pin of an undecided capture."""
+        """The SWA pages of the window - 1 tokens before each boundary ([m, tail]) pass to the
+        cache, each pinned by the undecided capture. A request's own tail, right behind its
+        retired pages (every decode step's case), leaves its window's bookkeeping at once: swa_lo
+        moves past it, so retiring never meets it again. The request still reads it, with no
+        reference counted, which is safe: the earliest this capture can be dropped is at the
+        request's next boundary, page_tokens >= window - 1 tokens on, when the tail has left its
+        window. Otherwise (a page it shares, older pages it still holds) the tail stays in its
+        window with a reference for it, as shared pages do, until retired."""
         if self.swa is None:
             return np.zeros((len(r), 0), np.int64)
+        T = len(self._tail_cols)
+        lo = div(b, self.Ps) - T
         rows = r[:, None]
-        cols = mod(div(b, self.Ps)[:, None] - len(self._tail_cols) + self._tail_cols, self.ring)
-        pages = self.swa_table[rows, cols]
+        pages = self.swa_table[rows, mod(lo[:, None] + self._tail_cols, self.ring)]
         own = self.swa.owner[pages] == rows + 1
-        pin = 1
-        if own.any():
-            self.swa.owner[pages[own]] = CACHE_OWNER
-            self.swa_cached[r] += own.sum(axis=1)
-            pin = own + 1
+        self.swa.owner[pages[own]] = CACHE_OWNER
+        leave = own.all(axis=1) & (self.swa_lo[r] == lo) if self._tails_distinct else np.zeros(len(r), bool)
+        if leave[leave.argmin()]:
+            self.swa_lo[r] = lo + T
+            pin = 1
+        else:
+            stay = own & ~leave[:, None]
+            self.swa_lo[r[leave]] = lo[leave] + T
+            self._windowed_cached += int(np.count_nonzero(stay))
+            pin = stay + 1
         if self._tails_distinct:
             self.swa_refs[pages] += pin
         else:
@@ -258,11 +320,14 @@ class Sharing:
                     np.subtract.at(refs, ids, 1)
             elif self.ledger is not None:   # kept ones: their idle pages were counted evictable
                 self.ledger.add_evictable(SWA_PAGES, -int(np.count_nonzero(refs[ids] == 0)))
-            idle = refs[ids] == 0
-            if not idle.all():
+            left = refs[ids]
+            if not left[left.argmax()]:   # every page idle (a decode step's dropped tails)
+                gone = ids
+            else:
+                idle = left == 0
                 self.swa_orphan[ids[~idle]] = True
-            if idle.any():
                 gone = ids[idle]
+            if len(gone):
                 self._drop_cached_swa(gone if self._tails_distinct else np.unique(gone))
         self._free(self.ckpt, CHECKPOINTS, units)
         if self.ledger is not None:
@@ -277,21 +342,29 @@ class Sharing:
             self.ledger.add_units(SWA_PAGES, -len(pages))
             self.ledger.add_entries("swa", -len(pages) * self.Ps)
 
-    def _unref_swa(self, slot_of_page, pages) -> np.ndarray:
-        """Cache-held pages leaving requests' windows: one reference less each; orphans that
-        nobody reads are freed. Returns the mask of `pages` that are cache-held."""
-        cached = self.swa.owner[pages] == CACHE_OWNER
-        if not cached.any():
-            return cached
-        p = pages[cached]
-        np.subtract.at(self.swa_refs, p, 1)
-        np.subtract.at(self.swa_cached, slot_of_page[cached], 1)
-        zero = p[self.swa_refs[p] == 0]
-        orphans = zero[self.swa_orphan[zero]]
-        self._drop_cached_swa(orphans)
-        if self.ledger is not None:
-            self.ledger.add_evictable(SWA_PAGES, len(zero) - len(orphans))
-        return cached
+    def _unref_swa(self, pages):
+        """Pages leaving requests' windows: the cache-held ones (in a window, exactly those with
+        references) lose one; orphans that nobody reads are freed. Returns the mask of `pages`
+        that are cache-held, or None when none is. (On a decode step's few pages, argmax and
+        astype cost a fraction of any() and a comparison: this runs every step.)"""
+        if not self._windowed_cached or not len(pages):
+            return None
+        refs = self.swa_refs
+        r = refs[pages]
+        if not r[r.argmax()]:
+            return None
+        held = r.astype(bool)
+        p = pages[held]
+        self._windowed_cached -= len(p)
+        np.subtract.at(refs, p, 1)   # two requests resumed from one point may retire a page together
+        left = refs[p]
+        if not left[left.argmin()]:   # mostly not: a tail still pinned by its capture keeps a reference
+            zero = p[left == 0]
+            orphans = zero[self.swa_orphan[zero]]
+            self._drop_cached_swa(orphans)
+            if self.ledger is not None:
+                self.ledger.add_evictable(SWA_PAGES, len(zero) - len(orphans))
+        return held
 
     # ------------------------------------------------------------ admission with a cached prefix
     def _attach(self, slot: int, shared) -> None:
@@ -312,7 +385,7 @@ class Sharing:
             if self.ledger is not None:
                 self.ledger.add_evictable(SWA_PAGES, -int(np.count_nonzero(self.swa_refs[swa] == 0)))
             self.swa_refs[swa] += 1
-            self.swa_cached[slot] = len(swa)
+            self._windowed_cached += len(swa)
         self.length[slot] = b
 
     def check_shared(self, shared, total_tokens: int) -> None:
@@ -413,8 +486,13 @@ class Sharing:
         """Entries a request's ledger share holds (not those of pages the cache holds)."""
         out = {ratio_key(r): L // r - int(self.full_shared[slot]) * (self.P // r) for r in self.ratios}
         if self.swa is not None:
-            out["swa"] = L - (int(self.swa_lo[slot]) + int(self.swa_cached[slot])) * self.Ps
+            out["swa"] = L - (int(self.swa_lo[slot]) + self.swa_cached_pages(slot)) * self.Ps
         return out
+
+    def swa_cached_pages(self, slot: int) -> int:
+        """Cache-held pages among the SWA pages the slot's window holds."""
+        held = self.swa_table[slot, np.arange(self.swa_lo[slot], self.swa_hi[slot]) % self.ring]
+        return int(np.count_nonzero(self.swa.owner[held] == CACHE_OWNER))
 
     def cached_swa_check(self, live) -> list[str]:
         """Integrity of the sharing arrays (called by alloc.integrity)."""
@@ -425,11 +503,16 @@ class Sharing:
                 np.add.at(want, self.full_table[s, : self.full_shared[s]], 1)
             if not np.array_equal(want[1:], self.full_refs[1:]):
                 out.append("full_pages: reference counts disagree with the requests' tables")
-        if self.swa is not None:
+        if self.swa is not None:   # a cache-held page in windows has a reference for each of them
+            readers = np.zeros_like(self.swa_refs)
             for s in live:
                 held = self.swa_table[s, np.arange(self.swa_lo[s], self.swa_hi[s]) % self.ring]
-                if int(np.count_nonzero(self.swa.owner[held] == CACHE_OWNER)) != self.swa_cached[s]:
-                    out.append(f"slot {s}: cached SWA pages miscounted")
+                np.add.at(readers, held[self.swa.owner[held] == CACHE_OWNER], 1)
+            if np.any(readers[1:] > self.swa_refs[1:]):
+                out.append("swa_pages: a cache-held page has fewer references than windows reading it")
+            if int(readers.sum()) != self._windowed_cached:
+                out.append(f"swa_pages: {int(readers.sum())} cache-held pages in windows, "
+                           f"{self._windowed_cached} counted")
         if self.ckpt is not None:
             out += self.ckpt.check("checkpoints")
         return out

@@ -176,19 +176,19 @@ class PrefixCache:
         """Captures of distinct slots, one batch: each slot's previous point is kept or dropped
         (the policy), the new one becomes its tentative point."""
         mine = self._mine[slots]
-        if not mine.all():   # requests admitted past the cache: nothing of theirs is kept
+        if not mine[mine.argmin()]:   # requests admitted past the cache: nothing of theirs is kept
             self._drop_many(units[~mine], swa_pages[~mine])
             slots, boundaries, units, swa_pages = slots[mine], boundaries[mine], units[mine], swa_pages[mine]
         prev = self._tent_u[slots]
-        had = prev > 0
-        if had.any():
-            div, pb = self._tent_div[slots], self._tent_b[slots]
-            keep = had & self.policy.keeps(div, pb // self.P)
-            drop = had & ~keep
-            if drop.any():
+        if prev[prev.argmax()]:   # (argmax/argmin: cheaper than any()/all() on a few values)
+            had = prev.astype(bool)
+            keep = had & self.policy.keeps(self._tent_div[slots], self._tent_b[slots] // self.P)
+            drop = had ^ keep
+            if drop[drop.argmax()]:
                 self._drop_many(prev[drop], self._tent_pages[slots[drop]])
-            for i in keep.nonzero()[0].tolist():
-                self._keep_intermediate(int(slots[i]), self._tentative(int(slots[i])))
+            if keep[keep.argmax()]:
+                for i in keep.nonzero()[0].tolist():
+                    self._keep_intermediate(int(slots[i]), self._tentative(int(slots[i])))
         self._tent_b[slots], self._tent_u[slots], self._tent_pages[slots] = boundaries, units, swa_pages
         self._tent_div[slots] = boundaries == self._divergence[slots]
 
@@ -341,6 +341,8 @@ class PrefixCache:
             raise KvatlasError(f"restore_checkpoint: page {key} is not cached without a resume point at "
                                f"{boundary_tokens} tokens; restore its pages first")
         tail = self.alloc.tail_swa_pages if self.alloc.swa is not None else 0
+        if self.alloc.ckpt.free < 1:
+            self.alloc.spare_checkpoint_units()
         while (self.alloc.ckpt.free < 1 or (tail and self.alloc.swa.free < tail)) and self.tree.evict_checkpoint():
             pass
         unit, pages = self.alloc.take_cached_checkpoint()
