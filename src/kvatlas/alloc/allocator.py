@@ -258,7 +258,7 @@ class Allocator(Release, Sharing):
         rows, logical = spread(slots, k, self.swa_lo[slots])
         cols = mod(logical, self.ring)
         pages = self.swa_table[rows, cols].copy()
-        if self.prefix_on:   # pages the cache holds lose a reader, they are not freed
+        if self._windowed_cached:   # pages the cache holds lose a reader, they are not freed
             cached = self._unref_swa(pages)
             if cached is not None:
                 pages = pages[~cached]

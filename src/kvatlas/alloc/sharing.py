@@ -9,13 +9,19 @@ kvatlas.prefix; this mixin only hands out and takes back units.
 - A request that resumes at boundary b starts with its first b / page_tokens full pages and the
   SWA pages of the window - 1 tokens before b taken from the cache (`admit(shared=...)`).
 - Resume points. When a write touches the last `resume_tokens` positions before a boundary, the
-  slot gets a checkpoint unit for that boundary and the WriteIndices name, per checkpoint buffer,
+  slot has a checkpoint unit for that boundary and the WriteIndices name, per checkpoint buffer,
   which tokens' rows the caller must also save there (`checkpoint_rows`): the compressor-state
   rows of the C4 overlap, V4.1's window rows. They are saved as they are written, so any chunking
   and any rollback (the rewritten rows are saved again) leave the exact rows of the final
-  sequence. The capture is committed when the forward pass that reached b is over (the next one
-  begins, flush or finish): the SWA pages of the tail then pass to the cache (pinned by one
-  reference while the capture is undecided) and `on_capture` (set by the prefix cache) decides.
+  sequence.
+- The decode step's cost. The bookkeeping of resume points runs as an upkeep every
+  `_defer_limit` tokens of progress (32 for V4; at once for a flush, a finish or a shortage of
+  units or SWA pages), in batches over every slot, so a decode step pays one gather and one add
+  for its resume rows: the upkeep makes the captures that are due (boundaries reached in passes
+  that are over: their SWA tails pass to the cache, pinned while undecided, and `on_capture`, set
+  by the prefix cache, decides them together) and takes units ahead for the tails the running
+  requests reach before the next upkeep (`row_base`). The wait is bounded by when a tail's first
+  page could retire, so no capture ever misses its tail.
 - A released resume point whose SWA pages a running request still reads leaves them orphaned:
   freed when the last reader lets go.
 """
@@ -62,6 +68,7 @@ class Sharing:
         # the next upkeep, one step's tokens more)
         self._lookahead = self._defer_limit + self.resume_tokens + 1 + plan.options.draft_tokens
         self._unit_reserve = plan.options.chunked_prefill_tokens // self.P + 1
+        self._last_boundary = self.max_len // self.P * self.P   # the last one a request can reach
         self._tails_distinct = self.window - 1 <= self.P   # two tails never share a page
         self._windowed_cached = 0   # cache-held SWA pages in requests' windows, one per window
         self._tail_cols = np.arange(self.tail_swa_pages if self.swa is not None else 0, dtype=np.int64)
@@ -211,14 +218,16 @@ class Sharing:
         spare = self.ckpt.free - self._unit_reserve
         if spare <= 0:
             return
-        L, P = self.length, self.P
-        ahead = (div(L, P) + 1) * P - L   # tokens to the next boundary
-        want = ((self.slots.owner != 0) & (self.pend_b == 0) & (ahead >= self.resume_tokens)
-                & (ahead <= self._lookahead) & (L + ahead <= self.max_len)).nonzero()[0]
+        L, k = self.length, self.resume_tokens
+        ahead = self.P - mod(L, self.P)   # tokens to the next boundary (a free slot: page_tokens)
+        want = ((ahead - k).view(np.uint64) <= self._lookahead - k) & (L < self._last_boundary)
+        want = (want & (self.pend_b == 0)).nonzero()[0]
         if len(want) > spare:
             want = want[np.argsort(ahead[want], kind="stable")[:spare]]
         if len(want):
-            self._set_pending(want, L[want] + ahead[want], self.ckpt.pop(len(want), CACHE_OWNER - 1))
+            b, units = L[want] + ahead[want], self.ckpt.pop(len(want), CACHE_OWNER - 1)
+            self.pend_b[want], self.pend_u[want] = b, units
+            self.row_base[want] = units * k - (b - k)
             if self.ledger is not None:
                 self.ledger.add_units(CHECKPOINTS, len(want))
 

@@ -1,0 +1,114 @@
+"""The allocator's resume-point upkeep (alloc/sharing.py): captures made in batches, units taken
+ahead for the tails requests are about to write, tails leaving the window's bookkeeping. These
+are what keep the decode step cheap; the tests pin that they never lose a tail, never cost a
+resume point that a free unit could have spared, and leave nothing behind."""
+
+import numpy as np
+
+from kvatlas import allocate, plan
+from kvatlas.alloc.sharing import CACHE_OWNER, NO_ROW
+
+
+def cache(requests=4, checkpoints=8, **kw):
+    opts = dict(max_model_len=4096, max_running_requests=requests, prefix_checkpoints=checkpoints,
+                chunked_prefill_tokens=1024)
+    opts.update(kw)
+    return allocate(plan("tiny-v4", "64MiB", **opts), backend="none")
+
+
+def start(c, rid, tokens, seed=0):
+    ids = np.random.default_rng(seed).integers(0, 1000, tokens + 600)
+    c.admit(rid, tokens, 600, token_ids=ids[:tokens])
+    c.extend(rid, tokens)
+    return ids
+
+
+def test_a_decode_step_reads_its_rows_from_units_taken_ahead():
+    c = cache()
+    a = c.allocator
+    start(c, "r", 230)      # 26 tokens before the 256 boundary: within the upkeep's look-ahead
+    c.flush()                # the upkeep: a unit for the boundary's tail, before it is written
+    slot = a.slot_of["r"]
+    unit = int(a.pend_u[slot])
+    assert a.pend_b[slot] == 256 and unit > 0
+    assert a.row_base[slot] == unit * 4 - 252
+    seen = {}
+    for _ in range(30):
+        w = c.step(["r"])
+        for name, (tok, rows) in w.checkpoint_rows.items():
+            for t, r in zip(tok.tolist(), rows.tolist()):
+                seen.setdefault(name, []).append((int(w.positions[t]), r))
+    # the 4 positions before the boundary, each written once, into rows 0..3 of the unit
+    want = [(252 + i, unit * 4 + i) for i in range(4)]
+    assert seen == {"ckpt.c4_state": want, "ckpt.c4_indexer_state": want}
+    c.check_integrity()
+
+
+def test_a_capture_waits_for_the_upkeep_and_keeps_the_exact_tail():
+    c = cache()
+    a = c.allocator
+    start(c, "r", 200)
+    slot = a.slot_of["r"]
+    tail = None
+    for _ in range(100):
+        L = int(a.length[slot])
+        if L == 256:         # the boundary is reached: these are the pages its tail must keep
+            tail = a.swa_table[slot, np.arange(2, 4) % a.ring].copy()
+        if L >= 256 and a.pend_b[slot] == 0:
+            break
+        c.step(["r"])
+        c.check_integrity()
+    assert tail is not None
+    assert 256 < int(a.length[slot]) <= 256 + a._defer_limit   # made by the upkeep, not later
+    # well before the tail's first page could have retired (256 + 63), and exactly those pages
+    assert int(a.length[slot]) < 256 + 63
+    assert np.array_equal(c.prefix._tent_pages[slot], tail)
+    assert np.all(a.swa.owner[tail] == CACHE_OWNER) and np.all(a.swa_refs[tail] == 1)
+    assert a.swa_lo[slot] == 4   # the tail left the window's bookkeeping; the request still reads it
+    while a.length[slot] < 512 + 40:   # past the tail's retirement and the next boundary's capture
+        c.step(["r"])
+    c.flush()
+    assert a.swa.owner[tail].tolist() == [0, 0]   # dropped with the point (the policy keeps none)
+    c.check_integrity()
+
+
+def test_units_taken_ahead_go_back_before_a_cached_resume_point_is_evicted():
+    c = cache(requests=4, checkpoints=2)
+    a = c.allocator
+    ids = start(c, "done", 600, seed=1)
+    for _ in range(5):
+        c.step(["done"])
+    c.finish("done", token_ids=ids[:605])   # its points join the tree
+    kept = c.prefix.tree.checkpoints
+    assert kept >= 1
+    for i in range(4):                        # running requests with units taken for their tails
+        start(c, f"r{i}", 226 + i, seed=10 + i)
+    c.flush()
+    ahead = int(np.count_nonzero((a.pend_b > 0) & (a.length <= a.pend_b - 4)))
+    assert ahead >= 1
+    taken = []
+    while a.ckpt.free:                        # use up the free units
+        taken.append(a._take_checkpoint_unit(0))
+    unit = a._take_checkpoint_unit(0)         # short: the units taken ahead go back first
+    assert unit > 0 and c.prefix.tree.checkpoints == kept
+    assert not np.any((a.pend_b > 0) & (a.length <= a.pend_b - 4))
+    a.release_checkpoints(np.array(taken + [unit]), np.zeros((len(taken) + 1, 0), np.int64))
+    for _ in range(40):                       # the requests still write exact rows: the general path
+        w = c.step([f"r{i}" for i in range(4)])
+        for tok, rows in w.checkpoint_rows.values():
+            assert np.all(rows >= 0)
+    c.check_integrity()
+
+
+def test_a_request_finished_on_the_allocator_leaves_no_resume_point_behind():
+    c = cache()
+    a = c.allocator
+    start(c, "r", 700)
+    c.flush()
+    slot = a.slot_of["r"]
+    assert c.prefix._tent_u[slot] > 0            # its latest point, undecided
+    a.finish("r")                                  # past the cache
+    assert "r" not in c.prefix.requests
+    assert c.prefix._tent_u[slot] == 0 and a.pend_b[slot] == 0 and a.row_base[slot] == NO_ROW
+    assert a.ckpt.used == 0 and c.prefix.tree.checkpoints == 0
+    c.check_integrity()
