@@ -62,7 +62,7 @@ def test_a_capture_waits_for_the_upkeep_and_keeps_the_exact_tail():
     assert 256 < int(a.length[slot]) <= 256 + a._defer_limit   # made by the upkeep, not later
     # well before the tail's first page could have retired (256 + 63), and exactly those pages
     assert int(a.length[slot]) < 256 + 63
-    assert np.array_equal(c.prefix._tent_pages[slot], tail)
+    assert np.array_equal(c.prefix._tent_pages[:, slot], tail)
     assert np.all(a.swa.owner[tail] == CACHE_OWNER) and np.all(a.swa_refs[tail] == 1)
     assert a.swa_lo[slot] == 4   # the tail left the window's bookkeeping; the request still reads it
     while a.length[slot] < 512 + 40:   # past the tail's retirement and the next boundary's capture
@@ -82,7 +82,7 @@ def test_units_taken_ahead_go_back_before_a_cached_resume_point_is_evicted():
     kept = c.prefix.tree.checkpoints
     assert kept >= 1
     for i in range(4):                        # running requests with units taken for their tails
-        start(c, f"r{i}", 226 + i, seed=10 + i)
+        start(c, f"r{i}", 240 + i, seed=10 + i)
     c.flush()
     ahead = int(np.count_nonzero((a.pend_b > 0) & (a.length <= a.pend_b - 4)))
     assert ahead >= 1

@@ -233,8 +233,11 @@ class Allocator(Release, Sharing):
     def _begin_forward(self, settle: bool = False) -> None:
         if self._grouped:
             return
-        if self.prefix_on:   # resume points reached by the pass: before their tail can retire
-            self._pass_over(settle)
+        if self.prefix_on:   # the pass is over: the resume points it reached are final
+            self._defer_tokens += self._pass_tokens
+            self._pass_tokens = 0
+            if settle or self._defer_tokens >= self._defer_limit:
+                self._upkeep()   # before retiring: a due capture's tail is still in its window
         if not self._written:
             return
         written = np.unique(np.concatenate(self._written)) if len(self._written) > 1 else self._written[0]

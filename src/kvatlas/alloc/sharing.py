@@ -78,7 +78,7 @@ class Sharing:
         self._ckpt_groups = sorted(groups.items())
         self._one_group = len(groups) == 1 and self.resume_tokens in groups   # every buffer saves k rows
         self._tail_start = np.int64(self.P - self.resume_tokens)   # (a numpy scalar compares faster)
-        self.on_capture = None        # prefix cache: (slots, boundaries, units, swa_pages[m, tail])
+        self.on_capture = None        # prefix cache: (slots, boundaries, units, swa_pages[tail, m])
         self.on_need_checkpoint = None  # prefix cache: free one unit by eviction, or False
         self.on_slot_end = None       # prefix cache: a request it may know of leaves its slot
 
@@ -184,15 +184,12 @@ class Sharing:
         return unit
 
     # ------------------------------------------------------------ commit: pass the tail to the cache
-    def _pass_over(self, settle: bool) -> None:
-        """A forward pass is over (called as the next begins): the boundaries it reached are final.
-        Every `_defer_limit` tokens of progress (or now, if `settle`), one upkeep handles them all."""
-        self._defer_tokens += self._pass_tokens
-        self._pass_tokens = 0
-        if settle or self._defer_tokens >= self._defer_limit:
-            self._defer_tokens = 0
-            self._commit_captures()
-            self._take_ahead()
+    def _upkeep(self) -> None:
+        """Every `_defer_limit` tokens of progress (see _begin_forward), or at a flush: make the
+        captures that are due, then take units ahead for the coming tails."""
+        self._defer_tokens = 0
+        self._commit_captures()
+        self._take_ahead()
 
     def spare_checkpoint_units(self) -> int:
         """Units short: make the due captures (their decisions give units back) and return the
@@ -276,35 +273,43 @@ class Sharing:
             self.on_capture(r, b, u, pages)
 
     def _pin_tails(self, r, b) -> np.ndarray:
-        """The SWA pages of the window - 1 tokens before each boundary ([m, tail]) pass to the
-        cache, each pinned by the undecided capture. A request's own tail, right behind its
-        retired pages (every decode step's case), leaves its window's bookkeeping at once: swa_lo
-        moves past it, so retiring never meets it again. The request still reads it, with no
-        reference counted, which is safe: the earliest this capture can be dropped is at the
-        request's next boundary, page_tokens >= window - 1 tokens on, when the tail has left its
-        window. Otherwise (a page it shares, older pages it still holds) the tail stays in its
-        window with a reference for it, as shared pages do, until retired."""
-        if self.swa is None:
-            return np.zeros((len(r), 0), np.int64)
+        """The SWA pages of the window - 1 tokens before each boundary ([tail, m]: row j holds
+        each tail's j-th page) pass to the cache, each pinned by the undecided capture. A
+        request's own tail, right behind its retired pages (every decode step's case), leaves its
+        window's bookkeeping at once: swa_lo moves past it, so retiring never meets it again. The
+        request still reads it, with no reference counted, which is safe: the earliest this
+        capture can be dropped is at the request's next boundary, page_tokens >= window - 1 tokens
+        on, when the tail has left its window. Otherwise (a page it shares, older pages it still
+        holds) the tail stays in its window with a reference for it, as shared pages do, until
+        retired. (One-dimensional takes, row by row: 2-D fancy indexing costs several times more
+        on a batch this size, and this runs for every boundary reached.)"""
         T = len(self._tail_cols)
+        pages = np.empty((T, len(r)), np.int64)
+        if not T:
+            return pages
         lo = div(b, self.Ps) - T
-        rows = r[:, None]
-        pages = self.swa_table[rows, mod(lo[:, None] + self._tail_cols, self.ring)]
-        own = self.swa.owner[pages] == rows + 1
-        self.swa.owner[pages[own]] = CACHE_OWNER
-        leave = own.all(axis=1) & (self.swa_lo[r] == lo) if self._tails_distinct else np.zeros(len(r), bool)
-        if leave[leave.argmin()]:
+        at, owner, mine = r * self.ring, self.swa.owner, r + 1
+        own = None
+        for j in range(T):
+            pages[j] = self.swa_table.ravel().take(at + mod(lo + j, self.ring))
+            o = owner.take(pages[j]) == mine
+            own = o if own is None else own & o
+        leave = own & (self.swa_lo.take(r) == lo) if self._tails_distinct else np.zeros(len(r), bool)
+        if leave[leave.argmin()]:   # the common case: every tail the request's own, leaving
+            owner[pages.ravel()] = CACHE_OWNER
             self.swa_lo[r] = lo + T
-            pin = 1
-        else:
-            stay = own & ~leave[:, None]
-            self.swa_lo[r[leave]] = lo[leave] + T
-            self._windowed_cached += int(np.count_nonzero(stay))
-            pin = stay + 1
+            self.swa_refs[pages.ravel()] += 1
+            return pages
+        each = pages.T   # [m, tail]: the general case, rare
+        own = owner[each] == mine[:, None]
+        owner[each[own]] = CACHE_OWNER
+        stay = own & ~leave[:, None]
+        self.swa_lo[r[leave]] = lo[leave] + T
+        self._windowed_cached += int(np.count_nonzero(stay))
         if self._tails_distinct:
-            self.swa_refs[pages] += pin
+            self.swa_refs[each] += stay + 1
         else:
-            np.add.at(self.swa_refs, pages, np.broadcast_to(pin, pages.shape))
+            np.add.at(self.swa_refs, each, stay + 1)
         return pages
 
     def unpin_checkpoint(self, pages) -> None:
@@ -314,10 +319,10 @@ class Sharing:
             self.ledger.add_evictable(SWA_PAGES, int(np.count_nonzero(self.swa_refs[pages] == 0)))
 
     def release_checkpoint(self, unit: int, pages, pinned: bool = False) -> None:
-        self.release_checkpoints(np.array([unit], np.int64), np.asarray(pages, np.int64)[None], pinned)
+        self.release_checkpoints(np.array([unit], np.int64), np.asarray(pages, np.int64), pinned)
 
     def release_checkpoints(self, units, pages, pinned: bool = False) -> None:
-        """Give resume points back: their units, and their SWA pages ([m, tail]; orphaned while a
+        """Give resume points back: their units, and their SWA pages (any shape; orphaned while a
         request still reads them). `pinned`: captures not yet kept, each holding one pin."""
         ids = pages.ravel()
         if len(ids):

@@ -68,7 +68,7 @@ class PrefixCache:
         # request is this cache's, and the boundary where its prompt left the tree (-1: none)
         n, tail = allocator.plan.num_request_slots, allocator.tail_swa_pages if allocator.swa is not None else 0
         self._tent_b, self._tent_u = np.zeros(n, np.int64), np.zeros(n, np.int64)
-        self._tent_pages, self._tent_div = np.zeros((n, tail), np.int64), np.zeros(n, bool)
+        self._tent_pages, self._tent_div = np.zeros((tail, n), np.int64), np.zeros(n, bool)
         self._mine, self._divergence = np.zeros(n, bool), np.full(n, -1, np.int64)
         allocator.on_capture = self._on_capture
         allocator.on_need_checkpoint = self._need_checkpoint
@@ -175,28 +175,30 @@ class PrefixCache:
     def _on_capture(self, slots, boundaries, units, swa_pages) -> None:
         """Captures of distinct slots, one batch: each slot's previous point is kept or dropped
         (the policy), the new one becomes its tentative point."""
-        mine = self._mine[slots]
+        mine = self._mine.take(slots)
         if not mine[mine.argmin()]:   # requests admitted past the cache: nothing of theirs is kept
-            self._drop_many(units[~mine], swa_pages[~mine])
-            slots, boundaries, units, swa_pages = slots[mine], boundaries[mine], units[mine], swa_pages[mine]
-        prev = self._tent_u[slots]
+            self._drop_many(units[~mine], swa_pages[:, ~mine])
+            slots, boundaries, units, swa_pages = slots[mine], boundaries[mine], units[mine], swa_pages[:, mine]
+        prev = self._tent_u.take(slots)
         if prev[prev.argmax()]:   # (argmax/argmin: cheaper than any()/all() on a few values)
             had = prev.astype(bool)
-            keep = had & self.policy.keeps(self._tent_div[slots], self._tent_b[slots] // self.P)
+            keep = had & self.policy.keeps(self._tent_div.take(slots), self._tent_b.take(slots) // self.P)
             drop = had ^ keep
             if drop[drop.argmax()]:
-                self._drop_many(prev[drop], self._tent_pages[slots[drop]])
+                self._drop_many(prev[drop], self._tent_pages.take(slots[drop], axis=1))
             if keep[keep.argmax()]:
                 for i in keep.nonzero()[0].tolist():
                     self._keep_intermediate(int(slots[i]), self._tentative(int(slots[i])))
-        self._tent_b[slots], self._tent_u[slots], self._tent_pages[slots] = boundaries, units, swa_pages
-        self._tent_div[slots] = boundaries == self._divergence[slots]
+        self._tent_b[slots], self._tent_u[slots] = boundaries, units
+        for j, row in enumerate(self._tent_pages):   # row by row: 1-D stores cost a fraction of 2-D
+            row[slots] = swa_pages[j]
+        self._tent_div[slots] = boundaries == self._divergence.take(slots)
 
     def _tentative(self, slot: int):
         """The slot's tentative point as a Checkpoint (None if it has none)."""
         if not self._tent_u[slot]:
             return None
-        ck = Checkpoint(int(self._tent_b[slot]), int(self._tent_u[slot]), self._tent_pages[slot].copy())
+        ck = Checkpoint(int(self._tent_b[slot]), int(self._tent_u[slot]), self._tent_pages[:, slot].copy())
         ck.divergence = bool(self._tent_div[slot])
         return ck
 
@@ -210,7 +212,7 @@ class PrefixCache:
         """The slot's request is gone (finish() has taken its tentative point already; a request
         finished on the allocator directly leaves nothing to keep)."""
         if self._tent_u[slot]:
-            self._drop_many(self._tent_u[slot:slot + 1], self._tent_pages[slot:slot + 1])
+            self._drop_many(self._tent_u[slot:slot + 1], self._tent_pages[:, slot:slot + 1])
         self._tent_u[slot] = self._tent_b[slot] = 0
         self._mine[slot] = False
         req = self.requests.pop(self.alloc.rid_of[slot], None)
