@@ -150,22 +150,16 @@ def decode_cases(rows, cache, tune: bool) -> None:
 
 
 def tune_write(fn) -> None:
-    """Tokens per program and warps first, then the number of pool programs."""
-    best = None
-    for bt in (4, 8):
-        for warps in (4, 8):
-            write_triton.CONFIG.update(swa_bt=bt, num_warps=warps)
+    """One knob at a time over the whole decode step: tokens per token program, 64-channel tiles
+    per C4 KV work item, warps of the C128 layers' launches."""
+    for key, values in (("swa_bt", (1, 2, 4)), ("c4_tpi", (2, 4)), ("c128_warps", (4, 8))):
+        best = None
+        for v in values:
+            write_triton.CONFIG[key] = v
             t = bench(fn)
-            print(f"tune write bt={bt} warps={warps}: {t * 1e6:.1f} us", flush=True)
-            best = min(best or (t, bt, warps), (t, bt, warps))
-    write_triton.CONFIG.update(swa_bt=best[1], num_warps=best[2])
-    best = None
-    for programs in (512, 1024, 2048):
-        write_triton.CONFIG.update(pool_programs=programs)
-        t = bench(fn)
-        print(f"tune write_pool programs={programs}: {t * 1e6:.1f} us", flush=True)
-        best = min(best or (t, programs), (t, programs))
-    write_triton.CONFIG.update(pool_programs=best[1])
+            print(f"tune write {key}={v}: {t * 1e6:.1f} us", flush=True)
+            best = min(best or (t, v), (t, v))
+        write_triton.CONFIG[key] = best[1]
 
 
 def swa_cases(rows, cache, w, tg, xs) -> None:
