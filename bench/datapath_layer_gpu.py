@@ -150,16 +150,19 @@ def decode_cases(rows, cache, tune: bool) -> None:
 
 
 def tune_write(fn) -> None:
-    """One knob at a time over the whole decode step: tokens per token program, 64-channel tiles
-    per C4 KV work item, warps of the C128 layers' launches."""
-    for key, values in (("swa_bt", (1, 2, 4)), ("c4_tpi", (2, 4)), ("c128_warps", (4, 8))):
+    """Over the whole decode step, one group of knobs at a time: tokens per token program of the C4
+    layers; 64-channel tiles per C4 KV work item; tokens per token program and warps of the C128
+    layers' launches, together."""
+    groups = ([dict(swa_bt=b) for b in (1, 2, 4)], [dict(c4_tpi=t) for t in (2, 4)],
+              [dict(c128_bt=b, c128_warps=w) for w in (4, 8) for b in (2, 4, 8)])
+    for group in groups:
         best = None
-        for v in values:
-            write_triton.CONFIG[key] = v
+        for knobs in group:
+            write_triton.CONFIG.update(knobs)
             t = bench(fn)
-            print(f"tune write {key}={v}: {t * 1e6:.1f} us", flush=True)
-            best = min(best or (t, v), (t, v))
-        write_triton.CONFIG[key] = best[1]
+            print(f"tune write {knobs}: {t * 1e6:.1f} us", flush=True)
+            best = min(best or (t, str(knobs), knobs), (t, str(knobs), knobs))
+        write_triton.CONFIG.update(best[2])
 
 
 def swa_cases(rows, cache, w, tg, xs) -> None:
