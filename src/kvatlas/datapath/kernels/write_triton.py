@@ -35,10 +35,12 @@ REQ, POS, FIRST, LAST, SWA = (tl.constexpr(getattr(_rows, k)) for k in ("REQ", "
 # SWA tokens per program and warps per program; set from bench/datapath_layer_gpu.py --tune on an H200
 # Per launch configuration, from bench/datapath_layer_gpu.py --tune on an H200 (a 1,024-request
 # decode step): tokens per token program, warps, 64-channel tiles per KV work item and the most
-# pool programs, for C4 windows (8 rows) and longer ones (C128); a call of CHUNK_TOKENS or more
-# (a prefill chunk) takes chunk_bt tokens per token program.
+# pool programs, for C4 windows (8 rows) and longer ones (C128). A C128 call of CHUNK_TOKENS or
+# more (a prefill chunk) takes c128_chunk_bt tokens per token program: its kernel holds 255
+# registers a thread, so fewer, larger token programs (8,192 tokens: 32.9 µs at 8, 42.9 at 2); the
+# C4 kernel (40 registers) was slower so (93.5 µs at 8, 59.2 at 2).
 CONFIG = {"swa_bt": 2, "num_warps": 4, "c4_tpi": 2, "pool_programs": 2048,
-          "c128_bt": 2, "c128_warps": 4, "c128_tpi": 1, "c128_pool_programs": 512, "chunk_bt": 8}
+          "c128_bt": 2, "c128_warps": 4, "c128_tpi": 1, "c128_pool_programs": 512, "c128_chunk_bt": 8}
 CHUNK_TOKENS = 4096
 
 
@@ -361,7 +363,7 @@ def launch_plan(step, targets, swa_kv, rings):
     spec = (kv_ring or ix_ring)[0].spec
     one = all(step.max_run_tokens <= r.state.shape[2] - r.spec.window + 1 for _, r, _, _ in rings)
     short = spec.window <= 16
-    bt = CONFIG["chunk_bt" if n >= CHUNK_TOKENS else "swa_bt" if short else "c128_bt"]
+    bt = CONFIG["swa_bt" if short else "c128_chunk_bt" if n >= CHUNK_TOKENS else "c128_bt"]
     tpi = CONFIG["c4_tpi" if short else "c128_tpi"]
     const = dict(HAS_CMP=kv_ring is not None, RATIO=spec.ratio, W=spec.window, OVERLAP=bool(spec.overlap),
                  CD=spec.coff * 512, HAS_APE=bool(kv_ring and kv_ring[0].ape is not None), HAS_IDX=ix_ring is not None,
