@@ -1,14 +1,21 @@
 """The fused per-layer write (`datapath.write.write_layer`): one kernel, programs in two groups.
 
-    [token programs: BT tokens each — SWA store, attention and indexer ring appends
-     | pool programs: a fixed number, sharing the step's completed blocks]
+    [pool programs: a fixed number, sharing the step's completed blocks
+     | token programs: BT tokens each — SWA store, attention and indexer ring appends]
 
 Completed blocks are listed (and counted) in the step's table: the pool programs read the count
-on the device and take work items (block, 64-channel tile) for the KV and one item per block for
-the indexer keys, striding by the number of pool programs. The launch's size depends only on the
-token count, so a CUDA graph holds it and replays any step of that shape. (A first version gave
-every token its own pooling programs that mostly did nothing: 11,000 programs per C4 layer of a
-1,024-request decode step, three times the copy time of its bytes on an H200.)
+on the device and take work items (block, TPI 64-channel tiles) for the KV and one item per
+block for the indexer keys, striding by the number of pool programs. The launch's size depends
+only on the token count, so a CUDA graph holds it and replays any step of that shape. Pool
+programs come first: each is a chain of dependent loads (count, block, window rows), the long
+pole of the launch. (A first version gave every token its own pooling programs that mostly did
+nothing: 11,000 programs per C4 layer of a 1,024-request decode step, three times the copy time
+of its bytes on an H200.)
+
+Registers decide the speed here (Nsight Compute on the H200, bench/RESULTS.md): a C4 window held
+as one [8, C] tile took 212 registers a thread, 2 programs an SM, and its reductions over rows
+went through shared memory; as eight [C] rows (`_pool`) the whole C4 kernel takes 40 registers
+and runs below the time of a copy of its bytes. The C128 window (128 rows) stays one tile.
 
 Pooling follows `compressor.pool` operation by operation — max, exp (libdevice's expf, the
 function CUDA's expf is), sum of pairs (w, w + W/2) repeated, IEEE division — and the launch turns
@@ -32,7 +39,6 @@ from .compress_triton import _to_state, bf16_round
 # rows of StepIndices.table, as constants a kernel may read
 REQ, POS, FIRST, LAST, SWA = (tl.constexpr(getattr(_rows, k)) for k in ("REQ", "POS", "FIRST", "LAST", "SWA"))
 
-# SWA tokens per program and warps per program; set from bench/datapath_layer_gpu.py --tune on an H200
 # Per launch configuration, from bench/datapath_layer_gpu.py --tune on an H200 (a 1,024-request
 # decode step): tokens per token program, warps, 64-channel tiles per KV work item and the most
 # pool programs, for C4 windows (8 rows) and longer ones (C128). A C128 call of CHUNK_TOKENS or
@@ -146,9 +152,9 @@ def _pool(idx_ptr, ld, t, p_end, ch, kv_ptr, kv_sn, sc_ptr, sc_sn, ape_ptr, st_p
     """Channels `ch` of the entry of the block token t completes (`compressor.pool`'s operations).
     A C4 window (8 rows) is eight [C] rows, each loaded by one branch (input or ring), whose max,
     exp and tree stay within each thread: as one [8, C] tile its two masked loads per row held
-    twice the registers and its reductions over rows went through shared memory (measured on the
-    H200: 18.5 µs of a C4 layer's pooling, then 11.9). A longer window stays one [W, C] tile: split
-    into eight [W/8, C] classes it took three times longer (bench/RESULTS.md, issue 15)."""
+    twice the registers and its reductions over rows went through shared memory (on the H200 a C4
+    layer's pool programs alone took 18.5 µs, now 6.8). A longer window stays one [W, C] tile:
+    split into eight [W/8, C] classes it took three times longer (bench/RESULTS.md, issue 15)."""
     first = tl.load(idx_ptr + FIRST * ld + t)
     req = tl.load(idx_ptr + REQ * ld + t)
     if W == 8:
