@@ -150,22 +150,19 @@ def decode_cases(rows, cache, tune: bool) -> None:
 
 
 def tune_write(fn) -> None:
-    """Tokens per program and warps first, then the number of pool programs."""
-    best = None
-    for bt in (4, 8):
-        for warps in (4, 8):
-            write_triton.CONFIG.update(swa_bt=bt, num_warps=warps)
+    """Over the whole decode step, one group of knobs at a time: tokens per token program of the C4
+    layers; 64-channel tiles per C4 KV work item; tokens per token program and warps of the C128
+    layers' launches, together."""
+    groups = ([dict(swa_bt=b) for b in (1, 2, 4)], [dict(c4_tpi=t) for t in (2, 4)],
+              [dict(c128_bt=b, c128_warps=w) for w in (4, 8) for b in (2, 4, 8)])
+    for group in groups:
+        best = None
+        for knobs in group:
+            write_triton.CONFIG.update(knobs)
             t = bench(fn)
-            print(f"tune write bt={bt} warps={warps}: {t * 1e6:.1f} us", flush=True)
-            best = min(best or (t, bt, warps), (t, bt, warps))
-    write_triton.CONFIG.update(swa_bt=best[1], num_warps=best[2])
-    best = None
-    for programs in (512, 1024, 2048):
-        write_triton.CONFIG.update(pool_programs=programs)
-        t = bench(fn)
-        print(f"tune write_pool programs={programs}: {t * 1e6:.1f} us", flush=True)
-        best = min(best or (t, programs), (t, programs))
-    write_triton.CONFIG.update(pool_programs=best[1])
+            print(f"tune write {knobs}: {t * 1e6:.1f} us", flush=True)
+            best = min(best or (t, str(knobs), knobs), (t, str(knobs), knobs))
+        write_triton.CONFIG.update(best[2])
 
 
 def swa_cases(rows, cache, w, tg, xs) -> None:

@@ -1,14 +1,21 @@
 """The fused per-layer write (`datapath.write.write_layer`): one kernel, programs in two groups.
 
-    [token programs: BT tokens each — SWA store, attention and indexer ring appends
-     | pool programs: a fixed number, sharing the step's completed blocks]
+    [pool programs: a fixed number, sharing the step's completed blocks
+     | token programs: BT tokens each — SWA store, attention and indexer ring appends]
 
 Completed blocks are listed (and counted) in the step's table: the pool programs read the count
-on the device and take work items (block, 64-channel tile) for the KV and one item per block for
-the indexer keys, striding by the number of pool programs. The launch's size depends only on the
-token count, so a CUDA graph holds it and replays any step of that shape. (A first version gave
-every token its own pooling programs that mostly did nothing: 11,000 programs per C4 layer of a
-1,024-request decode step, three times the copy time of its bytes on an H200.)
+on the device and take work items (block, TPI 64-channel tiles) for the KV and one item per
+block for the indexer keys, striding by the number of pool programs. The launch's size depends
+only on the token count, so a CUDA graph holds it and replays any step of that shape. Pool
+programs come first: each is a chain of dependent loads (count, block, window rows), the long
+pole of the launch. (A first version gave every token its own pooling programs that mostly did
+nothing: 11,000 programs per C4 layer of a 1,024-request decode step, three times the copy time
+of its bytes on an H200.)
+
+Registers decide the speed here (Nsight Compute on the H200, bench/RESULTS.md): a C4 window held
+as one [8, C] tile took 212 registers a thread, 2 programs an SM, and its reductions over rows
+went through shared memory; as eight [C] rows (`_pool`) the whole C4 kernel takes 40 registers
+and runs below the time of a copy of its bytes. The C128 window (128 rows) stays one tile.
 
 Pooling follows `compressor.pool` operation by operation — max, exp (libdevice's expf, the
 function CUDA's expf is), sum of pairs (w, w + W/2) repeated, IEEE division — and the launch turns
@@ -32,8 +39,15 @@ from .compress_triton import _to_state, bf16_round
 # rows of StepIndices.table, as constants a kernel may read
 REQ, POS, FIRST, LAST, SWA = (tl.constexpr(getattr(_rows, k)) for k in ("REQ", "POS", "FIRST", "LAST", "SWA"))
 
-# SWA tokens per program and warps per program; set from bench/datapath_layer_gpu.py --tune on an H200
-CONFIG = {"swa_bt": 8, "num_warps": 4, "pool_programs": 512}
+# Per launch configuration, from bench/datapath_layer_gpu.py --tune on an H200 (a 1,024-request
+# decode step): tokens per token program, warps, 64-channel tiles per KV work item and the most
+# pool programs, for C4 windows (8 rows) and longer ones (C128). A C128 call of CHUNK_TOKENS or
+# more (a prefill chunk) takes c128_chunk_bt tokens per token program: its kernel holds 255
+# registers a thread, so fewer, larger token programs (8,192 tokens: 32.9 µs at 8, 42.9 at 2); the
+# C4 kernel (40 registers) was slower so (93.5 µs at 8, 59.2 at 2).
+CONFIG = {"swa_bt": 2, "num_warps": 4, "c4_tpi": 2, "pool_programs": 2048,
+          "c128_bt": 2, "c128_warps": 4, "c128_tpi": 1, "c128_pool_programs": 512, "c128_chunk_bt": 8}
+CHUNK_TOKENS = 4096
 
 
 @triton.jit
@@ -72,14 +86,18 @@ def _exp(x, HW: tl.constexpr):
 
 
 @triton.jit
-def _pool(idx_ptr, ld, t, p_end, ch, kv_ptr, kv_sn, sc_ptr, sc_sn, ape_ptr, st_ptr, st_s, st_r, RING: tl.constexpr,
-          D: tl.constexpr, CD: tl.constexpr, RATIO: tl.constexpr, W: tl.constexpr, OVERLAP: tl.constexpr,
-          HAS_APE: tl.constexpr, C: tl.constexpr, HW: tl.constexpr):
-    """Channels `ch` of the entry of the block token t completes: window rows from this step's
-    inputs (positions >= the run's first) or the ring (older), cleared below position 0."""
-    first = tl.load(idx_ptr + FIRST * ld + t)
-    req = tl.load(idx_ptr + REQ * ld + t)
-    w = tl.arange(0, W)
+def _t8(x0, x1, x2, x3, x4, x5, x6, x7):
+    """`_tree_sum` of eight rows held apart: (w, w + 4), then (w, w + 2), then (w, w + 1)."""
+    return ((x0 + x4) + (x2 + x6)) + ((x1 + x5) + (x3 + x7))
+
+
+@triton.jit
+def _window(t, p_end, first, req, w, ch, kv_ptr, kv_sn, sc_ptr, sc_sn, ape_ptr, st_ptr, st_s, st_r,
+            RING: tl.constexpr, D: tl.constexpr, CD: tl.constexpr, RATIO: tl.constexpr, W: tl.constexpr,
+            OVERLAP: tl.constexpr, HAS_APE: tl.constexpr):
+    """Rows w [R] of the window ending at p_end, channels ch [C], as fp32 (kv, score) [R, C]: from
+    this step's inputs (positions >= the run's first) or the ring (older); before position 0,
+    kv 0 and score -inf (cleared)."""
     q = p_end - (W - 1) + w
     if OVERLAP:   # previous block's rows read [:D], current block's rows [D:] (overlap_transform)
         half = tl.where(w < RATIO, 0, D)
@@ -97,25 +115,94 @@ def _pool(idx_ptr, ld, t, p_end, ch, kv_ptr, kv_sn, sc_ptr, sc_sn, ape_ptr, st_p
     srow = st_ptr + req * st_s + (qc % RING)[:, None] * st_r + col
     kv_st = tl.load(srow, mask=from_ring, other=0.0).to(tl.float32)             # cleared: kv 0
     sc_st = tl.load(srow + CD, mask=from_ring, other=float("-inf")).to(tl.float32)  # score -inf
-    kv = tl.where(in_b, _to_state(kv_in, st_ptr), kv_st)
-    sc = tl.where(in_b, _to_state(sc_in, st_ptr), sc_st)
-    e = _exp(sc - tl.max(sc, axis=0)[None, :], HW)
-    return tl.div_rn(_tree_sum(e * kv, W, C), _tree_sum(e, W, C))
+    return tl.where(in_b, _to_state(kv_in, st_ptr), kv_st), tl.where(in_b, _to_state(sc_in, st_ptr), sc_st)
+
+
+@triton.jit
+def _row(t, p_end, first, req, k: tl.constexpr, ch, kv_ptr, kv_sn, sc_ptr, sc_sn, ape_ptr, st_ptr, st_s, st_r,
+         RING: tl.constexpr, D: tl.constexpr, CD: tl.constexpr, RATIO: tl.constexpr, W: tl.constexpr,
+         OVERLAP: tl.constexpr, HAS_APE: tl.constexpr):
+    """Window row k alone, [C] each, as `_window` reads it; the row comes from one place, so one
+    branch loads it (not two masked loads whose registers are both held)."""
+    q = p_end - (W - 1) + k
+    col = ch
+    if OVERLAP and k >= RATIO:   # previous block's rows read [:D], current block's rows [D:]
+        col = ch + D
+    if q >= first:
+        src = t - (p_end - q)
+        kv = _to_state(tl.load(kv_ptr + src * kv_sn + col).to(tl.float32), st_ptr)
+        sc = tl.load(sc_ptr + src * sc_sn + col).to(tl.float32)
+        if HAS_APE:
+            sc += tl.load(ape_ptr + (q % RATIO) * CD + col)
+        sc = _to_state(sc, st_ptr)
+    elif q >= 0:
+        srow = st_ptr + req * st_s + (q % RING) * st_r + col
+        kv = tl.load(srow).to(tl.float32)
+        sc = tl.load(srow + CD).to(tl.float32)
+    else:   # cleared: kv 0, score -inf
+        kv = tl.zeros(ch.shape, tl.float32)
+        sc = tl.full(ch.shape, float("-inf"), tl.float32)
+    return kv, sc
+
+
+@triton.jit
+def _pool(idx_ptr, ld, t, p_end, ch, kv_ptr, kv_sn, sc_ptr, sc_sn, ape_ptr, st_ptr, st_s, st_r, RING: tl.constexpr,
+          D: tl.constexpr, CD: tl.constexpr, RATIO: tl.constexpr, W: tl.constexpr, OVERLAP: tl.constexpr,
+          HAS_APE: tl.constexpr, C: tl.constexpr, HW: tl.constexpr):
+    """Channels `ch` of the entry of the block token t completes (`compressor.pool`'s operations).
+    A C4 window (8 rows) is eight [C] rows, each loaded by one branch (input or ring), whose max,
+    exp and tree stay within each thread: as one [8, C] tile its two masked loads per row held
+    twice the registers and its reductions over rows went through shared memory (on the H200 a C4
+    layer's pool programs alone took 18.5 µs, now 6.8). A longer window stays one [W, C] tile:
+    split into eight [W/8, C] classes it took three times longer (bench/RESULTS.md, issue 15)."""
+    first = tl.load(idx_ptr + FIRST * ld + t)
+    req = tl.load(idx_ptr + REQ * ld + t)
+    if W == 8:
+        k0, s0 = _row(t, p_end, first, req, 0, ch, kv_ptr, kv_sn, sc_ptr, sc_sn, ape_ptr, st_ptr, st_s, st_r,
+                      RING, D, CD, RATIO, W, OVERLAP, HAS_APE)
+        k1, s1 = _row(t, p_end, first, req, 1, ch, kv_ptr, kv_sn, sc_ptr, sc_sn, ape_ptr, st_ptr, st_s, st_r,
+                      RING, D, CD, RATIO, W, OVERLAP, HAS_APE)
+        k2, s2 = _row(t, p_end, first, req, 2, ch, kv_ptr, kv_sn, sc_ptr, sc_sn, ape_ptr, st_ptr, st_s, st_r,
+                      RING, D, CD, RATIO, W, OVERLAP, HAS_APE)
+        k3, s3 = _row(t, p_end, first, req, 3, ch, kv_ptr, kv_sn, sc_ptr, sc_sn, ape_ptr, st_ptr, st_s, st_r,
+                      RING, D, CD, RATIO, W, OVERLAP, HAS_APE)
+        k4, s4 = _row(t, p_end, first, req, 4, ch, kv_ptr, kv_sn, sc_ptr, sc_sn, ape_ptr, st_ptr, st_s, st_r,
+                      RING, D, CD, RATIO, W, OVERLAP, HAS_APE)
+        k5, s5 = _row(t, p_end, first, req, 5, ch, kv_ptr, kv_sn, sc_ptr, sc_sn, ape_ptr, st_ptr, st_s, st_r,
+                      RING, D, CD, RATIO, W, OVERLAP, HAS_APE)
+        k6, s6 = _row(t, p_end, first, req, 6, ch, kv_ptr, kv_sn, sc_ptr, sc_sn, ape_ptr, st_ptr, st_s, st_r,
+                      RING, D, CD, RATIO, W, OVERLAP, HAS_APE)
+        k7, s7 = _row(t, p_end, first, req, 7, ch, kv_ptr, kv_sn, sc_ptr, sc_sn, ape_ptr, st_ptr, st_s, st_r,
+                      RING, D, CD, RATIO, W, OVERLAP, HAS_APE)
+        m = tl.maximum(tl.maximum(tl.maximum(s0, s1), tl.maximum(s2, s3)),
+                       tl.maximum(tl.maximum(s4, s5), tl.maximum(s6, s7)))
+        e0, e1, e2, e3 = _exp(s0 - m, HW), _exp(s1 - m, HW), _exp(s2 - m, HW), _exp(s3 - m, HW)
+        e4, e5, e6, e7 = _exp(s4 - m, HW), _exp(s5 - m, HW), _exp(s6 - m, HW), _exp(s7 - m, HW)
+        num = _t8(e0 * k0, e1 * k1, e2 * k2, e3 * k3, e4 * k4, e5 * k5, e6 * k6, e7 * k7)
+        return tl.div_rn(num, _t8(e0, e1, e2, e3, e4, e5, e6, e7))
+    else:
+        kv, sc = _window(t, p_end, first, req, tl.arange(0, W), ch, kv_ptr, kv_sn, sc_ptr, sc_sn, ape_ptr, st_ptr,
+                         st_s, st_r, RING, D, CD, RATIO, W, OVERLAP, HAS_APE)
+        e = _exp(sc - tl.max(sc, axis=0)[None, :], HW)
+        return tl.div_rn(_tree_sum(e * kv, W, C), _tree_sum(e, W, C))
 
 
 @triton.jit
 def _append(idx_ptr, ld, t, ok, kv_ptr, kv_sn, sc_ptr, sc_sn, ape_ptr, st_ptr, st_s, st_r, RING: tl.constexpr,
             CD: tl.constexpr, RATIO: tl.constexpr, HAS_APE: tl.constexpr):
-    """Ring rows of tokens t [TB]: kv, then score + ape, through the state dtype."""
+    """Ring rows of tokens t [TB]: kv, then score + ape, through the state dtype. The input rows
+    are loaded whether kept or not (masked by `ok` alone), so their loads do not wait for the
+    position loads that decide it."""
     p = tl.load(idx_ptr + POS * ld + t, mask=ok, other=0)
-    keep = ok & (p > tl.load(idx_ptr + LAST * ld + t, mask=ok, other=0) - RING)  # a long run: last RING
+    last = tl.load(idx_ptr + LAST * ld + t, mask=ok, other=0)
     req = tl.load(idx_ptr + REQ * ld + t, mask=ok, other=0)
     cols = tl.arange(0, CD)[None, :]
-    m = keep[:, None] & (cols >= 0)
-    kv = tl.load(kv_ptr + t[:, None] * kv_sn + cols, mask=m, other=0.0).to(tl.float32)
-    sc = tl.load(sc_ptr + t[:, None] * sc_sn + cols, mask=m, other=0.0).to(tl.float32)
+    m_in = ok[:, None] & (cols >= 0)
+    kv = tl.load(kv_ptr + t[:, None] * kv_sn + cols, mask=m_in, other=0.0).to(tl.float32)
+    sc = tl.load(sc_ptr + t[:, None] * sc_sn + cols, mask=m_in, other=0.0).to(tl.float32)
     if HAS_APE:
-        sc += tl.load(ape_ptr + (p % RATIO)[:, None] * CD + cols, mask=m, other=0.0)
+        sc += tl.load(ape_ptr + (p % RATIO)[:, None] * CD + cols, mask=m_in, other=0.0)
+    m = (ok & (p > last - RING))[:, None] & (cols >= 0)   # a long run keeps its last RING rows
     row = st_ptr + req[:, None] * st_s + (p % RING)[:, None] * st_r + cols
     tl.store(row, _to_state(kv, st_ptr).to(st_ptr.dtype.element_ty), mask=m)
     tl.store(row + CD, _to_state(sc, st_ptr).to(st_ptr.dtype.element_ty), mask=m)
@@ -198,25 +285,11 @@ def _write_layer(idx_ptr, ld, n, cnt_ptr,
                  ID: tl.constexpr, IDATA: tl.constexpr, ISCALE: tl.constexpr, ROPE_W: tl.constexpr,
                  Q_EXP: tl.constexpr, Q_MANT: tl.constexpr, BT: tl.constexpr, HW: tl.constexpr,
                  TPI: tl.constexpr):
-    """Programs [0, end_tok): BT tokens each (SWA store, ring appends). Then n_pool programs
-    share the completed blocks' work items, (block, TPI 64-channel tiles) for the KV and one per
-    block for the indexer keys, as many as the device-side count says."""
+    """Programs [0, n_pool) share the completed blocks' work items, (block, TPI 64-channel tiles)
+    for the KV and one per block for the indexer keys, as many as the device-side count says;
+    then end_tok programs of BT tokens each (SWA store, ring appends)."""
     pid = tl.program_id(0)
-    if pid < end_tok:
-        t = (pid * BT + tl.arange(0, BT)).to(tl.int64)
-        ok = t < n
-        if do_swa != 0:
-            slot = tl.load(idx_ptr + SWA * ld + t, mask=ok, other=0)
-            ds_mla_store_rows(sw_val + t * sw_vsn, ok, sw_buf + (slot // sw_P) * sw_su, slot % sw_P, sw_sr,
-                              NT * TILE, ROPE_W, TILE, NT + 1, DATA, SCALE, Q_EXP, Q_MANT, HW)
-        if do_app != 0:
-            if HAS_CMP:
-                _append(idx_ptr, ld, t, ok, kv_ptr, kv_sn, sc_ptr, sc_sn, ape_ptr, st_ptr, st_s, st_r, RING,
-                        CD, RATIO, HAS_APE)
-            if HAS_IDX:
-                _append(idx_ptr, ld, t, ok, ikv_ptr, ikv_sn, isc_ptr, isc_sn, iape_ptr, ist_ptr, ist_s, ist_r,
-                        IRING, 2 * ID, RATIO, HAS_IAPE)
-    else:
+    if pid < n_pool:   # pool programs first: theirs are the long chains of dependent loads
         cnt = tl.load(cnt_ptr).to(tl.int32)
         kv_items = cnt * 0
         if HAS_CMP:
@@ -224,7 +297,7 @@ def _write_layer(idx_ptr, ld, n, cnt_ptr,
         total = kv_items
         if HAS_IDX:
             total = kv_items + cnt
-        i = pid - end_tok
+        i = pid
         while i < total:   # (a while loop: the CPU interpreter cannot range() over device scalars)
             if i < kv_items:
                 if HAS_CMP:
@@ -237,6 +310,20 @@ def _write_layer(idx_ptr, ld, n, cnt_ptr,
                                 iape_ptr, ist_ptr, ist_s, ist_r, IRING, x_buf, x_su, x_P, x_sr, RATIO, W, OVERLAP,
                                 HAS_IAPE, ID, IDATA, ISCALE, Q_EXP, Q_MANT, HW)
             i += n_pool
+    elif pid < n_pool + end_tok:
+        t = ((pid - n_pool) * BT + tl.arange(0, BT)).to(tl.int64)
+        ok = t < n
+        if do_swa != 0:
+            slot = tl.load(idx_ptr + SWA * ld + t, mask=ok, other=0)
+            ds_mla_store_rows(sw_val + t * sw_vsn, ok, sw_buf + (slot // sw_P) * sw_su, slot % sw_P, sw_sr,
+                              NT * TILE, ROPE_W, TILE, NT + 1, DATA, SCALE, Q_EXP, Q_MANT, HW)
+        if do_app != 0:
+            if HAS_CMP:
+                _append(idx_ptr, ld, t, ok, kv_ptr, kv_sn, sc_ptr, sc_sn, ape_ptr, st_ptr, st_s, st_r, RING,
+                        CD, RATIO, HAS_APE)
+            if HAS_IDX:
+                _append(idx_ptr, ld, t, ok, ikv_ptr, ikv_sn, isc_ptr, isc_sn, iape_ptr, ist_ptr, ist_s, ist_r,
+                        IRING, 2 * ID, RATIO, HAS_IAPE)
 
 
 def _ring_args(step, ring, kv, score):
@@ -260,33 +347,45 @@ def write_layer(step, targets, swa_kv, rings) -> None:
         s = targets.swa
         return codec_triton.store(s.codec, s.geom, s.buffer, range(s.layer, s.layer + 1), step.row(_rows.SWA),
                                   swa_kv[None])
+    head, args, const, tok, pool, one = launch_plan(step, targets, swa_kv, rings)
+    phases = [(tok, pool, 1, 1)] if one else [(tok, pool, 1, 0), (tok, 0, 0, 1)]
+    for end_tok, n_pool, do_swa, do_app in phases:   # pool before append: a long run overwrites rows it reads
+        launch(head, args, const, end_tok, n_pool, do_swa, do_app)
+
+
+def launch(head, args, const, end_tok, n_pool, do_swa, do_app):
+    warps = CONFIG["num_warps" if const["W"] <= 16 else "c128_warps"]
+    _write_layer[(end_tok + n_pool,)](*head, *args, end_tok, n_pool, do_swa, do_app, **const, num_warps=warps,
+                                      enable_fp_fusion=False)
+
+
+def launch_plan(step, targets, swa_kv, rings):
+    """Arguments of `_write_layer` for one layer with rings: (head, args, const, token programs,
+    pool programs, whether one launch suffices)."""
     by_name = {name: r for name, *r in rings}
     kv_ring, ix_ring = by_name.get(""), by_name.get("index_")
     s, n = targets.swa, step.num_tokens
     vals = swa_kv.to(torch.bfloat16).contiguous()
-    spec = (kv_ring or ix_ring)[0].spec if rings else None
+    spec = (kv_ring or ix_ring)[0].spec
     one = all(step.max_run_tokens <= r.state.shape[2] - r.spec.window + 1 for _, r, _, _ in rings)
-    bt, warps = CONFIG["swa_bt"], CONFIG["num_warps"]
-    const = dict(HAS_CMP=kv_ring is not None, RATIO=spec.ratio if spec else 4, W=spec.window if spec else 8,
-                 OVERLAP=bool(spec and spec.overlap), CD=spec.coff * 512 if spec else 1024,
-                 HAS_APE=bool(kv_ring and kv_ring[0].ape is not None), HAS_IDX=ix_ring is not None,
+    short = spec.window <= 16
+    bt = CONFIG["swa_bt" if short else "c128_chunk_bt" if n >= CHUNK_TOKENS else "c128_bt"]
+    tpi = CONFIG["c4_tpi" if short else "c128_tpi"]
+    const = dict(HAS_CMP=kv_ring is not None, RATIO=spec.ratio, W=spec.window, OVERLAP=bool(spec.overlap),
+                 CD=spec.coff * 512, HAS_APE=bool(kv_ring and kv_ring[0].ape is not None), HAS_IDX=ix_ring is not None,
                  HAS_IAPE=bool(ix_ring and ix_ring[0].ape is not None), D=512, TILE=DS_MLA_TILE,
                  NT=NOPE // DS_MLA_TILE, DATA=s.geom.fmt.data_bytes, SCALE=s.geom.fmt.scale_bytes,
                  ID=INDEX_WIDTH, IDATA=ix_ring[0].pool.geom.fmt.data_bytes if ix_ring else 128,
                  ISCALE=ix_ring[0].pool.geom.fmt.scale_bytes if ix_ring else 4, ROPE_W=ROPE,
-                 Q_EXP=_E4M3_EXP, Q_MANT=_Q_MANT, BT=bt, HW=HW_CAST,
-                 TPI=NOPE // DS_MLA_TILE + 1 if spec and spec.window <= 16 else 1)
-    ratio = spec.ratio if spec else 4
-    cnt = step.table[step.count_row, step.count_at(ratio):] if rings else step.table[0]
+                 Q_EXP=_E4M3_EXP, Q_MANT=_Q_MANT, BT=bt, HW=HW_CAST, TPI=tpi)
+    cnt = step.table[step.count_row, step.count_at(spec.ratio):]
     head = (step.table, step.table.stride(0), n, cnt, vals, vals.stride(0), s.buffer[:, s.layer],
             s.buffer.stride(0), s.geom.entries, s.geom.scale_region)
     args = (*(_ring_args(step, *kv_ring) if kv_ring else _dummy_ring(vals)),
             *(_ring_args(step, *ix_ring) if ix_ring else _dummy_ring(vals)),
-            step.done_row(ratio) if rings else 0)
-    tok = triton.cdiv(n, bt)
-    items = (NOPE // DS_MLA_TILE + 1) // const["TPI"] + 1     # per completed block, KV + indexer
-    pool = min(CONFIG["pool_programs"], n * items) if rings else 0
-    phases = [(tok, pool, 1, 1)] if one else [(tok, pool, 1, 0), (tok, 0, 0, 1)]
-    for end_tok, n_pool, do_swa, do_app in phases:   # pool before append: a long run overwrites rows it reads
-        _write_layer[(end_tok + n_pool,)](*head, *args, end_tok, max(n_pool, 1), do_swa, do_app, **const,
-                                          num_warps=warps, enable_fp_fusion=False)
+            step.done_row(spec.ratio))
+    # pool programs: one per work item of a step whose runs complete one block per `ratio` tokens
+    # (a decode step, about; a chunk); more blocks are taken in turns. The count depends on n only.
+    items = (NOPE // DS_MLA_TILE + 1) // tpi + 1     # per completed block, KV + indexer
+    pool = min(CONFIG["pool_programs" if short else "c128_pool_programs"], triton.cdiv(n, spec.ratio) * items)
+    return head, args, const, triton.cdiv(n, bt), pool, one
