@@ -112,3 +112,59 @@ def test_a_request_finished_on_the_allocator_leaves_no_resume_point_behind():
     assert c.prefix._tent_u[slot] == 0 and a.pend_b[slot] == 0 and a.row_base[slot] == NO_ROW
     assert a.ckpt.used == 0 and c.prefix.tree.checkpoints == 0
     c.check_integrity()
+
+
+def _random_session(seed: int, operations: int) -> int:
+    """Random admissions (most sharing one prompt), chunks, decode steps with drafts and
+    rollbacks, finishes (some past the cache) and flushes, with few units: integrity after every
+    operation, and every resume row in a unit the cache holds."""
+    rng = np.random.default_rng(seed)
+    c = cache(requests=6, checkpoints=int(rng.choice([2, 4, 8])), chunked_prefill_tokens=512,
+              draft_tokens=int(rng.choice([0, 1, 3])))
+    a = c.allocator
+    shared = rng.integers(0, 50, 4096)
+    running, n = {}, 0   # id -> [token ids, tokens written, prompt tokens]
+    for _ in range(operations):
+        op = rng.random()
+        if op < 0.08 and len(running) < 6:
+            prompt = int(rng.integers(50, 1500))
+            ids = shared.copy() if rng.random() < 0.6 else rng.integers(0, 50, 4096)
+            ids[rng.integers(0, 4096)] += int(rng.integers(0, 2))
+            if c.prefix.can_admit(prompt, 1200, token_ids=ids[:prompt]):
+                running[f"r{n}"] = [ids, c.admit(f"r{n}", prompt, 1200, token_ids=ids[:prompt]).cached_tokens, prompt]
+                n += 1
+        elif op < 0.25 and running:
+            rid = list(running)[rng.integers(len(running))]
+            r = running[rid]
+            if r[1] < r[2]:
+                k = min(int(rng.integers(1, 513)), r[2] - r[1])
+                c.extend(rid, k)
+                r[1] += k
+        elif op < 0.85:
+            batch = [rid for rid, r in running.items() if r[2] <= r[1] < r[2] + 1190]
+            if batch:
+                each = int(rng.integers(1, 2 + a.plan.options.draft_tokens))
+                w = c.step(batch, each)
+                for tok, rows in w.checkpoint_rows.values():
+                    assert np.all(rows >= 0) and np.all(a.ckpt.owner[rows // 4] == CACHE_OWNER)
+                for rid in batch:
+                    back = int(rng.integers(0, each)) if rng.random() < 0.3 else 0
+                    if back:
+                        a.rollback(rid, back)
+                    running[rid][1] += each - back
+        elif op < 0.93 and running:
+            rid = list(running)[rng.integers(len(running))]
+            ids, written, _ = running.pop(rid)
+            if rng.random() < 0.1:
+                a.finish(rid)   # past the cache
+            else:
+                c.finish(rid, token_ids=ids[:written])
+        elif op < 0.97:
+            c.flush()
+        c.check_integrity()
+    return c.prefix.stats.hit_tokens
+
+
+def test_random_sessions_keep_integrity_and_resume_rows_in_held_units():
+    hits = [_random_session(seed, 700) for seed in (1, 2)]
+    assert min(hits) > 0   # the sessions do share prefixes
