@@ -34,8 +34,9 @@ def allocator_problems(a) -> list[str]:
                 problems.append(f"slot {s}: {int(a.length[s])} tokens in {int(a.full_held[s])} pages")
     if a.swa is not None:
         problems += a.swa.check("swa_pages")
-        cols = lambda s: a.swa_table[s, np.arange(a.swa_lo[s], a.swa_hi[s]) % a.ring]  # noqa: E731
-        own = lambda s: cols(s)[a.swa.owner[cols(s)] != CACHE_OWNER]  # noqa: E731
+        def own(s):
+            pages = a.window_swa_pages(s)
+            return pages[a.swa.owner[pages] != CACHE_OWNER]
         problems += _owned(a, live, "swa_pages", a.swa, own)
         cached = int(np.count_nonzero(a.swa.owner == CACHE_OWNER))
         held = sum(int(a.swa_hi[s] - a.swa_lo[s]) - a.swa_cached_pages(s) for s in live)

@@ -222,9 +222,7 @@ class Sharing:
         if len(want) > spare:
             want = want[np.argsort(ahead[want], kind="stable")[:spare]]
         if len(want):
-            b, units = L[want] + ahead[want], self.ckpt.pop(len(want), CACHE_OWNER - 1)
-            self.pend_b[want], self.pend_u[want] = b, units
-            self.row_base[want] = units * k - (b - k)
+            self._set_pending(want, L[want] + ahead[want], self.ckpt.pop(len(want), CACHE_OWNER - 1))
             if self.ledger is not None:
                 self.ledger.add_units(CHECKPOINTS, len(want))
 
@@ -503,10 +501,13 @@ class Sharing:
             out["swa"] = L - (int(self.swa_lo[slot]) + self.swa_cached_pages(slot)) * self.Ps
         return out
 
+    def window_swa_pages(self, slot: int) -> np.ndarray:
+        """The SWA pages the slot's window holds (logical pages [swa_lo, swa_hi))."""
+        return self.swa_table[slot, np.arange(self.swa_lo[slot], self.swa_hi[slot]) % self.ring]
+
     def swa_cached_pages(self, slot: int) -> int:
         """Cache-held pages among the SWA pages the slot's window holds."""
-        held = self.swa_table[slot, np.arange(self.swa_lo[slot], self.swa_hi[slot]) % self.ring]
-        return int(np.count_nonzero(self.swa.owner[held] == CACHE_OWNER))
+        return int(np.count_nonzero(self.swa.owner[self.window_swa_pages(slot)] == CACHE_OWNER))
 
     def cached_swa_check(self, live) -> list[str]:
         """Integrity of the sharing arrays (called by alloc.integrity)."""
@@ -520,7 +521,7 @@ class Sharing:
         if self.swa is not None:   # a cache-held page in windows has a reference for each of them
             readers = np.zeros_like(self.swa_refs)
             for s in live:
-                held = self.swa_table[s, np.arange(self.swa_lo[s], self.swa_hi[s]) % self.ring]
+                held = self.window_swa_pages(s)
                 np.add.at(readers, held[self.swa.owner[held] == CACHE_OWNER], 1)
             if np.any(readers[1:] > self.swa_refs[1:]):
                 out.append("swa_pages: a cache-held page has fewer references than windows reading it")

@@ -182,7 +182,7 @@ class PrefixCache:
         prev = self._tent_u.take(slots)
         if prev[prev.argmax()]:   # (argmax/argmin: cheaper than any()/all() on a few values)
             had = prev.astype(bool)
-            keep = had & self.policy.keeps(self._tent_div.take(slots), self._tent_b.take(slots) // self.P)
+            keep = had & self.policy.keep(self._tent_div.take(slots), self._tent_b.take(slots) // self.P)
             drop = had ^ keep
             if drop[drop.argmax()]:
                 self._drop_many(prev[drop], self._tent_pages.take(slots[drop], axis=1))
@@ -236,9 +236,8 @@ class PrefixCache:
         return False
 
     def _drop(self, ck) -> None:
-        self.alloc.release_checkpoint(ck.unit, ck.swa_pages, pinned=True)
+        self._drop_many(np.array([ck.unit], np.int64), np.asarray(ck.swa_pages, np.int64))
         ck.unit = -1
-        self.stats.checkpoints_dropped += 1
 
     def _drop_many(self, units, swa_pages) -> None:
         if len(units):

@@ -29,11 +29,9 @@ class Policy:
     protect_marked: bool     # ends and divergence points leave after every intermediate one
     spacing_pages: int = 1   # intermediate points kept only every this many pages (0: fit the plan)
 
-    def keep(self, *, end: bool, divergence: bool, page: int = 0) -> bool:
-        return end or divergence or (self.keep_intermediate and page % self.spacing_pages == 0)
-
-    def keeps(self, divergence, page):
-        """keep() for arrays of points that are not ends."""
+    def keep(self, divergence, page):
+        """Which previous points to keep when their request reaches its next boundary (arrays of
+        flags and page numbers). A request's end point is always kept."""
         if not self.keep_intermediate:
             return divergence
         return divergence | (page % self.spacing_pages == 0)
