@@ -90,7 +90,7 @@ def step_blocks(requests: int, steps: int) -> tuple[list, list]:
     """Per-step seconds of each block, off and on: blocks in pairs, which of the two goes first
     alternating from pair to pair."""
     off, on = setup(requests, False), setup(requests, True)
-    block = 2 * on._defer_limit
+    block = 256
     rids = list(range(requests))
     sides = [(off, off.batch(rids), []), (on, on.batch(rids), [])]
     for a, batch, _ in sides:

@@ -380,11 +380,12 @@ class Allocator(Release, Sharing):
         self.last_write[slots] = counts
         self._written.append(slots)
         self._written_epoch = self._epoch
-        idx, within = self._indices(slots, counts, L0, prefill)
-        if self.resume_tokens and len(within):
+        most = 0   # the most tokens one request writes here (prefix cache: resume rows)
+        if self.resume_tokens:
             most = counts if isinstance(counts, int) else int(counts.max())
-            self._pass_tokens = max(self._pass_tokens, most)
-            idx.checkpoint_rows.update(self._checkpoint_rows(idx.request_slots, idx.positions, within, most))
+            if most > self._pass_tokens:
+                self._pass_tokens = most
+        idx = self._indices(slots, counts, L0, prefill, most)
         if self.ledger is not None:  # the block-completion masks already count new compressed entries
             if self.swa is not None:
                 self.ledger.add_entries("swa", idx.num_tokens)
@@ -400,7 +401,8 @@ class Allocator(Release, Sharing):
         for r in self.ratios:
             self.ledger.add_entries(ratio_key(r), sign * int((div(L1, r) - div(L0, r)).sum()))
 
-    def _indices(self, slots, counts, L0, prefill: bool) -> WriteIndices:
+    def _indices(self, slots, counts, L0, prefill: bool, most: int = 0) -> WriteIndices:
+        """most > 0 (prefix cache): also the resume rows to save (_checkpoint_rows)."""
         if isinstance(counts, int):
             if counts == 1:   # a copy: `slots` may be the memo's or a RequestBatch's array
                 tok_slots, pos = slots.copy(), L0
@@ -431,4 +433,5 @@ class Allocator(Release, Sharing):
             full_slots = np.full(len(pos), -1, np.int64)
         ws = np.arange(len(pos), dtype=np.int64) if prefill and self.window_rows else EMPTY
         return WriteIndices(request_slots=tok_slots, positions=pos, swa_slots=swa, full_slots=full_slots,
-                            compressed=compressed, state_rows=rows, workspace_rows=ws), within
+                            compressed=compressed, state_rows=rows, workspace_rows=ws,
+                            checkpoint_rows=self._checkpoint_rows(tok_slots, pos, within, most) if most else {})

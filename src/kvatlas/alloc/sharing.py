@@ -63,50 +63,56 @@ class Sharing:
         self.older: dict[int, dict[int, int]] = {}
         self._pass_tokens = 0       # the most tokens one request wrote in this pass
         self._defer_tokens = 0      # … summed over the passes since the last upkeep
-        self._defer_limit = self._upkeep_interval()
-        # units are taken ahead for tails that start within this many tokens (the progress until
-        # the next upkeep, one step's tokens more)
-        self._lookahead = self._defer_limit + self.resume_tokens + 1 + plan.options.draft_tokens
+        self._interval_most = self._upkeep_interval()
+        self._defer_limit = min(self._interval_most, 32)   # until units are taken ahead (_take_ahead)
+        # units are taken ahead for tails that start within the next interval's progress, one
+        # step's tokens more: a tail `ahead` tokens from its boundary needs one within interval I
+        # when ahead <= I + _ahead_slack
+        self._ahead_slack = self.resume_tokens + 1 + plan.options.draft_tokens
         self._unit_reserve = plan.options.chunked_prefill_tokens // self.P + 1
         self._last_boundary = self.max_len // self.P * self.P   # the last one a request can reach
         self._tails_distinct = self.window - 1 <= self.P   # two tails never share a page
         self._windowed_cached = 0   # cache-held SWA pages in requests' windows, one per window
-        self._tail_cols = np.arange(self.tail_swa_pages if self.swa is not None else 0, dtype=np.int64)
+        self._tail_cols = np.arange(self.tail_swa_pages if self.swa is not None else 0, dtype=np.int64)[:, None]
         groups: dict[int, list] = {}
         for name, rows in self.ckpt_buffers.items():
             groups.setdefault(rows, []).append(name)
         self._ckpt_groups = sorted(groups.items())
         self._one_group = len(groups) == 1 and self.resume_tokens in groups   # every buffer saves k rows
         self._tail_start = np.int64(self.P - self.resume_tokens)   # (a numpy scalar compares faster)
+        # the most tokens per request for which a write takes the decode path of _checkpoint_rows
+        self._fast_most = self.P - self.resume_tokens if self._one_group else -1
         self.on_capture = None        # prefix cache: (slots, boundaries, units, swa_pages[tail, m])
         self.on_need_checkpoint = None  # prefix cache: free one unit by eviction, or False
         self.on_slot_end = None       # prefix cache: a request it may know of leaves its slot
 
     def _upkeep_interval(self) -> int:
-        """Tokens of progress between two upkeeps (_upkeep): due captures wait for it, as long as
-        the tail pages they take stay in their request's window (a tail's first page retires once
-        the request is `margin` tokens past the boundary). At most 32: the units and SWA pages that
-        waiting captures and units taken ahead hold back stay few (for 1,024 decoding requests
-        about 128 units each), and a shortage of either runs the upkeep at once."""
+        """The most tokens of progress between two upkeeps (_upkeep): due captures wait for it, as
+        long as the tail pages they take stay in their request's window (a tail's first page
+        retires once the request is `margin` tokens past the boundary; 63 for V4). Each upkeep
+        then sets the next interval from the units it has (_take_ahead)."""
         if self.swa is None:
-            return 32
-        margin = (1 - self.tail_swa_pages) * self.Ps + self.window - 1
-        return max(min(margin, 32), 1)
+            return 64
+        return max((1 - self.tail_swa_pages) * self.Ps + self.window - 1, 1)
 
     # ------------------------------------------------------------ resume rows in the write path
     def _checkpoint_rows(self, tok_slots, pos, within, most: int) -> dict:
         """Per checkpoint buffer: (token index, row in the buffer) of the rows to save."""
-        P, k = self.P, self.resume_tokens
         hit = (within >= self._tail_start).nonzero()[0]
         if not len(hit):
             return {}
-        s = tok_slots[hit]
-        if self._one_group and most <= P - k:
+        if most <= self._fast_most:
             # a decode step: each request's tokens meet one tail at most, and its unit was taken
-            # ahead (_take_ahead), unless the request got there faster (NO_ROW: the general path)
-            rows = np.add(self.row_base[s], pos[hit])
+            # ahead (_take_ahead), unless the request got there faster (NO_ROW: the general path).
+            # (Numpy calls cost several µs each inside a step, whatever their size: the rows of the
+            # whole batch, then the hits, is one call fewer than gathering slots first.)
+            rows = self.row_base.take(tok_slots)
+            rows += pos
+            rows = rows.take(hit)
             if rows[rows.argmin()] >= 0:   # (argmin: a fraction of min()'s cost on a few values)
                 return dict.fromkeys(self.ckpt_buffers, (hit, rows))
+        s = tok_slots.take(hit)
+        P, k = self.P, self.resume_tokens
         w = within[hit]
         bnd = pos[hit] + (P - w)
         units = self.pend_u[s]
@@ -207,20 +213,27 @@ class Sharing:
         return self.ckpt.free
 
     def _take_ahead(self) -> None:
-        """Units for the tails that running requests will start writing before the next upkeep
-        (the nearest first, never the last few free units), so a decode step finds its rows in
-        row_base without taking units itself."""
+        """Units for the tails that running requests will start writing before the next upkeep,
+        so a decode step finds its rows in row_base without taking units itself; and the next
+        interval: the longest (up to _interval_most) whose tails the spare units cover, since
+        an upkeep costs about as much for few captures as for many. Short of units, the nearest
+        tails get them and the interval shrinks to reach no further (never below 16 tokens: past
+        that, the few uncovered tails take units as they are written)."""
         if not self._one_group or self.backing is not None:
+            self._defer_limit = min(self._interval_most, 32)
             return
+        most, slack = self._interval_most, self._ahead_slack
         spare = self.ckpt.free - self._unit_reserve
-        if spare <= 0:
-            return
         L, k = self.length, self.resume_tokens
         ahead = self.P - mod(L, self.P)   # tokens to the next boundary (a free slot: page_tokens)
-        want = ((ahead - k).view(np.uint64) <= self._lookahead - k) & (L < self._last_boundary)
+        want = ((ahead - k).view(np.uint64) <= most + slack - k) & (L < self._last_boundary)
         want = (want & (self.pend_b == 0)).nonzero()[0]
-        if len(want) > spare:
-            want = want[np.argsort(ahead[want], kind="stable")[:spare]]
+        interval = most
+        if len(want) > max(spare, 0):
+            near = want[np.argsort(ahead[want], kind="stable")]
+            want = near[:max(spare, 0)]
+            interval = max(int(ahead[near[len(want)]]) - slack - 1, min(16, most))
+        self._defer_limit = interval
         if len(want):
             self._set_pending(want, L[want] + ahead[want], self.ckpt.pop(len(want), CACHE_OWNER - 1))
             if self.ledger is not None:
@@ -282,22 +295,20 @@ class Sharing:
         retired. (One-dimensional takes, row by row: 2-D fancy indexing costs several times more
         on a batch this size, and this runs for every boundary reached.)"""
         T = len(self._tail_cols)
-        pages = np.empty((T, len(r)), np.int64)
         if not T:
-            return pages
+            return np.empty((0, len(r)), np.int64)
         lo = div(b, self.Ps) - T
-        at, owner, mine = r * self.ring, self.swa.owner, r + 1
-        own = None
-        for j in range(T):
-            pages[j] = self.swa_table.ravel().take(at + mod(lo + j, self.ring))
-            o = owner.take(pages[j]) == mine
-            own = o if own is None else own & o
-        leave = own & (self.swa_lo.take(r) == lo) if self._tails_distinct else np.zeros(len(r), bool)
-        if leave[leave.argmin()]:   # the common case: every tail the request's own, leaving
-            owner[pages.ravel()] = CACHE_OWNER
+        pages = self.swa_table.ravel().take(mod(self._tail_cols + lo, self.ring) + r * self.ring)
+        owner, mine = self.swa.owner, r + 1
+        own = owner.take(pages) == mine
+        if self._tails_distinct and not np.count_nonzero(self.swa_lo.take(r) != lo) + own.size - np.count_nonzero(own):
+            # the common case: every tail the request's own, leaving
+            owner[pages] = CACHE_OWNER
             self.swa_lo[r] = lo + T
-            self.swa_refs[pages.ravel()] += 1
+            self.swa_refs[pages] += 1
             return pages
+        own = own.all(axis=0)
+        leave = own & (self.swa_lo.take(r) == lo) if self._tails_distinct else np.zeros(len(r), bool)
         each = pages.T   # [m, tail]: the general case, rare
         own = owner[each] == mine[:, None]
         owner[each[own]] = CACHE_OWNER
