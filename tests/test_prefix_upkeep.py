@@ -114,6 +114,49 @@ def test_a_request_finished_on_the_allocator_leaves_no_resume_point_behind():
     c.check_integrity()
 
 
+def test_a_request_written_twice_in_one_pass_gets_the_unit_of_the_tail_it_reaches():
+    """A grouped pass may write one request more than once: its second write here crosses 256
+    and reaches the tail of 512 before any upkeep has captured 256. Its rows must be those of a
+    unit for 512, not rows past the one for 256 (beyond the checkpoint buffers)."""
+    c = cache()
+    a = c.allocator
+    start(c, "r", 200)
+    c.flush()
+    slot = a.slot_of["r"]
+    first = int(a.pend_u[slot])
+    with a.forward():
+        w1 = a.extend("r", 200)   # 200..399: the tail of 256
+        w2 = a.extend("r", 200)   # 400..599: the tail of 512
+    assert w1.positions[w1.checkpoint_rows["ckpt.c4_state"][0]].tolist() == [252, 253, 254, 255]
+    assert w1.checkpoint_rows["ckpt.c4_state"][1].tolist() == [first * 4 + i for i in range(4)]
+    tok, rows = w2.checkpoint_rows["ckpt.c4_state"]
+    assert w2.positions[tok].tolist() == [508, 509, 510, 511]
+    second = int(a.pend_u[slot])
+    assert a.pend_b[slot] == 512 and second not in (0, first)
+    assert rows.tolist() == [second * 4 + i for i in range(4)]
+    c.flush()   # both captures made, each with its own tail
+    assert a.pend_b[slot] == 0 and not a.older
+    c.check_integrity()
+
+
+def test_small_writes_grouped_in_one_pass_still_capture_before_the_tail_retires():
+    """The upkeep's wait is counted in tokens of progress: two 40-token writes of one request in
+    one pass count 80, so the capture of 256 comes before the tail's first page retires (at 319)."""
+    c = cache()
+    a = c.allocator
+    start(c, "r", 240)
+    c.flush()
+    slot = a.slot_of["r"]
+    with a.forward():
+        a.extend("r", 40)   # 240..279: crosses 256
+        a.extend("r", 40)   # 280..319
+    tail = a.swa_table[slot, np.arange(2, 4) % a.ring].copy()
+    c.step(["r"])           # the next pass begins: the upkeep first, then retiring
+    assert a.pend_b[slot] == 0
+    assert np.array_equal(c.prefix._tent_pages[:, slot], tail)
+    c.check_integrity()
+
+
 def _random_session(seed: int, operations: int) -> int:
     """Random admissions (most sharing one prompt), chunks, decode steps with drafts and
     rollbacks, finishes (some past the cache) and flushes, with few units: integrity after every
@@ -138,15 +181,20 @@ def _random_session(seed: int, operations: int) -> int:
             r = running[rid]
             if r[1] < r[2]:
                 k = min(int(rng.integers(1, 513)), r[2] - r[1])
-                c.extend(rid, k)
+                if rng.random() < 0.3 and r[1] + k < r[2]:   # two chunks of it in one pass
+                    k2 = min(int(rng.integers(1, 300)), r[2] - r[1] - k)
+                    with a.forward():
+                        held_rows(a, c.extend(rid, k))
+                        held_rows(a, c.extend(rid, k2))
+                    k += k2
+                else:
+                    held_rows(a, c.extend(rid, k))
                 r[1] += k
         elif op < 0.85:
             batch = [rid for rid, r in running.items() if r[2] <= r[1] < r[2] + 1190]
             if batch:
                 each = int(rng.integers(1, 2 + a.plan.options.draft_tokens))
-                w = c.step(batch, each)
-                for tok, rows in w.checkpoint_rows.values():
-                    assert np.all(rows >= 0) and np.all(a.ckpt.owner[rows // 4] == CACHE_OWNER)
+                held_rows(a, c.step(batch, each))
                 for rid in batch:
                     back = int(rng.integers(0, each)) if rng.random() < 0.3 else 0
                     if back:
@@ -163,6 +211,13 @@ def _random_session(seed: int, operations: int) -> int:
             c.flush()
         c.check_integrity()
     return c.prefix.stats.hit_tokens
+
+
+def held_rows(a, w) -> None:
+    """Every resume row a write names lies in a checkpoint unit the cache holds."""
+    for tok, rows in w.checkpoint_rows.values():
+        assert np.all(rows >= 0) and np.all(rows < len(a.ckpt.owner) * 4)
+        assert np.all(a.ckpt.owner[rows // 4] == CACHE_OWNER)
 
 
 def test_random_sessions_keep_integrity_and_resume_rows_in_held_units():

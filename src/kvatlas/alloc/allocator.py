@@ -380,12 +380,15 @@ class Allocator(Release, Sharing):
         self.last_write[slots] = counts
         self._written.append(slots)
         self._written_epoch = self._epoch
-        most = 0   # the most tokens one request writes here (prefix cache: resume rows)
+        progress = 0   # prefix cache: the most tokens a request has written since the last upkeep
         if self.resume_tokens:
             most = counts if isinstance(counts, int) else int(counts.max())
-            if most > self._pass_tokens:
+            if self._grouped:   # the pass may write a request more than once
+                self._pass_tokens += most
+            elif most > self._pass_tokens:
                 self._pass_tokens = most
-        idx = self._indices(slots, counts, L0, prefill, most)
+            progress = self._defer_tokens + self._pass_tokens
+        idx = self._indices(slots, counts, L0, prefill, progress)
         if self.ledger is not None:  # the block-completion masks already count new compressed entries
             if self.swa is not None:
                 self.ledger.add_entries("swa", idx.num_tokens)
@@ -401,8 +404,8 @@ class Allocator(Release, Sharing):
         for r in self.ratios:
             self.ledger.add_entries(ratio_key(r), sign * int((div(L1, r) - div(L0, r)).sum()))
 
-    def _indices(self, slots, counts, L0, prefill: bool, most: int = 0) -> WriteIndices:
-        """most > 0 (prefix cache): also the resume rows to save (_checkpoint_rows)."""
+    def _indices(self, slots, counts, L0, prefill: bool, progress: int = 0) -> WriteIndices:
+        """progress > 0 (prefix cache): also the resume rows to save (_checkpoint_rows)."""
         if isinstance(counts, int):
             if counts == 1:   # a copy: `slots` may be the memo's or a RequestBatch's array
                 tok_slots, pos = slots.copy(), L0
@@ -434,4 +437,4 @@ class Allocator(Release, Sharing):
         ws = np.arange(len(pos), dtype=np.int64) if prefill and self.window_rows else EMPTY
         return WriteIndices(request_slots=tok_slots, positions=pos, swa_slots=swa, full_slots=full_slots,
                             compressed=compressed, state_rows=rows, workspace_rows=ws,
-                            checkpoint_rows=self._checkpoint_rows(tok_slots, pos, within, most) if most else {})
+                            checkpoint_rows=self._checkpoint_rows(tok_slots, pos, within, progress) if progress else {})

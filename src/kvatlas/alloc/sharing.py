@@ -61,7 +61,9 @@ class Sharing:
         self.pend_u = np.zeros(n, np.int64)
         self.row_base = np.full(n, NO_ROW, np.int64)
         self.older: dict[int, dict[int, int]] = {}
-        self._pass_tokens = 0       # the most tokens one request wrote in this pass
+        # the most tokens one request wrote in this pass (in a grouped pass, where one request
+        # may be written more than once, the sum of the writes' most: a bound all the same)
+        self._pass_tokens = 0
         self._defer_tokens = 0      # … summed over the passes since the last upkeep
         self._interval_most = self._upkeep_interval()
         self._defer_limit = min(self._interval_most, 32)   # until units are taken ahead (_take_ahead)
@@ -80,7 +82,9 @@ class Sharing:
         self._ckpt_groups = sorted(groups.items())
         self._one_group = len(groups) == 1 and self.resume_tokens in groups   # every buffer saves k rows
         self._tail_start = np.int64(self.P - self.resume_tokens)   # (a numpy scalar compares faster)
-        # the most tokens per request for which a write takes the decode path of _checkpoint_rows
+        # the most progress since the last upkeep for which a write takes the decode path of
+        # _checkpoint_rows: below it no request can have passed its pending boundary and reached
+        # the next one's tail, so row_base is the unit of the tail its tokens are in, or NO_ROW
         self._fast_most = self.P - self.resume_tokens if self._one_group else -1
         self.on_capture = None        # prefix cache: (slots, boundaries, units, swa_pages[tail, m])
         self.on_need_checkpoint = None  # prefix cache: free one unit by eviction, or False
@@ -96,12 +100,13 @@ class Sharing:
         return max((1 - self.tail_swa_pages) * self.Ps + self.window - 1, 1)
 
     # ------------------------------------------------------------ resume rows in the write path
-    def _checkpoint_rows(self, tok_slots, pos, within, most: int) -> dict:
-        """Per checkpoint buffer: (token index, row in the buffer) of the rows to save."""
+    def _checkpoint_rows(self, tok_slots, pos, within, progress: int) -> dict:
+        """Per checkpoint buffer: (token index, row in the buffer) of the rows to save. progress:
+        the most tokens any request has written since the last upkeep, this write's included."""
         hit = (within >= self._tail_start).nonzero()[0]
         if not len(hit):
             return {}
-        if most <= self._fast_most:
+        if progress <= self._fast_most:
             # a decode step: each request's tokens meet one tail at most, and its unit was taken
             # ahead (_take_ahead), unless the request got there faster (NO_ROW: the general path).
             # (Numpy calls cost several µs each inside a step, whatever their size: the rows of the
@@ -223,19 +228,24 @@ class Sharing:
             self._defer_limit = min(self._interval_most, 32)
             return
         most, slack = self._interval_most, self._ahead_slack
-        spare = self.ckpt.free - self._unit_reserve
-        L, k = self.length, self.resume_tokens
-        ahead = self.P - mod(L, self.P)   # tokens to the next boundary (a free slot: page_tokens)
-        want = ((ahead - k).view(np.uint64) <= most + slack - k) & (L < self._last_boundary)
+        spare = max(self.ckpt.free - self._unit_reserve, 0)
+        L, P, k = self.length, self.P, self.resume_tokens
+        # tokens before the next boundary's tail starts (a free slot: page_tokens - k; negative
+        # in the tail: the request is writing it, its unit was taken already or is taken then)
+        before = (P - k) - mod(L, P)
+        want = (before.view(np.uint64) <= most + slack - k) & (L < self._last_boundary)
         want = (want & (self.pend_b == 0)).nonzero()[0]
         interval = most
-        if len(want) > max(spare, 0):
-            near = want[np.argsort(ahead[want], kind="stable")]
-            want = near[:max(spare, 0)]
-            interval = max(int(ahead[near[len(want)]]) - slack - 1, min(16, most))
+        if len(want) > spare:
+            near = want[np.argsort(before.take(want), kind="stable")]
+            want = near[:spare]
+            interval = max(int(before[near[spare]]) + k - slack - 1, min(16, most))
         self._defer_limit = interval
         if len(want):
-            self._set_pending(want, L[want] + ahead[want], self.ckpt.pop(len(want), CACHE_OWNER - 1))
+            units = self.ckpt.pop(len(want), CACHE_OWNER - 1)
+            b = L.take(want) + before.take(want) + k   # the next boundary
+            self.pend_b[want], self.pend_u[want] = b, units
+            self.row_base[want] = units * k - (b - k)   # (_set_pending, every unit a real one)
             if self.ledger is not None:
                 self.ledger.add_units(CHECKPOINTS, len(want))
 
