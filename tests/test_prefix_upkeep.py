@@ -157,6 +157,73 @@ def test_small_writes_grouped_in_one_pass_still_capture_before_the_tail_retires(
     c.check_integrity()
 
 
+def expected_rows(a, w) -> set:
+    """The rows a write must name, from the pending points as they stand after it: each token in
+    a boundary's last 4 positions, in the unit pending for that boundary (if one was taken)."""
+    out = set()
+    pos, slots = w.positions, w.request_slots
+    for j in np.flatnonzero(pos % a.P >= a.P - 4).tolist():
+        s, b = int(slots[j]), int(pos[j]) // a.P * a.P + a.P
+        unit = int(a.pend_u[s]) if a.pend_b[s] == b else a.older.get(s, {}).get(b, 0)
+        if unit:
+            out.add((j, unit * 4 + int(pos[j]) - (b - 4)))
+    return out
+
+
+def named_rows(w) -> set:
+    tok, rows = w.checkpoint_rows.get("ckpt.c4_state", (np.zeros(0, np.int64),) * 2)
+    return set(zip(tok.tolist(), rows.tolist()))
+
+
+def test_a_steady_batch_reads_its_rows_from_a_schedule_that_matches_the_pending_points():
+    """Decode steps of an unchanged batch take their rows from a schedule made once per upkeep;
+    disruptions (a rollback, another request's chunk, an admission, a finish) end it. Every step
+    names exactly the rows of the units pending for the tails its tokens are in."""
+    c = cache(requests=6, checkpoints=16)
+    a = c.allocator
+    rng = np.random.default_rng(5)
+    for i in range(4):
+        start(c, f"r{i}", int(rng.integers(150, 700)), seed=i)
+    batch = [f"r{i}" for i in range(4)]
+    scheduled = 0
+    for step in range(600):
+        w = c.step(batch)
+        scheduled += a._schedule is not None
+        assert named_rows(w) == expected_rows(a, w)
+        if step % 97 == 50:
+            a.rollback(batch[step % 4], 1)
+        if step % 131 == 70:   # another request's prefill chunk in its own pass
+            start(c, f"x{step}", 100, seed=step)
+            c.finish(f"x{step}")
+        c.check_integrity()
+    assert scheduled > 500   # the schedule served most steps
+
+
+def test_units_short_within_a_write_capture_nothing_that_write_reached():
+    """A chunk crossing several boundaries with no free unit: sparing units within the write
+    must not capture the boundaries the same (not yet final) write reached; their rows are still
+    to be saved and a rollback could rewrite them."""
+    c = cache(requests=4, checkpoints=2)
+    a = c.allocator
+    start(c, "r", 200)
+    c.flush()
+    slot = a.slot_of["r"]
+    first = int(a.pend_u[slot])
+    assert a.pend_b[slot] == 256 and first
+    taken = []
+    while a.ckpt.free:
+        taken.append(a._take_checkpoint_unit(0))
+    w = a.extend("r", 600)   # 200..799: the tails of 256, 512 and 768
+    assert named_rows(w) == expected_rows(a, w)
+    assert {a.pend_b[slot]: a.pend_u[slot], **a.older.get(slot, {})}.get(256) == first   # not captured yet
+    a.rollback("r", 300)   # back to 500: rewrites the tail of 512 later, 256 stays
+    a.release_checkpoints(np.array(taken), np.zeros((len(taken), 0), np.int64))
+    held_rows(a, a.extend("r", 300))
+    c.flush()
+    assert not a.older and a.pend_b[slot] == 0
+    c.check_integrity()
+
+
 def _random_session(seed: int, operations: int) -> int:
     """Random admissions (most sharing one prompt), chunks, decode steps with drafts and
     rollbacks, finishes (some past the cache) and flushes, with few units: integrity after every
@@ -214,10 +281,12 @@ def _random_session(seed: int, operations: int) -> int:
 
 
 def held_rows(a, w) -> None:
-    """Every resume row a write names lies in a checkpoint unit the cache holds."""
+    """Every resume row a write names lies in a checkpoint unit the cache holds, and they are
+    exactly the rows of the units pending for the tails its tokens are in."""
     for tok, rows in w.checkpoint_rows.values():
         assert np.all(rows >= 0) and np.all(rows < len(a.ckpt.owner) * 4)
         assert np.all(a.ckpt.owner[rows // 4] == CACHE_OWNER)
+    assert named_rows(w) == expected_rows(a, w)
 
 
 def test_random_sessions_keep_integrity_and_resume_rows_in_held_units():

@@ -310,7 +310,7 @@ class Allocator(Release, Sharing):
             raise KvatlasError(f"one write spans more SWA pages than a request can hold ({self.ring}); keep "
                                f"chunks within chunked_prefill_tokens={self.plan.options.chunked_prefill_tokens}")
         if int(n.sum()) > self.swa.free and self.prefix_on:
-            self._commit_captures()   # waiting captures hold tails their decisions give back
+            self._commit_captures(passed_only=True)   # waiting captures hold tails their decisions give back
         if int(n.sum()) > self.swa.free and self.on_need_checkpoint is not None:
             # resume points hold SWA tails: drop some rather than refuse a write
             while int(n.sum()) > self.swa.free and self.on_need_checkpoint():
@@ -381,6 +381,7 @@ class Allocator(Release, Sharing):
         self._written.append(slots)
         self._written_epoch = self._epoch
         progress = 0   # prefix cache: the most tokens a request has written since the last upkeep
+        self._writes += 1
         if self.resume_tokens:
             most = counts if isinstance(counts, int) else int(counts.max())
             if self._grouped:   # the pass may write a request more than once
@@ -406,9 +407,11 @@ class Allocator(Release, Sharing):
 
     def _indices(self, slots, counts, L0, prefill: bool, progress: int = 0) -> WriteIndices:
         """progress > 0 (prefix cache): also the resume rows to save (_checkpoint_rows)."""
+        one = None   # a one-token decode step: its batch's slots array (prefix cache)
         if isinstance(counts, int):
             if counts == 1:   # a copy: `slots` may be the memo's or a RequestBatch's array
                 tok_slots, pos = slots.copy(), L0
+                one = None if prefill else slots
             else:
                 offsets = np.tile(np.arange(counts, dtype=np.int64), len(slots))
                 tok_slots, pos = np.repeat(slots, counts), np.repeat(L0, counts) + offsets
@@ -437,4 +440,5 @@ class Allocator(Release, Sharing):
         ws = np.arange(len(pos), dtype=np.int64) if prefill and self.window_rows else EMPTY
         return WriteIndices(request_slots=tok_slots, positions=pos, swa_slots=swa, full_slots=full_slots,
                             compressed=compressed, state_rows=rows, workspace_rows=ws,
-                            checkpoint_rows=self._checkpoint_rows(tok_slots, pos, within, progress) if progress else {})
+                            checkpoint_rows=self._checkpoint_rows(tok_slots, pos, within, progress, one)
+                            if progress else {})

@@ -24,6 +24,7 @@ class Release:
                                "the next forward pass begins (the next step/extend or flush)")
         if num_tokens == 0:
             return
+        self._writes += 1   # positions move back: no steady batch's schedule holds
         L1 = self.length[slot:slot + 1]
         L0 = L1 - num_tokens
         self._count_entries(L0, L1, int(num_tokens), sign=-1)

@@ -15,13 +15,17 @@ kvatlas.prefix; this mixin only hands out and takes back units.
   and any rollback (the rewritten rows are saved again) leave the exact rows of the final
   sequence.
 - The decode step's cost. The bookkeeping of resume points runs as an upkeep every
-  `_defer_limit` tokens of progress (32 for V4; at once for a flush, a finish or a shortage of
-  units or SWA pages), in batches over every slot, so a decode step pays one gather and one add
-  for its resume rows: the upkeep makes the captures that are due (boundaries reached in passes
-  that are over: their SWA tails pass to the cache, pinned while undecided, and `on_capture`, set
-  by the prefix cache, decides them together) and takes units ahead for the tails the running
-  requests reach before the next upkeep (`row_base`). The wait is bounded by when a tail's first
-  page could retire, so no capture ever misses its tail.
+  `_defer_limit` tokens of progress (at once for a flush, a finish or a shortage of units or SWA
+  pages), in batches over every slot, so a decode step pays one comparison over the batch and a
+  gather and an add for its resume rows: the upkeep makes the captures that are due (boundaries
+  reached in passes that are over: their SWA tails pass to the cache, pinned while undecided, and
+  `on_capture`, set by the prefix cache, decides them together) and takes units ahead for the
+  tails the running requests reach before the next upkeep (`row_base`). The interval is as long
+  as the spare units cover, up to when a tail's first page could retire (63 tokens for V4), so
+  no capture ever misses its tail. Progress is counted per pass as the most tokens one request
+  wrote (in a grouped pass, the sum of its writes'), which bounds every request's. A steady
+  batch (the same one stepping one token per request, nothing else in between) skips even the
+  comparison: its tokens reach their tails on a schedule made once per upkeep (_Schedule).
 - A released resume point whose SWA pages a running request still reads leaves them orphaned:
   freed when the last reader lets go.
 """
@@ -86,6 +90,9 @@ class Sharing:
         # _checkpoint_rows: below it no request can have passed its pending boundary and reached
         # the next one's tail, so row_base is the unit of the tail its tokens are in, or NO_ROW
         self._fast_most = self.P - self.resume_tokens if self._one_group else -1
+        self._writes = 0              # writes and rollbacks so far (a steady batch's schedule checks it)
+        self._steady = None           # (batch array, epoch, write number) of the last one-token step
+        self._schedule = None         # _Schedule of that batch's resume rows; None when row_base changes
         self.on_capture = None        # prefix cache: (slots, boundaries, units, swa_pages[tail, m])
         self.on_need_checkpoint = None  # prefix cache: free one unit by eviction, or False
         self.on_slot_end = None       # prefix cache: a request it may know of leaves its slot
@@ -100,9 +107,14 @@ class Sharing:
         return max((1 - self.tail_swa_pages) * self.Ps + self.window - 1, 1)
 
     # ------------------------------------------------------------ resume rows in the write path
-    def _checkpoint_rows(self, tok_slots, pos, within, progress: int) -> dict:
+    def _checkpoint_rows(self, tok_slots, pos, within, progress: int, batch=None) -> dict:
         """Per checkpoint buffer: (token index, row in the buffer) of the rows to save. progress:
-        the most tokens any request has written since the last upkeep, this write's included."""
+        the most tokens any request has written since the last upkeep, this write's included;
+        batch: the slots array of a one-token decode step (its tokens are in that order)."""
+        if batch is not None and progress <= self._fast_most:
+            got = self._steady_rows(batch, tok_slots, pos, within)
+            if got is not None:
+                return got
         hit = (within >= self._tail_start).nonzero()[0]
         if not len(hit):
             return {}
@@ -133,6 +145,29 @@ class Sharing:
                 out[name] = got
         return out
 
+    def _steady_rows(self, batch, tok_slots, pos, within):
+        """A steady batch: the same slots array stepping one token per request, nothing else
+        written, rolled back, admitted or finished in between. Its tokens then reach their tails
+        on a known schedule, made once per upkeep (_Schedule), so a step's resume rows cost one
+        slice and one add instead of a comparison over the whole batch. None: no schedule (the
+        caller scans)."""
+        w, epoch = self._writes, self._epoch
+        sched = self._schedule
+        if sched is not None and sched.batch is batch and sched.epoch == epoch and sched.writes == w - 1:
+            sched.writes = w
+            sched.t += 1
+            if sched.t < sched.horizon:
+                return sched.rows_at(sched.t, self.ckpt_buffers)
+            self._schedule = None
+        last, self._steady = self._steady, (batch, epoch, w)
+        if last is None or last[0] is not batch or last[1] != epoch or last[2] != w - 1:
+            return None   # a schedule pays off from the second step of the same batch on
+        sched = _Schedule.make(self, batch, tok_slots, pos, within, epoch, w)
+        if sched is None:
+            return None
+        self._schedule = sched
+        return sched.rows_at(0, self.ckpt_buffers)
+
     def _touch(self, s, bnd, units, miss) -> np.ndarray:
         """Units for the tails first written now: popped at once when each is a fresh slot's only
         one (every decode step), else one by one in token order (chunks, drafts, rewrites)."""
@@ -158,6 +193,7 @@ class Sharing:
         if boundary in mine:
             return mine[boundary]
         unit = self._take_checkpoint_unit(slot)
+        latest = int(self.pend_b[slot])   # (as it stands after taking the unit)
         if latest == 0:
             self._set_pending(slot, boundary, unit)
         elif boundary > latest:
@@ -168,11 +204,13 @@ class Sharing:
         return unit
 
     def _set_pending(self, slots, boundaries, units) -> None:
+        self._schedule = None   # (every change of row_base ends a steady batch's schedule)
         self.pend_b[slots], self.pend_u[slots] = boundaries, units
         base = np.asarray(units) * self.resume_tokens - (np.asarray(boundaries) - self.resume_tokens)
         self.row_base[slots] = np.where(np.asarray(units) > 0, base, NO_ROW)
 
     def _clear_pending(self, slots) -> None:
+        self._schedule = None
         self.pend_b[slots] = self.pend_u[slots] = 0
         self.row_base[slots] = NO_ROW
 
@@ -205,7 +243,7 @@ class Sharing:
     def spare_checkpoint_units(self) -> int:
         """Units short: make the due captures (their decisions give units back) and return the
         units taken ahead for tails nobody has written yet. Returns the free units."""
-        self._commit_captures()
+        self._commit_captures(passed_only=True)
         idle = ((self.pend_b > 0) & (self.length <= self.pend_b - self.resume_tokens)).nonzero()[0]
         idle = idle[[s not in self.older for s in idle.tolist()]] if self.older else idle
         if len(idle):
@@ -242,6 +280,7 @@ class Sharing:
             interval = max(int(before[near[spare]]) + k - slack - 1, min(16, most))
         self._defer_limit = interval
         if len(want):
+            self._schedule = None
             units = self.ckpt.pop(len(want), CACHE_OWNER - 1)
             b = L.take(want) + before.take(want) + k   # the next boundary
             self.pend_b[want], self.pend_u[want] = b, units
@@ -249,9 +288,14 @@ class Sharing:
             if self.ledger is not None:
                 self.ledger.add_units(CHECKPOINTS, len(want))
 
-    def _commit_captures(self, slots=None) -> None:
+    def _commit_captures(self, slots=None, passed_only: bool = False) -> None:
         """Make the captures of the boundaries that `slots` (None: every slot) have reached in
-        passes that are over: their tails pass to the cache and `on_capture` decides."""
+        passes that are over: their tails pass to the cache and `on_capture` decides.
+        passed_only: called within a pass (units or SWA pages short), so the slots written in it
+        are left out: what their writes reached may still be rewritten (a rollback), and the
+        rows of this write are not saved yet."""
+        if passed_only and self._written and slots is None:
+            slots = np.setdiff1d(np.arange(len(self.pend_b)), np.concatenate(self._written))
         cand = np.asarray(slots, np.int64) if slots is not None else None
         b = self.pend_b if cand is None else self.pend_b[cand]
         L = self.length if cand is None else self.length[cand]
@@ -302,8 +346,8 @@ class Sharing:
         capture can be dropped is at the request's next boundary, page_tokens >= window - 1 tokens
         on, when the tail has left its window. Otherwise (a page it shares, older pages it still
         holds) the tail stays in its window with a reference for it, as shared pages do, until
-        retired. (One-dimensional takes, row by row: 2-D fancy indexing costs several times more
-        on a batch this size, and this runs for every boundary reached.)"""
+        retired. (One take from the flat table with a [tail, m] index: a 2-D fancy index into
+        the table costs several times more on a batch this size, and this runs every upkeep.)"""
         T = len(self._tail_cols)
         if not T:
             return np.empty((0, len(r)), np.int64)
@@ -552,3 +596,42 @@ class Sharing:
         if self.ckpt is not None:
             out += self.ckpt.check("checkpoints")
         return out
+
+
+class _Schedule:
+    """When each token of a steady batch (see Sharing._steady_rows) writes a tail position, and
+    its row: at step t after the one it was made at, token j is at pos_j + t, in the tail of the
+    next boundary while t - k < e_j <= t (e_j = page_tokens - k - within_j), and its row is
+    row_base + pos_j + t. Tokens sorted by e_j, each step's hits are one contiguous run. It holds
+    until row_base changes (the next upkeep, or a unit taken on the general path), or up to the
+    first step at which a token without a unit (NO_ROW) would reach its tail."""
+
+    __slots__ = ("batch", "epoch", "writes", "t", "horizon", "order", "rows", "lo", "hi")
+
+    @classmethod
+    def make(cls, alloc, batch, tok_slots, pos, within, epoch: int, writes: int):
+        P, k = alloc.P, alloc.resume_tokens
+        e = (P - k) - within
+        order = np.argsort(e.astype(np.int16) if P < 1 << 15 else e, kind="stable")   # (16-bit: a radix sort)
+        e = e.take(order)
+        rows = alloc.row_base.take(tok_slots.take(order))
+        rows += pos.take(order)
+        horizon = P - k   # within it a token meets one tail at most
+        bad = (rows < 0).nonzero()[0]
+        if len(bad):   # tokens without a unit: the schedule ends before the first reaches its tail
+            horizon = min(horizon, int(e[bad].min()))
+            if horizon <= 0:
+                return None
+        sched = cls()
+        sched.batch, sched.epoch, sched.writes, sched.t, sched.horizon = batch, epoch, writes, 0, horizon
+        steps = np.arange(horizon, dtype=np.int64)
+        sched.order, sched.rows = order, rows
+        sched.lo = np.searchsorted(e, steps - k, side="right").tolist()
+        sched.hi = np.searchsorted(e, steps, side="right").tolist()
+        return sched
+
+    def rows_at(self, t: int, names) -> dict:
+        lo, hi = self.lo[t], self.hi[t]
+        if lo == hi:
+            return {}
+        return dict.fromkeys(names, (self.order[lo:hi], self.rows[lo:hi] + t))
