@@ -280,11 +280,8 @@ class Sharing:
             interval = max(int(before[near[spare]]) + k - slack - 1, min(16, most))
         self._defer_limit = interval
         if len(want):
-            self._schedule = None
-            units = self.ckpt.pop(len(want), CACHE_OWNER - 1)
-            b = L.take(want) + before.take(want) + k   # the next boundary
-            self.pend_b[want], self.pend_u[want] = b, units
-            self.row_base[want] = units * k - (b - k)   # (_set_pending, every unit a real one)
+            self._set_pending(want, L.take(want) + before.take(want) + k,   # the next boundary
+                              self.ckpt.pop(len(want), CACHE_OWNER - 1))
             if self.ledger is not None:
                 self.ledger.add_units(CHECKPOINTS, len(want))
 
