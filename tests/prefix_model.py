@@ -77,30 +77,42 @@ class Model:
 
     def reads(self, request_id) -> dict:
         """What the next token of the request reads, pool by pool (bytes as the pools decode them)."""
+        return self.reads_many([request_id])[request_id]
+
+    def reads_many(self, request_ids) -> dict:
+        """reads() of several requests, one gather per pool for them all (a check after every
+        operation of a many-request session pays the data path's per-call cost once)."""
         c, a = self.cache, self.cache.allocator
-        slot = a.slot_of[request_id]
-        L = int(a.length[slot])
-        out = {}
-        lo = max(0, L - (a.window - 1))
-        p = np.arange(lo, L)
-        pages = a.swa_table[slot, (p // a.Ps) % a.ring]
-        swa = c.pools["swa_kv"]
-        out["swa"] = gather(self.geom["swa_kv"], swa.tensor, range(len(swa.layers)),
-                            torch.as_tensor(pages * a.Ps + p % a.Ps, device=c.device), impl=self.impl)
+        slots = [a.slot_of[r] for r in request_ids]
+        lens = [int(a.length[s]) for s in slots]
+        out = {r: {} for r in request_ids}
+        swa_idx, kv_idx = [], {name: [] for name in self.RATIO}
+        for slot, L in zip(slots, lens):
+            p = np.arange(max(0, L - (a.window - 1)), L)
+            swa_idx.append(a.swa_table[slot, (p // a.Ps) % a.ring] * a.Ps + p % a.Ps)
+            for name, ratio in self.RATIO.items():
+                e, per = np.arange(L // ratio), a.P // ratio
+                kv_idx[name].append(a.full_table[slot, e // per] * per + e % per)
+        self._split(out, "swa", "swa_kv", swa_idx)
         for name, ratio in self.RATIO.items():
             if name not in c.pools:
                 continue
-            target = c.pools[self.TARGET[name]]
-            e = np.arange(L // ratio)
-            per = a.P // ratio
-            slots = a.full_table[slot, e // per] * per + e % per
-            out[target.name] = gather(self.geom[target.name], target.tensor, range(len(target.layers)),
-                                      torch.as_tensor(slots, device=c.device), impl=self.impl)
-            state = c.pools[name]
-            start = max(0, L // ratio * ratio - (ratio if ratio == 4 else 0))
-            ring = state.ring_rows
-            out[name] = state.tensor[slot][:, [q % ring for q in range(start, L)]].clone()
+            self._split(out, self.TARGET[name], self.TARGET[name], kv_idx[name])
+            state, ring = c.pools[name], c.pools[name].ring_rows
+            for r, slot, L in zip(request_ids, slots, lens):
+                start = max(0, L // ratio * ratio - (ratio if ratio == 4 else 0))
+                out[r][name] = state.tensor[slot][:, [q % ring for q in range(start, L)]].clone()
         return out
+
+    def _split(self, out, key, pool, per_request) -> None:
+        p = self.cache.pools[pool]
+        got = gather(self.geom[pool], p.tensor, range(len(p.layers)),
+                     torch.as_tensor(np.concatenate(per_request).astype(np.int64), device=self.cache.device),
+                     impl=self.impl)
+        at = 0
+        for r, idx in zip(out, per_request):
+            out[r][key] = got[:, at:at + len(idx)]
+            at += len(idx)
 
 
 def assert_same_reads(got: dict, want: dict, where: str) -> None:

@@ -1,0 +1,256 @@
+"""The prefix cache under concurrency, as a stateful property test: many requests interleaved the
+way an engine interleaves them — admissions with shared system prompts, follow-up turns and
+fresh prompts, prefill chunks of several requests grouped in one forward pass, batched decode
+steps with drafts and rollback, finishes while others prefill, eviction under memory pressure,
+and (in the second machine) host-tier offload and prefetch. After every rule: every book against
+a recount (KVCache.check_integrity: the tree, references, evictable units per group, the ledger's
+chain evictable ≤ occupied ≤ addressable per pool), and every running request reads exactly what
+its cold twin (a cache that never hits, fed the same tokens from scratch) reads. A rule evicts
+everything evictable and checks that it frees exactly the evictable bytes, pool by pool.
+
+Before the issue 23 fix, two requests resumed from one point that retired a shared SWA page in
+the same pass counted it evictable twice: this machine found it in a few dozen steps."""
+
+import os
+
+import numpy as np
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from kvatlas import allocate, plan
+from kvatlas.tiers import attach_host_tier
+from prefix_model import Model, assert_same_reads, prefix_hashes
+
+SLOW = os.environ.get("KVATLAS_SLOW_TESTS") == "1"
+REQUESTS, CHUNK, DRAFTS, MAX_LEN = 6, 512, 2, 2048
+OPTIONS = dict(max_model_len=MAX_LEN, max_running_requests=REQUESTS, chunked_prefill_tokens=CHUNK,
+               draft_tokens=DRAFTS, pp=2)   # stage 0 of tiny-v4: one SWA-only, one C4, one C128 layer
+VOCAB = 5000
+
+
+def st_int(data, most: int) -> int:
+    return data.draw(st.integers(1, most))
+
+
+class _Req:
+    def __init__(self, seq, prompt):
+        self.seq, self.prompt = np.asarray(seq, np.int64), prompt
+        self.hashes = prefix_hashes(self.seq)
+        self.written = 0
+
+    @property
+    def decoding(self) -> bool:
+        return self.prompt <= self.written < len(self.seq)
+
+
+class Concurrency(RuleBasedStateMachine):
+    HOST = None   # bytes of host tier under the hot cache (None: device only)
+
+    def __init__(self):
+        super().__init__()
+        # 48 full pages for 6 requests of up to 8: running requests and the cache compete
+        self.hot = allocate(plan("tiny-v4", "32MiB", prefix_checkpoints=8, **OPTIONS))
+        self.cold = allocate(plan("tiny-v4", "32MiB", **OPTIONS))   # never hits: the reference
+        self.mh, self.mc = Model(self.hot), Model(self.cold)
+        self.link = attach_host_tier(self.hot, self.HOST, checkpoint_share=0.5) if self.HOST else None
+        rng = np.random.default_rng(11)
+        self.system = [rng.integers(0, VOCAB, n) for n in (300, 900)]
+        self.finished: list = []
+        self.running: dict = {}
+        self.n = 0
+        self.hits = 0
+        self.steps = 0   # rules run so far: the rare rules (flush, cut short, evict all) key on it
+        for i, system in enumerate((0, 0, 1, 1)):   # a warm cache: the second of each pair marks the
+            self._alone(f"system{system}", 40 + i, 3, seed=i)   # divergence point, kept for the rest
+
+    def _alone(self, kind, extra, out, seed):
+        """Admit one request and run it to its end by itself."""
+        self.admit(kind, extra, out, seed)
+        rid = f"r{self.n - 1}"
+        r = self.running[rid]
+        while r.written < r.prompt:
+            n = min(CHUNK, r.prompt - r.written)
+            self._write(lambda c: c.extend(rid, n))
+            r.written += n
+        while r.written < len(r.seq):
+            self._write(lambda c: c.step([rid]))
+            r.written += 1
+        self._finish(rid)
+
+    # ---------------------------------------------------------------- writes on both twins
+    def _hashes(self, cache, w, drafts_from=None):
+        """Per token of a write, its prefix hash; positions at or past drafts_from[rid] (rejected
+        drafts) get hashes of other tokens, the same in both twins."""
+        a = cache.allocator
+        out = np.empty(w.num_tokens, np.int64)
+        for i, (slot, pos) in enumerate(zip(w.request_slots.tolist(), w.positions.tolist())):
+            rid = a.rid_of[slot]
+            r = self.running[rid]
+            bad = drafts_from is not None and pos >= drafts_from.get(rid, 1 << 60)
+            out[i] = (int(r.hashes[pos]) * 7 + 3) % (1 << 61) if bad or pos >= len(r.seq) else r.hashes[pos]
+        return out
+
+    def _write(self, fn, drafts_from=None):
+        for cache, model in ((self.hot, self.mh), (self.cold, self.mc)):
+            w = fn(cache)
+            model.write(w, self._hashes(cache, w, drafts_from))
+
+    # ---------------------------------------------------------------- rules
+    @precondition(lambda self: len(self.running) < REQUESTS)
+    @rule(kind=st.sampled_from(["system0", "system0", "system1", "system1", "turn", "fresh"]), extra=st.integers(1, 500),
+          out=st.integers(1, 200), seed=st.integers(0, 2**31))
+    def admit(self, kind, extra, out, seed):
+        rng = np.random.default_rng(seed)
+        if kind == "turn" and self.finished:
+            head = self.finished[seed % len(self.finished)]
+        elif kind.startswith("system"):
+            head = self.system[int(kind[-1])]
+        else:
+            head = rng.integers(0, VOCAB, 1)
+        prompt = np.concatenate((head, rng.integers(0, VOCAB, extra)))[: MAX_LEN - out]
+        seq = np.concatenate((prompt, rng.integers(0, VOCAB, out)))
+        rid, P = f"r{self.n}", len(prompt)
+        self.n += 1
+        if self.link is not None:
+            ready = self.link.prefetch(P, token_ids=prompt)
+            if ready is not None:
+                ready.wait()
+        ok = self.hot.can_admit(P, out, token_ids=prompt)
+        if not ok:
+            return
+        adm = self.hot.admit(rid, P, out, token_ids=prompt)
+        self.cold.admit(rid, P, out)
+        r = self.running[rid] = _Req(seq, P)
+        self.hits += adm.cached_tokens > 0
+        done = 0
+        while done < adm.cached_tokens:   # the cold twin computes what the hot one took from the cache
+            n = min(CHUNK, adm.cached_tokens - done)
+            self.mc.write(w := self.cold.extend(rid, n), self._hashes(self.cold, w))
+            done += n
+        r.written = adm.cached_tokens
+
+    @precondition(lambda self: len(self.running) < REQUESTS)
+    @rule(system=st.integers(0, 1), extra=st.integers(1, 300), out=st.integers(1, 64), seed=st.integers(0, 2**31))
+    def admit_shared(self, system, extra, out, seed):
+        """Admissions weigh twice as much as the other rules, and most share a system prompt."""
+        self.admit(f"system{system}", extra, out, seed)
+
+    @precondition(lambda self: len(self.running) < REQUESTS - 1)
+    @rule(system=st.integers(0, 1), extra=st.tuples(st.integers(1, 300), st.integers(1, 300)),
+          seed=st.integers(0, 2**31))
+    def admit_burst(self, system, extra, seed):
+        """Two requests with one system prompt arrive together (they resume from one point and
+        prefill side by side)."""
+        for i, n in enumerate(extra):
+            self.admit(f"system{system}", n, 1 + (seed + i) % 32, seed + i)
+
+    def _prefilling(self):
+        return [rid for rid, r in self.running.items() if r.written < r.prompt]
+
+    def _decoding(self):
+        return [rid for rid, r in self.running.items() if r.decoding]
+
+    @precondition(lambda self: any(r.written < r.prompt for r in self.running.values())
+                  or any(r.decoding for r in self.running.values()))
+    @rule(data=st.data())
+    def forward_pass(self, data):
+        """One forward pass: the decode batch (1 + drafts each, rejected ones rolled back) and
+        prefill chunks of several requests within the token budget, grouped."""
+        batch = self._decoding()
+        budget = CHUNK
+        each = {rid: data.draw(st.integers(1, min(1 + DRAFTS, len(self.running[rid].seq) - self.running[rid].written)))
+                for rid in batch}
+        budget -= sum(each.values())
+        chunks = []
+        for rid in self._prefilling():   # in admission order, as an engine's prefill queue
+            r = self.running[rid]
+            if budget <= 0:
+                break
+            left = min(budget, r.prompt - r.written)
+            n = data.draw(st.sampled_from([left, left, st_int(data, left)]))   # mostly all the budget allows
+            chunks.append((rid, n))
+            budget -= n
+        accepted = {rid: data.draw(st.integers(1, t)) for rid, t in each.items()}
+        drafts_from = {rid: self.running[rid].written + accepted[rid] for rid in batch}
+        with self.hot.allocator.forward(), self.cold.allocator.forward():
+            if batch:
+                tokens = np.array([each[rid] for rid in batch], np.int64)
+                self._write(lambda c: c.step(batch, tokens), drafts_from)
+                for rid in batch:
+                    for c in (self.hot, self.cold):
+                        c.rollback(rid, each[rid] - accepted[rid])
+                    self.running[rid].written += accepted[rid]
+            for rid, n in chunks:
+                self._write(lambda c: c.extend(rid, n))
+                self.running[rid].written += n
+
+    @precondition(lambda self: any(r.written == len(r.seq) for r in self.running.values()))
+    @rule(data=st.data())
+    def finish(self, data):
+        """Done generating, while others still prefill or decode."""
+        self._finish(data.draw(st.sampled_from(sorted(r for r, q in self.running.items() if q.written == len(q.seq)))))
+
+    @precondition(lambda self: bool(self.running) and self.steps % 8 == 7)
+    @rule(data=st.data())
+    def cut_short(self, data):
+        """A request ends early (a stop token, a client gone), in prefill or decode."""
+        self._finish(data.draw(st.sampled_from(sorted(self.running))))
+
+    def _finish(self, rid):
+        r = self.running.pop(rid)
+        self.hot.finish(rid, token_ids=r.seq[: r.written])
+        self.cold.finish(rid)
+        if r.written > r.prompt:
+            self.finished.append(r.seq[: r.written])
+
+    @precondition(lambda self: self.steps % 8 == 3)
+    @rule()
+    def flush(self):
+        for c in (self.hot, self.cold):
+            c.flush()
+
+    @precondition(lambda self: self.steps % 16 == 13)
+    @rule()
+    def evict_everything(self):
+        """Evicting every evictable page and resume point frees exactly the evictable bytes."""
+        before = self.hot.ledger.snapshot()
+        tree = self.hot.prefix.tree
+        while tree.evict_checkpoint():
+            pass
+        tree.evict_pages(len(tree.nodes))
+        after = self.hot.ledger.snapshot()
+        for name, p in before.pools.items():
+            freed = p.measures.occupied_bytes - after.pools[name].measures.occupied_bytes
+            assert freed == p.measures.evictable_bytes, f"{name}: evicting everything freed {freed} B, " \
+                                                        f"{p.measures.evictable_bytes} B were evictable"
+            assert after.pools[name].measures.evictable_bytes == 0, name
+        assert not tree.idle_pages and not tree.checkpoints
+
+    # ---------------------------------------------------------------- after every rule
+    @invariant()
+    def books_and_reads(self):
+        self.steps += 1
+        self.hot.check_integrity()
+        self.cold.check_integrity()
+        if self.link is not None:
+            self.link.tier.check_integrity()
+        s = self.hot.prefix.stats
+        assert s.queried_tokens == s.hit_tokens + sum(s.missed().values())
+        rids = [rid for rid, r in self.running.items() if r.written]
+        if rids:
+            hot, cold = self.mh.reads_many(rids), self.mc.reads_many(rids)
+            for rid in rids:
+                assert_same_reads(hot[rid], cold[rid], rid)
+
+
+class HostConcurrency(Concurrency):
+    HOST = "8MiB"
+
+
+_settings = settings(max_examples=40 if SLOW else 4, stateful_step_count=80 if SLOW else 40, deadline=None,
+                     suppress_health_check=list(HealthCheck))
+TestConcurrency = Concurrency.TestCase
+TestConcurrency.settings = _settings
+TestHostConcurrency = HostConcurrency.TestCase
+TestHostConcurrency.settings = _settings
