@@ -118,10 +118,14 @@ class KVCache:
         self.allocator.rollback(request_id, num_tokens)
 
     def finish(self, request_id, *, token_ids=None) -> None:
-        """token_ids (prefix cache): the request's whole sequence, to cache pages past the prompt."""
+        """token_ids (prefix cache): the request's whole sequence, to cache pages past the prompt;
+        they must agree with the prompt it was admitted with (kvatlas.prefix.keys)."""
         if self.prefix is not None:
             self.prefix.finish(request_id, token_ids=token_ids)
         else:
+            if token_ids is not None:   # unused without a prefix cache, but never garbage
+                from ..prefix.keys import check_token_ids
+                check_token_ids(token_ids)
             self.allocator.finish(request_id)
 
     def flush(self) -> None:
