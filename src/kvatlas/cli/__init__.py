@@ -114,13 +114,18 @@ def _one_line(text: str) -> str:
     return " ".join(text.split())
 
 
+# The package's own folder, resolved: a checkout is itself often named kvatlas (`git clone`
+# makes one), so a path merely containing /kvatlas/ may be a test or a user's script.
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
+
+
 def _where(exc: BaseException) -> str:
     """The innermost kvatlas frame the error passed through: names the bug without a traceback."""
-    tb, hit = exc.__traceback__, None
+    tb, hit, root = exc.__traceback__, None, _PACKAGE_DIR + os.sep
     while tb is not None:
-        path = tb.tb_frame.f_code.co_filename
-        if f"{os.sep}kvatlas{os.sep}" in path:
-            hit = f" (at kvatlas/{path.rsplit(os.sep + 'kvatlas' + os.sep, 1)[1]}:{tb.tb_lineno})"
+        path = os.path.realpath(tb.tb_frame.f_code.co_filename)
+        if path.startswith(root):
+            hit = f" (at kvatlas/{path[len(root):].replace(os.sep, '/')}:{tb.tb_lineno})"
         tb = tb.tb_next
     return hit or ""
 
