@@ -8,12 +8,14 @@ a missing torch). The Python API's table is tests/test_bad_input_api.py.
 
 import json
 import os
+import re
 import subprocess
 import sys
 
 import pytest
 
 from kvatlas.cli import main
+from kvatlas.cli.common import FLAGS
 from kvatlas.planning.model import PRESET_DIR
 
 BIG = "1" + "0" * 400
@@ -29,16 +31,16 @@ DEPLOYMENT = {
     "--max-model-len": ["0", "-1", "2.5", "x", "inf", BIG],
     "--chunked-prefill-tokens": ["0", "-8", "x", "1e4"],
     "--draft-tokens": ["-1", "x", "0.5", BIG],
-    "--page-tokens": ["0", "x", ("100", "page_tokens"), ("64", "page_tokens")],
-    "--swa-page-tokens": ["0", "x", ("32", "swa_page_tokens"), ("100", "swa_page_tokens")],
+    "--page-tokens": ["0", "x", "100", "64"],
+    "--swa-page-tokens": ["0", "x", "32", "100"],
     "--tp": ["0", "-1", "x"],
     "--pp": ["0", "x", "1.0"],
     "--dp": ["0", "-2", "x"],
-    "--pp-rank": ["-1", "x", ("3", "pp_rank")],
+    "--pp-rank": ["-1", "x", "3"],
     "--gpu": ["a100", ""],
-    "--layout": [("fp16", "kv_layout"), ("", "kv_layout"), ("v4.1", "kv_layout")],
-    "--indexer": [("fp2", "indexer"), ("", "indexer")],
-    "--state-dtype": [("fp64", "state_dtype"), ("", "state_dtype")],
+    "--layout": ["fp16", "", "v4.1"],
+    "--indexer": ["fp2", ""],
+    "--state-dtype": ["fp64", ""],
     "--draft-layers": ["maybe", "1", ""],
 }
 WORKLOAD = {
@@ -116,9 +118,9 @@ MISC = [
     (["serve", *TINY, "--rate", "1000", "--duration", "1e5"], "rate"),
     (["simulate", *TINY, "--backend", "none", "--write-layers", "1"], "--write-layers"),
     (["simulate", *TINY, "--turns", "uniform:1:100000", "--rate", "1000", "--duration", "100"], "turns"),
-    (["plan", *TINY, "--online-c128", "--state-dtype", "bf16"], "online_c128"),
-    (["plan", "tiny-v4", "--weights", "200GiB"], "weights"),
-    (["plan", "deepseek-v4-flash", "--memory", "1GiB"], "memory"),
+    (["plan", *TINY, "--online-c128", "--state-dtype", "bf16"], "--online-c128"),
+    (["plan", "tiny-v4", "--weights", "200GiB"], "--weights"),
+    (["plan", "deepseek-v4-flash", "--memory", "1GiB"], "--memory"),
     (["compare", *TINY, "--sglang-no-radix", "--engines", "vllm"], "sglang"),
     (["simulate", *TINY, "--workload", "no-such-trace.jsonl"], "workload"),
     (["serve", *TINY, "--workload", "no-such-trace.jsonl"], "workload"),
@@ -166,6 +168,13 @@ def assert_refused(capsys, argv, needle):
     assert line and "\n" not in line, f"not one line: {err!r}"
     assert needle in line, f"{needle!r} not named in: {line}"
     assert line.startswith("kvatlas")
+    python = PYTHON_NAMES.search(line)
+    assert python is None, f"the CLI names the Python argument {python.group(0)!r}: {line}"
+
+
+# Python argument names (those with an underscore: unambiguous in prose); a config field
+# (config.sliding_window) is the user's own term and stays
+PYTHON_NAMES = re.compile(r"(?<![\w.\-])(" + "|".join(n for n in FLAGS if "_" in n) + r")(?![\w\-])")
 
 
 @pytest.mark.parametrize("argv,needle", CLI_CASES)

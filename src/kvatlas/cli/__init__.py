@@ -91,7 +91,8 @@ def main(argv: list[str] | None = None) -> int:
         _say(f"{name}: error: {_one_line(str(exc))}; see {name} --help")
         return EXIT_BAD_INPUT
     except KvatlasError as exc:
-        _say(f"{name}: error: {_one_line(str(exc))}")
+        from .common import cli_terms
+        _say(f"{name}: error: {cli_terms(_one_line(str(exc)))}")
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:
         _say("interrupted")

@@ -276,11 +276,8 @@ def plan(model: ModelSpec | str, memory_bytes: int | str | None = None, **option
     one_request = cdiv(opts.max_model_len, opts.page_tokens) if sizer.page_price else 0
     pages = sizer.max_pages(requests, budget)
     if pages < one_request:
-        need = sizer.total(requests, one_request)
-        raise BudgetError(
-            f"memory: {fmt_bytes(budget)} ({budget} B) cannot hold {requests} running requests plus one request "
-            f"of max_model_len={opts.max_model_len} tokens: that needs {fmt_bytes(need)} ({need} B); "
-            f"raise memory, or lower max_running_requests or max_model_len")
+        from .diagnose import budget_error
+        raise budget_error(model, opts, budget, sizer.total(requests, one_request))
     reachable = requests * one_request if sizer.page_price else 0
     return _build(sizer, budget, requests, min(pages, reachable))
 
