@@ -87,6 +87,7 @@ class Plan:
     row_bytes_per_token: float
     bytes_per_request: int
     shared_bytes: int
+    checkpoint_bytes: int = 0   # the prefix cache's resume points (not in shared_bytes)
     schema_version: int = PLAN_SCHEMA_VERSION
 
     @property
@@ -238,13 +239,21 @@ def _build(sizer: _Sizer, budget: int, requests: int, full_pages: int) -> Plan:
     per_request = sum(b.unit_bytes for b in bufs if b.group == REQUEST_SLOTS)
     per_request += sum(b.unit_bytes for b in bufs if b.group == SWA_PAGES) * sizing.swa_pages_per_request
     total = sum(b.bytes for b in bufs)
+    checkpoints = sizing.checkpoint_units * checkpoint_unit_bytes(bufs, sizing)
     lay = formats.layout(sizer.opts.kv_layout)
     row_price = formats.per_token_row_bytes(_RankModel(sizer.layers), lay.compressed,
                                             formats.indexer_format(sizer.opts.indexer))
     return Plan(model=sizer.model, options=sizer.opts, layers=sizer.layers, budget_bytes=budget, buffers=bufs,
                 units=units, sizing=sizing, bytes_per_token=sizer.page_price / sizer.opts.page_tokens,
                 row_bytes_per_token=row_price, bytes_per_request=per_request,
-                shared_bytes=total - per_request * requests - full_pages * sizer.page_price)
+                shared_bytes=total - per_request * requests - full_pages * sizer.page_price - checkpoints,
+                checkpoint_bytes=checkpoints)
+
+
+def checkpoint_unit_bytes(bufs, sizing: Sizing) -> int:
+    """Bytes of one resume point: a unit of every checkpoint buffer and its SWA tail pages."""
+    unit = sum(b.unit_bytes for b in bufs if b.group == CHECKPOINTS)
+    return unit + sizing.checkpoint_swa_pages * sum(b.unit_bytes for b in bufs if b.group == SWA_PAGES)
 
 
 @dataclass(frozen=True, slots=True)
