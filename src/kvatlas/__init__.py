@@ -15,6 +15,8 @@ def audit(obj, **kwargs):
     """Every torch storage reachable from `obj`, each counted once, by attribute path.
     See kvatlas.cache.audit.audit (imported on first use: `kvatlas plan` never pays for it)."""
     from .cache.audit import audit as _audit
+    from .checks import known_options
+    known_options("audit", kwargs, ("max_objects", "max_depth", "root"))
     return _audit(obj, **kwargs)
 
 

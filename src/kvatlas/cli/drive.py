@@ -155,12 +155,19 @@ def host_memory(args, plan) -> int | None:
         raise ConfigError("--host-memory", "the host tier holds what the prefix cache evicts, and the prefix "
                           "cache is off", "add --prefix-checkpoints N (N > 0) or drop --host-memory")
     try:
-        plan_host(plan, n, *([] if args.host_checkpoint_share is None else [args.host_checkpoint_share]))
+        host_plan = plan_host(plan, n, *([] if args.host_checkpoint_share is None else [args.host_checkpoint_share]))
     except ConfigError as exc:   # name the flag the user typed
         flag = "--host-checkpoint-share" if exc.field == "checkpoint_share" else "--host-memory"
         raise ConfigError(flag, exc.problem, exc.fix) from None
     except BudgetError as exc:   # too small for one page (and one checkpoint)
         raise BudgetError("--host-memory: " + str(exc).removeprefix("host_memory_bytes: ")) from None
+    if args.backend == "none":   # modeled: no memory, but bookkeeping per slot
+        from ..tiers.modeled import check_modeled_fits
+        check_modeled_fits(host_plan)
+    else:                        # pinned: it and, on the CPU, the pools themselves take host memory
+        from ..tiers.memory import check_host_fits
+        on_cpu = not str(args.device).startswith("cuda")
+        check_host_fits(host_plan, beside_bytes=plan.total_bytes if on_cpu else 0)
     return n
 
 

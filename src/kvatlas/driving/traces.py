@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Iterator
 
 from ..errors import ConfigError
@@ -183,6 +184,8 @@ def iter_trace(path: str, *, fmt: str = "auto", strict: bool = False, on_error=N
     `on_error(line_no, problem)` and skipped; with strict=True it raises TraceError."""
     if fmt not in FORMATS:
         raise ConfigError("trace_format", f"{fmt!r} is not a trace format", f"use one of {', '.join(FORMATS)}")
+    if not isinstance(path, (str, os.PathLike)):
+        raise ConfigError("workload", f"{path!r} is not a path", "give the trace file's path")
     try:
         fh = open(path, "rb")
     except OSError as exc:

@@ -292,6 +292,10 @@ def start(cache_or_collector, host: str = "127.0.0.1", port: int = 0, *, lock=No
     added to /state as "workload"; `request_state`: a callable giving per-request progress (both
     are called under the lock, beside the ledger snapshot: they must be cheap and not lock).
     `gate`: how scrapes are rationed (ScrapeGate; ScrapeGate(yield_factor=0) never pauses)."""
+    if cache_or_collector is None or (isinstance(cache_or_collector, KvatlasCollector)
+                                      and not cache_or_collector.sources):
+        raise ServerError("cache: nothing to serve; give a KVCache (kvatlas.allocate) or a KvatlasCollector "
+                          "with at least one cache")
     collector = (cache_or_collector if isinstance(cache_or_collector, KvatlasCollector)
                  else KvatlasCollector(cache_or_collector, lock=lock))
     from ..planning.capacity import plan_to_dict

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from .planner import CONTEXTS, PLAN_SCHEMA_VERSION, Plan, _Sizer, checkpoint_unit_bytes, max_concurrency
+from .planner import CONTEXTS, PLAN_SCHEMA_VERSION, Plan, _Sizer, check_plan, checkpoint_unit_bytes, max_concurrency
 from ..units import cdiv
 
 
@@ -56,6 +56,7 @@ class Capacity:
 
 
 def capacity(p: Plan, contexts=CONTEXTS) -> Capacity:
+    check_plan(p)
     return Capacity(
         max_total_tokens=p.max_total_tokens, bytes_per_token=p.bytes_per_token,
         row_bytes_per_token=p.row_bytes_per_token, bytes_per_request=p.bytes_per_request,
@@ -65,6 +66,7 @@ def capacity(p: Plan, contexts=CONTEXTS) -> Capacity:
 
 
 def plan_to_dict(p: Plan, contexts=CONTEXTS) -> dict:
+    check_plan(p)
     cap = capacity(p, contexts)
     o = p.options
     return {

@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from . import buffers as bufmod
 from . import formats
 from .buffers import CHECKPOINTS, FULL_PAGES, REQUEST_SLOTS, SWA_PAGES, WORKSPACE, BufferSpec
-from ..errors import BudgetError, ConfigError
+from ..checks import of_type, whole
+from ..errors import ConfigError, NotFoundError
 from .model import LayerSpec, ModelSpec, load_model
 from .options import ServeOptions
 from ..units import cdiv, fmt_bytes
@@ -138,7 +139,7 @@ class Plan:
         for b in self.buffers:
             if b.name == name:
                 return b
-        raise KeyError(f"no buffer {name!r} in this plan; buffers: {[b.name for b in self.buffers]}")
+        raise NotFoundError("name", f"no buffer {name!r} in this plan", f"use one of {', '.join(b.name for b in self.buffers)}")
 
     def pools(self) -> dict[str, list[BufferSpec]]:
         out: dict[str, list[BufferSpec]] = {}
@@ -153,6 +154,10 @@ class Plan:
         if not self.has_compressed:
             return self.sizing.requests
         return min(self.sizing.requests, (self.num_full_pages - 1) // cdiv(context_tokens, self.page_tokens))
+
+
+def check_plan(p, field: str = "plan") -> Plan:
+    return of_type(field, p, Plan, "a Plan", "give what kvatlas.plan() or kvatlas.budget_for() returns")
 
 
 def checkpoint_units(opts: ServeOptions, requests: int) -> int:
@@ -267,7 +272,7 @@ class _RankModel:
 
 
 def _resolve(model, options) -> tuple[ModelSpec, ServeOptions]:
-    if isinstance(model, str):
+    if not isinstance(model, ModelSpec):   # a name or a path; anything else is refused there
         model = load_model(model)
     opts = options if isinstance(options, ServeOptions) else ServeOptions.from_kwargs(**options)
     return model, opts.validated().resolve(model)
@@ -293,10 +298,8 @@ def plan(model: ModelSpec | str, memory_bytes: int | str | None = None, **option
 
 def budget_for(model: ModelSpec | str, num_requests: int, context_tokens: int, **options) -> Plan:
     """The inverse: the smallest plan that holds `num_requests` requests of `context_tokens` each."""
-    if not isinstance(num_requests, int) or num_requests <= 0:
-        raise ConfigError("num_requests", f"{num_requests!r} is not a positive integer", "give a request count above 0")
-    if not isinstance(context_tokens, int) or context_tokens <= 0:
-        raise ConfigError("context_tokens", f"{context_tokens!r} is not a positive integer", "give a token count above 0")
+    whole("num_requests", num_requests, 1)
+    whole("context_tokens", context_tokens, 1)
     options.setdefault("max_running_requests", num_requests)
     options.setdefault("max_model_len", context_tokens)
     model, opts = _resolve(model, options)
@@ -309,6 +312,8 @@ def budget_for(model: ModelSpec | str, num_requests: int, context_tokens: int, *
 
 def max_concurrency(p: Plan, context_tokens: int) -> int:
     """Requests of `context_tokens` the same budget holds when max_running_requests is set for it."""
+    check_plan(p)
+    whole("context_tokens", context_tokens, 1)
     if context_tokens > p.options.max_model_len:
         return 0
     return _Sizer(p.model, p.options).max_requests(p.budget_bytes, context_tokens)

@@ -19,6 +19,7 @@ import hashlib
 
 import numpy as np
 
+from ..checks import whole
 from ..errors import KvatlasError
 
 
@@ -45,6 +46,7 @@ def page_keys(token_ids, page_tokens: int, parent: int = 0) -> np.ndarray:
     """Keys of the full pages of `token_ids` (a partial last page has none): key i hashes key
     i - 1 (`parent` for the first) and page i's token ids."""
     ids = _as_tokens(token_ids)
+    whole("page_tokens", page_tokens, 1)
     n = len(ids) // page_tokens
     out = np.empty(n, np.uint64)
     raw = ids[: n * page_tokens].tobytes()
