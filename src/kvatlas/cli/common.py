@@ -66,14 +66,29 @@ def check_output_file(flag: str, path: str | None, extensions=PLOT_EXTENSIONS) -
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
         raise ConfigError(flag, f"directory {folder!r} does not exist", "create it or write somewhere else")
-    if not os.access(folder, os.W_OK):
-        raise ConfigError(flag, f"directory {folder!r} is not writable", "write somewhere else")
     if extensions is not None:
         ext = os.path.splitext(path)[1].lstrip(".").lower()
         if ext not in extensions:
             what = f"an unknown extension {ext!r}" if ext else "no extension"
             raise ConfigError(flag, f"{path!r} has {what}",
                               f"end it in one of .{', .'.join(extensions)}")
+    _check_creatable(flag, path, folder)
+
+
+def _check_creatable(flag: str, path: str, folder: str) -> None:
+    """Create the file for a moment (or open an existing one for appending, which changes
+    nothing): permission bits say yes in places that refuse every new file (/proc), so only
+    trying tells, before the work rather than after it."""
+    try:
+        if os.path.exists(path):
+            with open(path, "ab"):
+                pass
+        else:
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+            os.unlink(path)
+    except OSError as exc:
+        raise ConfigError(flag, f"{path!r} cannot be written in {folder!r} ({exc.strerror or exc})",
+                          "write somewhere else") from None
 
 
 def add_deployment_args(p: argparse.ArgumentParser) -> None:

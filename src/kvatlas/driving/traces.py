@@ -11,7 +11,9 @@ Mooncake format (the FAST '25 release's traces), one object per line:
   timestamp in milliseconds; one hash id per 512-token block, ceil(input_length / 512) of them.
   Its requests are named by line: "line7".
 
-`fmt="auto"` decides per line: a line with any of timestamp / input_length / hash_ids is Mooncake.
+`fmt="auto"` decides per line: a line with any of kvatlas's fields (arrival_s / prompt_tokens /
+output_tokens) is kvatlas's, whatever else it carries (a stray "timestamp" too); otherwise a line
+with any of timestamp / input_length / hash_ids is Mooncake.
 Blank lines and lines starting with '#' are ignored. A file whose first line is not UTF-8 is
 refused as a whole (ConfigError): it is not a text trace. Otherwise a bad line — not UTF-8, longer than
 `max_line_bytes`, not JSON, a field missing or out of range, an id seen on an earlier line — is
@@ -42,6 +44,7 @@ MAX_PROBLEMS = 1000
 MAX_TRACE_BYTES = 1 << 30    # Mooncake's whole synthetic trace is 10 MB (3,993 lines)
 MAX_TRACE_LINES = 2_000_000   # ~1 GB of requests in memory: 500 times the Mooncake trace
 _MOONCAKE_KEYS = ("timestamp", "input_length", "hash_ids")
+_KVATLAS_KEYS = ("arrival_s", "prompt_tokens", "output_tokens")
 _FIX = {
     "kvatlas": 'write one object per line: {"arrival_s": 0.5, "prompt_tokens": 900, "output_tokens": 128}',
     "mooncake": 'write one object per line: {"timestamp": MS, "input_length": N, "output_length": N, '
@@ -127,6 +130,8 @@ def parse_mooncake(obj: dict, line_no: int) -> Request:
 def line_format(obj: dict, fmt: str = "auto") -> str:
     if fmt != "auto":
         return fmt
+    if any(k in obj for k in _KVATLAS_KEYS):
+        return "kvatlas"
     return "mooncake" if any(k in obj for k in _MOONCAKE_KEYS) else "kvatlas"
 
 
