@@ -86,7 +86,7 @@ def _cases(cmds, table, extra=()):
             for v in values:
                 value, needle = v if isinstance(v, tuple) else (v, flag)
                 out.append(pytest.param([cmd, *TINY, *extra, flag, value], needle,
-                                        id=f"{cmd}{flag}={value[:12]!r}"))
+                                        id=f"{cmd}{flag}={value[:12]!r}-{needle if isinstance(needle, str) else 'x'}"))
     return out
 
 
@@ -134,12 +134,57 @@ MISC = [
     (["simulate", *TINY, "--prefix-checkpoints", "4", "--host-checkpoint-share", "0.5"], "--host-checkpoint-share"),
 ]
 
+# Round two: deployments that cannot exist, and budgets too small because of one option, whose
+# refusal must name that option (TINY: 6 layers, 4 heads, 4 running requests, context 4,096)
+IMPOSSIBLE = {
+    "--pp": ["7", "100"],
+    "--tp": ["3", "8", "1024"],
+    "--dp": ["5", "100000"],
+    "--max-model-len": ["4097", "100000"],
+    "--weights": [("40GiB", ("--weights", "--memory")), ("1B", ("--weights", "--memory"))],
+    "--mem-fraction": [("0.5", ("--mem-fraction", "--memory"))],
+    "--draft-tokens": ["100000"],
+    "--chunked-prefill-tokens": ["2000000000"],
+    "--prefix-checkpoints": ["100000"],
+    "--swa-page-tokens": ["4096"],
+    "--page-tokens": ["1048576"],
+    "--max-running-requests": ["1000"],
+}
+HOST = ["--prefix-checkpoints", "4", "--host-memory"]
+ROUND_TWO = [
+    (["plan", "tiny-v4", "--gpu", "h100", "--memory", "200GiB"], ("--memory", "h100")),
+    (["compare", "--gpu", "h20", "--memory", "120GiB"], ("--memory", "h20")),
+    (["plan", "--weights", "40GiB", "--memory", "100GiB"], ("--weights", "--memory", "--gpu")),
+    (["plan", "--draft-tokens", "100000"], ("--draft-tokens 100000 makes it too big", "lower --draft-tokens to")),
+    (["plan", "--draft-tokens", "100000", "--chunked-prefill-tokens", "2000000000"], ("--draft-tokens", "together")),
+    (["plan", "--memory", "1GiB"], ("lower --max-running-requests to 1 and --max-model-len to", "--memory")),
+    (["alloc", *TINY, "--backend", "vmm"], ("--backend", "--device cuda")),
+    (["simulate", *TINY, *HOST, "4TiB"], ("--host-memory", "available")),
+    (["serve", *TINY, *HOST, "4TiB"], ("--host-memory", "available")),
+    (["simulate", *TINY, "--backend", "none", *HOST, "1024TiB"], ("--host-memory", "bookkeeping")),
+    (["serve", *TINY, "--backend", "none", *HOST, "1024TiB"], ("--host-memory", "bookkeeping")),
+    *[([cmd, *TINY, "--workload", dev], ("--workload", "not a regular file or a pipe"))
+      for cmd in ("simulate", "serve") for dev in ("/dev/zero", "/dev/null", "/dev/urandom")],
+    *[([cmd, *TINY, "--turns", t, *extra], ("--turns", "at most"))
+      for cmd in ("simulate", "serve")
+      for t, extra in (("100001", []), ("uniform:1:200000", []), ("1e6", []), ("exp:300000", ["--rate", "20"]),
+                       ("100000", ["--rate", "100", "--duration", "1"]))],
+    *[([cmd, *TINY, "--plot", path], "--plot") for cmd in ("plan", "compare") for path in ("/proc/x.png", "/sys/x.png")],
+    (["simulate", *TINY, "--out", "/proc/run"], "--out"),
+    (["serve", *TINY, "--host", "::2"], "--host"),
+    (["serve", *TINY, "--host", "fe80::1"], "--host"),
+    *[(["audit", "--sglang", "--memory", "1GiB", flag, v], flag)
+      for flag, v in (("--max-running-requests", "-5"), ("--max-running-requests", "0"),
+                      ("--chunked-prefill-tokens", "0"), ("--chunked-prefill-tokens", "x"), ("--context-length", "-1"))],
+]
+
 CLI_CASES = (_cases(["plan", "compare", "alloc", "serve", "simulate"], DEPLOYMENT)
              + _cases(["serve", "simulate"], WORKLOAD)
              + _cases(["alloc"], ALLOC)
              + _cases(["serve"], SERVE)
              + _cases(["compare"], COMPARE)
-             + [pytest.param(a, n, id=" ".join(a)[:40]) for a, n in OUTPUTS + MISC])
+             + _cases(["plan", "compare", "alloc", "serve", "simulate"], IMPOSSIBLE)
+             + [pytest.param(a, n, id=" ".join(a)[:60]) for a, n in OUTPUTS + MISC + ROUND_TWO])
 
 
 class Allocated(Exception):
@@ -166,8 +211,9 @@ def assert_refused(capsys, argv, needle):
     assert "Traceback" not in err
     line = err.strip()
     assert line and "\n" not in line, f"not one line: {err!r}"
-    assert needle in line, f"{needle!r} not named in: {line}"
-    assert line.startswith("kvatlas")
+    for n in (needle if isinstance(needle, tuple) else (needle,)):
+        assert n in line, f"{n!r} not named in: {line}"
+    assert line.startswith("kvatlas") and "='" not in line   # flags, not Python keywords (backend='plain')
     python = PYTHON_NAMES.search(line)
     assert python is None, f"the CLI names the Python argument {python.group(0)!r}: {line}"
 
@@ -247,6 +293,48 @@ def test_config_directory_without_config_json(no_allocation, capsys):
     assert_refused(capsys, ["plan", str(no_allocation / "model")], "model")
 
 
+# a config the loader takes, but no deployment of it can exist: refused when planned
+PLANNED_CONFIGS = [
+    ({"head_dim": 256}, "config.head_dim: 256 is not supported"),
+    ({"head_dim": 1024}, "config.head_dim"),
+    ({"qk_rope_head_dim": 32}, "config.qk_rope_head_dim"),
+    ({"index_head_dim": 64}, "config.index_head_dim"),
+    ({"index_head_dim": 256}, "config.index_head_dim"),
+    ({"sliding_window": 8192}, ("config.sliding_window=8192", "makes it too big")),
+    ({"max_position_embeddings": 2048}, ("--max-model-len", "max_position_embeddings 2,048")),
+    ({"num_attention_heads": 3}, ("--tp", "3 attention heads")),
+    ({"num_hidden_layers": 2, "compress_ratios": [0, 4, 0]}, ("--pp", "2 layers")),
+]
+
+
+@pytest.mark.parametrize("change,needle", PLANNED_CONFIGS, ids=[str(c)[:30] for c, _ in PLANNED_CONFIGS])
+def test_config_no_deployment_of_which_can_exist(no_allocation, capsys, change, needle):
+    path = no_allocation / "config.json"
+    path.write_text(json.dumps({**_tiny(), **change}))
+    extra = {"num_attention_heads": ["--tp", "2"], "num_hidden_layers": ["--pp", "3"],
+             "max_position_embeddings": ["--max-model-len", "4096"]}.get(next(iter(change)), [])
+    assert_refused(capsys, ["plan", str(path), "--memory", "64MiB", "--max-running-requests", "8", *extra], needle)
+    from kvatlas import KvatlasError, plan
+    kw = {"--tp": "tp", "--pp": "pp", "--max-model-len": "max_model_len"}
+    with pytest.raises(KvatlasError) as exc:
+        plan(str(path), "64MiB", max_running_requests=8, **({kw[extra[0]]: int(extra[1])} if extra else {}))
+    for n in (needle if isinstance(needle, tuple) else (needle,)):
+        assert n.replace("--max-model-len", "max_model_len").replace("--tp", "tp").replace("--pp", "pp") in str(exc.value)
+
+
+def test_config_files_the_loader_misnamed(no_allocation, capsys):
+    big = no_allocation / "big" / "config.json"
+    big.parent.mkdir()
+    big.write_text(json.dumps({**_tiny(), "pad": "x" * (17 * 2**20)}))   # valid JSON, past the read cap
+    assert_refused(capsys, ["plan", str(big.parent)], ("model", "more than the 16 MiB"))
+    many = no_allocation / "many.json"
+    many.write_text(json.dumps({**_tiny(), "num_hidden_layers": 5000, "compress_ratios": [4] * 5000}))
+    assert_refused(capsys, ["plan", str(many)], "config.compress_ratios: has 5,000 entries")
+    bom = no_allocation / "bom.json"
+    bom.write_bytes(b"\xef\xbb\xbf" + json.dumps(_tiny()).encode())   # saved with a byte-order mark: read
+    assert main(["plan", str(bom), "--memory", "64MiB", "--max-running-requests", "4"]) == 0
+
+
 # ------------------------------------------------------------------ trace lines (the existing reader)
 TRACE_LINES = [
     "not json", "[1, 2]", '"text"', "{}", '{"arrival_s": -1, "prompt_tokens": 5, "output_tokens": 5}',
@@ -318,6 +406,17 @@ def test_missing_torch_is_one_line_naming_the_fix(tmp_path):
     r = subprocess.run([sys.executable, "-c", "import kvatlas; kvatlas.allocate(kvatlas.plan('tiny-v4', '64MiB', "
                         "max_running_requests=4))"], capture_output=True, text=True, env=env, timeout=60)
     assert "MissingDependencyError: torch: not installed" in r.stderr and "pip install torch==2.13.0" in r.stderr
+
+
+@pytest.mark.parametrize("how", ["/dev/full", "closed"])
+def test_stdout_that_cannot_be_written_is_one_line(how):
+    if how == "/dev/full" and not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full here")
+    with open(os.devnull if how == "closed" else how, "w") as out:
+        r = subprocess.run([sys.executable, "-m", "kvatlas", "plan", "--json"], stdout=out, stderr=subprocess.PIPE,
+                           text=True, timeout=120, preexec_fn=(lambda: os.close(1)) if how == "closed" else None)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.count("\n") == 1 and r.stderr.startswith("kvatlas plan: error: stdout: ") and "Traceback" not in r.stderr
 
 
 def test_broken_pipe_is_quiet():

@@ -158,3 +158,19 @@ def test_serve_cli_port_in_use(cache, capsys):
         rc = main(["serve", "tiny-v4", "--memory", "96MiB", "--max-model-len", "2048", "--max-running-requests", "8",
                    "--port", str(h.port), "--duration", "1"])
     assert rc == 2 and "already in use" in capsys.readouterr().err
+
+
+def _ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback here")
+def test_ipv6_loopback_is_served(cache):
+    with server.start(cache, host="::1", port=0) as h:
+        assert h.url.startswith("http://[::1]:")
+        assert get(h.url + "/healthz")[0] == 200

@@ -130,6 +130,16 @@ def add_deployment_args(p: argparse.ArgumentParser) -> None:
                    "(each the SWA tail and C4 state at a page boundary; default 0: no prefix cache)")
 
 
+def check_backend(backend: str, device) -> None:
+    """The arena backend for the parsed --device, refused before anything is allocated: vmm maps
+    CUDA memory (only tests hand it a stand-in driver on the CPU)."""
+    from ..cache.arena import backend_factory
+    backend_factory(backend)
+    if backend == "vmm" and device.type != "cuda":
+        raise ConfigError("--backend", f"vmm maps CUDA memory, and --device is {device}",
+                          "use --device cuda on a CUDA machine, or --backend plain")
+
+
 def gpu_of(args) -> str:
     return args.gpu or "h200"
 

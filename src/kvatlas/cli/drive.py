@@ -11,7 +11,7 @@ from ..driving.workload import MAX_DURATION_S, MAX_RATE_PER_S
 from ..errors import BudgetError, ConfigError
 from ..observing.table import render
 from ..units import fmt_bytes
-from .common import count, number
+from .common import check_backend, count, number
 
 
 def add_workload_args(p) -> None:
@@ -128,9 +128,10 @@ def build(args, plan_from_args, *, lock=None, record=True):
     host_bytes = host_memory(args, p)
     require_torch("allocating a cache")
     import kvatlas
-    from ..cache.arena import backend_factory, parse_device
-    layers = write_layers(args, parse_device(args.device))   # refused before the cache exists
-    backend_factory(args.backend)
+    from ..cache.arena import parse_device
+    device = parse_device(args.device)
+    layers = write_layers(args, device)   # refused before the cache exists
+    check_backend(args.backend, device)
     from ..driving.sim import Simulator
     from ..driving.simwrite import KVWriter
     cache = kvatlas.allocate(p, device=args.device, backend=args.backend)
