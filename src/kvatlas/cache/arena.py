@@ -187,7 +187,7 @@ def parse_device(device):
     if dev.type not in ("cpu", "cuda"):
         raise ConfigError("device", f"{device!r} is not supported", "use cpu, cuda or cuda:N")
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("device", "CUDA is not available here", "use --device cpu")
+        raise ConfigError("device", "CUDA is not available here", "use device='cpu'")
     return dev
 
 
