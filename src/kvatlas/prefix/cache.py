@@ -125,6 +125,7 @@ class PrefixCache:
         if request_id in self.alloc.slot_of:
             raise RequestStateError(f"request_id {request_id!r} is already running; finish it first or use a new id")
         m = self._match(prompt_tokens, token_ids, page_keys)
+        tail = prompt_tail(token_ids, prompt_tokens, self.P) if token_ids is not None and page_keys is None else None
         j = m.resume_pages
         hit = m.path[:j]
         self.tree.ref(hit)   # protected from the eviction below
@@ -144,7 +145,6 @@ class PrefixCache:
         slot = adm.request_slot
         self._mine[slot] = True
         self._divergence[slot] = len(m.path) * self.P if len(m.path) > j else -1
-        tail = prompt_tail(token_ids, prompt_tokens, self.P) if token_ids is not None and page_keys is None else None
         self.requests[request_id] = _Request(m.keys, hit, prompt_tokens, tail)
         self._count(m, prompt_tokens)
         return adm
