@@ -74,7 +74,7 @@ def test_metrics_state_healthz_over_http(cache):
 
 def test_port_in_use_is_a_clear_error(cache):
     with server.start(cache) as h:
-        with pytest.raises(KvatlasError, match=rf"port: 127.0.0.1:{h.port} is already in use.*--port"):
+        with pytest.raises(KvatlasError, match=rf"port: 127.0.0.1:{h.port} is already in use.*port=0 picks a free one"):
             server.start(cache, port=h.port)
     with pytest.raises(KvatlasError, match="port"):
         server.start(cache, port=70000)

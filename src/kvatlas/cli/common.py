@@ -136,7 +136,7 @@ def check_backend(backend: str, device) -> None:
     from ..cache.arena import backend_factory
     backend_factory(backend)
     if backend == "vmm" and device.type != "cuda":
-        raise ConfigError("--backend", f"vmm maps CUDA memory, and --device is {device}",
+        raise ConfigError("--backend", f"vmm maps CUDA memory (it needs CUDA and cuda-python), and --device is {device}",
                           "use --device cuda on a CUDA machine, or --backend plain")
 
 

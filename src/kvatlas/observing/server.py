@@ -323,7 +323,7 @@ def start(cache_or_collector, host: str = "127.0.0.1", port: int = 0, *, lock=No
     except OSError as exc:
         if exc.errno == errno.EADDRINUSE:
             raise ServerError(f"port: {host}:{port} is already in use; stop what listens there, "
-                              "or pick another port (0 picks a free one)") from None
+                              "or use another port (port=0 picks a free one)") from None
         raise ServerError(f"host: cannot listen on {host}:{port} ({exc.strerror or exc}); "
                           "give a local address such as 127.0.0.1") from None
     thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.1},
