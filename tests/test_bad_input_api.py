@@ -124,13 +124,33 @@ PLAN = [
 ]
 
 
-@pytest.mark.parametrize("options,field", PLAN, ids=[repr(o)[:40] for o, _ in PLAN])
+# ================================================================== round two
+# Deployments that cannot exist and budgets too small because of one option: the refusal names
+# the Python argument (never a CLI flag) and, for the budget, the one that made it too big.
+PLAN_TWO = [
+    ({"pp": 7}, "pp"), ({"pp": 100}, "pp ≤ 6"), ({"tp": 3}, "tp"), ({"tp": 8}, "4 attention heads"), ({"tp": 1024}, "tp"),
+    ({"dp": 5}, "dp"), ({"dp": 100_000}, "max_running_requests=4"), ({"max_model_len": 4097}, "max_model_len"),
+    ({"max_model_len": 100_000}, "max_position_embeddings 4,096"), ({"weights_bytes": "1GiB"}, "weights_bytes"),
+    ({"weights_bytes": 5}, "memory_bytes"), ({"mem_fraction": 0.5}, "mem_fraction"), ({"mem_fraction": 0.9}, "mem_fraction"),
+    ({"gpu": "h100", "memory_bytes": "200GiB"}, "memory_bytes"), ({"gpu": "b200", "memory_bytes": "1TiB"}, "b200"),
+    ({"gpu": "h20", "memory_bytes": "120GiB"}, "gpu=h200"),
+    ({"draft_tokens": 100_000}, "draft_tokens=100000 makes it too big"),
+    ({"chunked_prefill_tokens": 2 * 10**9}, "chunked_prefill_tokens=2000000000 makes"),
+    ({"prefix_checkpoints": 10**6}, "lower prefix_checkpoints to"), ({"swa_page_tokens": 4096}, "lower swa_page_tokens to"),
+    ({"page_tokens": 2**20}, "lower page_tokens to"), ({"max_running_requests": 1000}, "lower max_running_requests to 16"),
+    ({"max_running_requests": 1000, "max_model_len": 4096, "memory_bytes": "1MiB"}, "memory_bytes"),
+]
+
+
+
+@pytest.mark.parametrize("options,field", PLAN + PLAN_TWO, ids=[repr(o)[:40] for o, _ in PLAN + PLAN_TWO])
 def test_plan_options_refused(options, field):
     opts = {"memory_bytes": "64MiB", "max_running_requests": 4, **options}
     memory = opts.pop("memory_bytes")
     with pytest.raises(KvatlasError) as exc:
         kvatlas.plan("tiny-v4", memory, **opts)
-    assert field in str(exc.value) and "\n" not in str(exc.value)
+    msg = str(exc.value)
+    assert field in msg and "\n" not in msg and "--" not in msg, msg   # Python's names in Python
 
 
 @pytest.mark.parametrize("model", [None, 5, "", "nope", b"tiny-v4", ["tiny-v4"], "a\0b"])
@@ -168,3 +188,185 @@ def test_zero_zero_zero_zero_is_allowed_with_a_warning():
     assert "no authentication" in server.check_host("0.0.0.0")
     assert server.check_host("127.0.0.1") is None and server.check_host("::1") is None
     assert server.check_host("localhost") is None and server.check_host("127.0.0.5") is None
+
+
+@pytest.fixture(scope="module")
+def small_plan():
+    return kvatlas.plan("tiny-v4", "64MiB", max_running_requests=4)
+
+
+@pytest.fixture(scope="module")
+def prefix_cache():
+    """A prefix cache with requests running: one admitted with its ids (partly decoded), one
+    admitted without content, one with keys of another scheme."""
+    c = kvatlas.allocate(kvatlas.plan("tiny-v4", "128MiB", max_running_requests=4, prefix_checkpoints=8),
+                         backend="none")
+    ids = np.arange(1000) % 997
+    c.admit("ids", 600, 100, token_ids=ids[:600])
+    c.extend("ids", 600)
+    for _ in range(20):
+        c.step(["ids"])
+    c.admit("bare", 300, 10)
+    c.extend("bare", 300)
+    c.admit("keys", 600, 10, page_keys=[11, 22])
+    c.extend("keys", 300)
+    c.ids = ids
+    return c
+
+
+def prefix_fingerprint(c):
+    tree = c.prefix.tree
+    return (fingerprint(c), c.ledger.snapshot(), len(tree.nodes), tree.checkpoints, tree.idle_pages,
+            dict(c.prefix.stats.as_dict()), c.host)
+
+
+IDS = np.arange(1000) % 997
+PREFIX_CALLS = [
+    # finish-time ids that are not ids, or contradict the admitted prompt: nothing is published
+    ("finish", ("ids",), {"token_ids": "abc"}, "token_ids"), ("finish", ("ids",), {"token_ids": 5}, "token_ids"),
+    ("finish", ("ids",), {"token_ids": [[1, 2]]}, "token_ids"), ("finish", ("ids",), {"token_ids": [1.5] * 700}, "token_ids"),
+    ("finish", ("ids",), {"token_ids": [None] * 700}, "token_ids"),
+    ("finish", ("ids",), {"token_ids": (IDS + 1) % 997}, "page 0 differs"),
+    ("finish", ("ids",), {"token_ids": np.concatenate(([1], IDS))}, "page 0 differs"),   # a BOS slipped in
+    ("finish", ("ids",), {"token_ids": np.where(np.arange(1000) == 555, 0, IDS)}, "id 555 differs"),
+    ("finish", ("ids",), {"token_ids": np.where(np.arange(1000) == 300, 0, IDS)[:620]}, "page 1 differs"),
+    ("finish", ("bare",), {"token_ids": IDS[:310]}, "admitted without token_ids or page_keys"),
+    ("finish", ("keys",), {"token_ids": IDS[:700]}, "page 0 differs"),
+    # content given at admission that is not content, or disagrees with itself
+    ("admit", ("n", 300), {"token_ids": "abc"}, "token_ids"), ("admit", ("n", 300), {"token_ids": np.zeros((2, 300), int)}, "token_ids"),
+    ("admit", ("n", 300), {"token_ids": np.zeros(300)}, "token_ids"), ("admit", ("n", 300), {"token_ids": [None] * 300}, "token_ids"),
+    ("admit", ("n", 300), {"token_ids": IDS[:10]}, "token_ids"), ("admit", ("n", 300), {"page_keys": "abc"}, "page_keys"),
+    ("admit", ("n", 600), {"page_keys": np.zeros((2, 1), int)}, "page_keys"), ("admit", ("n", 300), {"page_keys": [1, 2]}, "page_keys"),
+    ("admit", ("n", 600), {"token_ids": IDS[:600], "page_keys": np.array([1, 2], np.uint64)}, "page_keys: page 0 differs"),
+    ("can_admit", (300,), {"token_ids": "abc"}, "token_ids"), ("can_admit", (600,), {"page_keys": [1, 2, 3]}, "page_keys"),
+    ("layer_pools", (99,), {}, "layer"), ("layer_pools", (-1,), {}, "layer"), ("layer_pools", ("x",), {}, "layer"),
+    ("layer_pools", (None,), {}, "layer"), ("layer_pools", ([],), {}, "layer"), ("layer_pools", (2.5,), {}, "layer"),
+]
+
+
+@pytest.mark.parametrize("method,args,kw,field", PREFIX_CALLS, ids=[f"{m}{a!r}{list(k)}"[:50] for m, a, k, _ in PREFIX_CALLS])
+def test_prefix_and_lookup_calls_refused_and_nothing_changes(prefix_cache, method, args, kw, field):
+    before = prefix_fingerprint(prefix_cache)
+    with pytest.raises(KvatlasError) as exc:
+        getattr(prefix_cache, method)(*args, **kw)
+    msg = str(exc.value)
+    assert field in msg and "\n" not in msg, msg
+    assert prefix_fingerprint(prefix_cache) == before
+    prefix_cache.check_integrity()
+    if method == "layer_pools":
+        assert isinstance(exc.value, KeyError)   # what the lookup raised before: callers catching it still do
+
+
+def _entries():
+    """(id, call(plan, cache), the argument its refusal must name) for the boundary of every
+    public entry point that takes an object or a size."""
+    from kvatlas.datapath import PageGeometry, store
+    from kvatlas.driving.traces import iter_trace, read_trace
+    from kvatlas.planning.capacity import capacity, plan_to_dict
+    from kvatlas.planning.hostplan import plan_host
+    from kvatlas.prefix import page_keys
+    spec = kvatlas.load_model("tiny-v4")
+
+    def null_store(slots):
+        def call(p, c):
+            pool = c.pools["swa_kv"]
+            geom = PageGeometry(kvatlas.formats.FP8_DS_MLA, pool.spec.entries_per_unit)
+            store(geom, pool.tensor, 0, torch.tensor(slots), torch.zeros(len(slots), 512).bfloat16())
+        return call
+    out = [(f"plan({m!r})", lambda p, c, m=m: kvatlas.plan(m, "1GiB"), "model")
+           for m in (None, 5, 1.5, b"tiny-v4", ["tiny-v4"], {})]
+    out += [(f"budget_for({m!r})", lambda p, c, m=m: kvatlas.budget_for(m, 2, 100), "model") for m in (None, 5)]
+    out += [(f"budget_for(n={n!r})", lambda p, c, n=n: kvatlas.budget_for("tiny-v4", n, 100), "num_requests")
+            for n in (True, None, "2", 2.5, -1)]
+    out += [(f"budget_for(ctx={n!r})", lambda p, c, n=n: kvatlas.budget_for("tiny-v4", 2, n), "context_tokens")
+            for n in (True, None, 1.5, 0)]
+    out += [(f"max_concurrency({x!r:.20})", lambda p, c, x=x: kvatlas.max_concurrency(x, 4096), "plan")
+            for x in ("x", None, spec)]
+    out += [(f"max_concurrency(p, {n!r})", lambda p, c, n=n: kvatlas.max_concurrency(p, n), "context_tokens")
+            for n in (-5, 0, 1.5, None, "4096", True, 2**40)]
+    out += [(f"allocate({x!r:.20})", lambda p, c, x=x: kvatlas.allocate(x), "plan") for x in ("not a plan", None, 5, spec, {})]
+    out += [(f"allocate(backend={b!r})", lambda p, c, b=b: kvatlas.allocate(p, backend=b), "backend")
+            for b in (None, 5, ["plain"], "mmap")]
+    out += [(f"allocate(device={d!r})", lambda p, c, d=d: kvatlas.allocate(p, device=d), "device") for d in ("tpu", 5, "cuda:x")]
+    out += [("allocate(bogus=1)", lambda p, c: kvatlas.allocate(p, bogus=1), "bogus")]
+    out += [(f"{f.__name__}({x!r})", lambda p, c, f=f, x=x: f(x), "plan") for f in (capacity, plan_to_dict) for x in ("x", None)]
+    out += [(f"plan_host({x!r})", lambda p, c, x=x: plan_host(x, "1GiB"), "plan") for x in ("x", None)]
+    out += [(f"server.start({x!r:.20})", lambda p, c, x=x: server.start(p if x == "plan" else x, port=0), "cache")
+            for x in ("x", None, "plan", 5)]
+    out += [("server.start(empty collector)", lambda p, c: server.start(server.KvatlasCollector(), port=0), "cache")]
+    out += [(f"KvatlasCollector({x!r})", lambda p, c, x=x: server.KvatlasCollector(p if x == "plan" else x), "cache")
+            for x in ("x", "plan", 5)]
+    out += [(f"KvatlasCollector(c, {kw})", lambda p, c, kw=kw: server.KvatlasCollector(c, **kw), f) for kw, f in (
+        ({"tp_rank": -1}, "tp_rank"), ({"tp_rank": "x"}, "tp_rank"), ({"tp_rank": 1.5}, "tp_rank"),
+        ({"dp_rank": True}, "dp_rank"), ({"gpu": 3}, "gpu"))]
+    out += [(f"plan.buffer({n!r})", lambda p, c, n=n: p.buffer(n), "name") for n in ("x", None)]
+    out += [(f"page_keys(P={pt!r})", lambda p, c, pt=pt: page_keys(np.arange(600), pt), "page_tokens") for pt in (0, -1, 1.5, None)]
+    out += [(f"page_keys({t!r})", lambda p, c, t=t: page_keys(t, 256), "token_ids") for t in ("abc", [[1]], [1.5])]
+    out += [(f"store(slots={s})", null_store(s), "slots") for s in ([0], [5, 0], [63, 64])]
+    out += [(f"read_trace({x!r})", lambda p, c, x=x: read_trace(x), "workload") for x in (None, 5.5, "/dev/zero", [], "/dev/null")]
+    out += [("iter_trace(fmt=5)", lambda p, c: list(iter_trace("x", fmt=5)), "trace_format"),
+            ("audit(bogus=1)", lambda p, c: kvatlas.audit(c, bogus=1), "bogus")]
+    return out
+
+
+ENTRIES = _entries()
+
+
+@pytest.mark.parametrize("call,field", [e[1:] for e in ENTRIES], ids=[e[0] for e in ENTRIES])
+def test_every_public_entry_checks_its_arguments(small_plan, cache, call, field):
+    """A KvatlasError naming the argument, in one line, never a raw AttributeError, TypeError or
+    KeyError from inside; the cache passed along is left exactly as it was."""
+    before, snap = fingerprint(cache), cache.ledger.snapshot()
+    with pytest.raises(KvatlasError) as exc:
+        call(small_plan, cache)
+    assert field in str(exc.value) and "\n" not in str(exc.value), str(exc.value)
+    assert fingerprint(cache) == before and cache.ledger.snapshot() == snap
+    assert cache.pools["swa_kv"].tensor[0].count_nonzero() == 0   # the null page: never written
+    cache.check_integrity()
+
+
+@pytest.fixture(scope="module")
+def tiered():
+    """(a prefix cache without a host tier, one with, its link, a cache without a prefix cache)."""
+    from kvatlas.tiers import attach_host_tier
+    plan = kvatlas.plan("tiny-v4", "128MiB", max_running_requests=4, prefix_checkpoints=8)
+    free, linked = kvatlas.allocate(plan), kvatlas.allocate(plan)
+    link = attach_host_tier(linked, "16MiB")
+    yield free, linked, link, kvatlas.allocate(kvatlas.plan("tiny-v4", "64MiB", max_running_requests=4))
+    linked.close()
+
+
+FREE, LINKED, BARE = (lambda t: t[0]), (lambda t: t[1]), (lambda t: t[3])
+
+
+def _attach(target, *args, **kw):
+    """attach_host_tier on `target`: one of the fixture's caches (a selector) or any object."""
+    from kvatlas.tiers import attach_host_tier
+    return lambda t: attach_host_tier(target(t) if callable(target) else target, *args, **kw)
+
+
+HOST_CALLS = [
+    ("cache='x'", _attach("x", "64MiB"), "cache"), ("cache=5", _attach(5, "64MiB"), "cache"),
+    ("bogus=1", _attach(FREE, "64MiB", bogus=1), "bogus"), ("4TiB", _attach(FREE, "4TiB"), "available"),
+    ("None", _attach(FREE, None), "host_memory_bytes"), ("'0'", _attach(FREE, "0"), "host_memory_bytes"),
+    ("-1", _attach(FREE, -1), "host_memory_bytes"), ("1KiB", _attach(FREE, "1KiB"), "host_memory_bytes"),
+    ("nan", _attach(FREE, NAN), "host_memory_bytes"), ("share=2", _attach(FREE, "16MiB", checkpoint_share=2), "checkpoint_share"),
+    ("share='x'", _attach(FREE, "16MiB", checkpoint_share="x"), "checkpoint_share"),
+    ("staging='x'", _attach(FREE, "16MiB", staging_bytes="x"), "staging_bytes"),
+    ("no prefix cache", _attach(BARE, "16MiB"), "prefix_checkpoints"),
+    ("a second tier", _attach(LINKED, "16MiB"), "a host tier is attached already"),
+    *[(f"prefetch({n!r})", lambda t, n=n: t[2].prefetch(n), "prompt_tokens") for n in (NAN, 0, -1, "5", None, 1.5, 10**12, True)],
+    ("prefetch(token_ids='abc')", lambda t: t[2].prefetch(300, token_ids="abc"), "token_ids"),
+    ("prefetch(page_keys='abc')", lambda t: t[2].prefetch(300, page_keys="abc"), "page_keys"),
+    ("prefetch(short ids)", lambda t: t[2].prefetch(300, token_ids=np.arange(10)), "token_ids"),
+]
+
+
+@pytest.mark.parametrize("call,field", [h[1:] for h in HOST_CALLS], ids=[h[0] for h in HOST_CALLS])
+def test_host_tier_arguments_refused_before_any_memory(tiered, call, field):
+    free, linked, link, bare = tiered
+    snap = link.snapshot()
+    with pytest.raises(KvatlasError) as exc:
+        call(tiered)
+    assert field in str(exc.value) and "\n" not in str(exc.value), str(exc.value)
+    assert free.host is None and bare.host is None and linked.host is link and link.snapshot() == snap

@@ -8,12 +8,14 @@ a missing torch). The Python API's table is tests/test_bad_input_api.py.
 
 import json
 import os
+import re
 import subprocess
 import sys
 
 import pytest
 
 from kvatlas.cli import main
+from kvatlas.cli.common import FLAGS
 from kvatlas.planning.model import PRESET_DIR
 
 BIG = "1" + "0" * 400
@@ -29,16 +31,16 @@ DEPLOYMENT = {
     "--max-model-len": ["0", "-1", "2.5", "x", "inf", BIG],
     "--chunked-prefill-tokens": ["0", "-8", "x", "1e4"],
     "--draft-tokens": ["-1", "x", "0.5", BIG],
-    "--page-tokens": ["0", "x", ("100", "page_tokens"), ("64", "page_tokens")],
-    "--swa-page-tokens": ["0", "x", ("32", "swa_page_tokens"), ("100", "swa_page_tokens")],
+    "--page-tokens": ["0", "x", "100", "64"],
+    "--swa-page-tokens": ["0", "x", "32", "100"],
     "--tp": ["0", "-1", "x"],
     "--pp": ["0", "x", "1.0"],
     "--dp": ["0", "-2", "x"],
-    "--pp-rank": ["-1", "x", ("3", "pp_rank")],
+    "--pp-rank": ["-1", "x", "3"],
     "--gpu": ["a100", ""],
-    "--layout": [("fp16", "kv_layout"), ("", "kv_layout"), ("v4.1", "kv_layout")],
-    "--indexer": [("fp2", "indexer"), ("", "indexer")],
-    "--state-dtype": [("fp64", "state_dtype"), ("", "state_dtype")],
+    "--layout": ["fp16", "", "v4.1"],
+    "--indexer": ["fp2", ""],
+    "--state-dtype": ["fp64", ""],
     "--draft-layers": ["maybe", "1", ""],
 }
 WORKLOAD = {
@@ -84,7 +86,7 @@ def _cases(cmds, table, extra=()):
             for v in values:
                 value, needle = v if isinstance(v, tuple) else (v, flag)
                 out.append(pytest.param([cmd, *TINY, *extra, flag, value], needle,
-                                        id=f"{cmd}{flag}={value[:12]!r}"))
+                                        id=f"{cmd}{flag}={value[:12]!r}-{needle if isinstance(needle, str) else 'x'}"))
     return out
 
 
@@ -116,9 +118,9 @@ MISC = [
     (["serve", *TINY, "--rate", "1000", "--duration", "1e5"], "rate"),
     (["simulate", *TINY, "--backend", "none", "--write-layers", "1"], "--write-layers"),
     (["simulate", *TINY, "--turns", "uniform:1:100000", "--rate", "1000", "--duration", "100"], "turns"),
-    (["plan", *TINY, "--online-c128", "--state-dtype", "bf16"], "online_c128"),
-    (["plan", "tiny-v4", "--weights", "200GiB"], "weights"),
-    (["plan", "deepseek-v4-flash", "--memory", "1GiB"], "memory"),
+    (["plan", *TINY, "--online-c128", "--state-dtype", "bf16"], "--online-c128"),
+    (["plan", "tiny-v4", "--weights", "200GiB"], "--weights"),
+    (["plan", "deepseek-v4-flash", "--memory", "1GiB"], "--memory"),
     (["compare", *TINY, "--sglang-no-radix", "--engines", "vllm"], "sglang"),
     (["simulate", *TINY, "--workload", "no-such-trace.jsonl"], "workload"),
     (["serve", *TINY, "--workload", "no-such-trace.jsonl"], "workload"),
@@ -132,12 +134,57 @@ MISC = [
     (["simulate", *TINY, "--prefix-checkpoints", "4", "--host-checkpoint-share", "0.5"], "--host-checkpoint-share"),
 ]
 
+# Round two: deployments that cannot exist, and budgets too small because of one option, whose
+# refusal must name that option (TINY: 6 layers, 4 heads, 4 running requests, context 4,096)
+IMPOSSIBLE = {
+    "--pp": ["7", "100"],
+    "--tp": ["3", "8", "1024"],
+    "--dp": ["5", "100000"],
+    "--max-model-len": ["4097", "100000"],
+    "--weights": [("40GiB", ("--weights", "--memory")), ("1B", ("--weights", "--memory"))],
+    "--mem-fraction": [("0.5", ("--mem-fraction", "--memory"))],
+    "--draft-tokens": ["100000"],
+    "--chunked-prefill-tokens": ["2000000000"],
+    "--prefix-checkpoints": ["100000"],
+    "--swa-page-tokens": ["4096"],
+    "--page-tokens": ["1048576"],
+    "--max-running-requests": ["1000"],
+}
+HOST = ["--prefix-checkpoints", "4", "--host-memory"]
+ROUND_TWO = [
+    (["plan", "tiny-v4", "--gpu", "h100", "--memory", "200GiB"], ("--memory", "h100")),
+    (["compare", "--gpu", "h20", "--memory", "120GiB"], ("--memory", "h20")),
+    (["plan", "--weights", "40GiB", "--memory", "100GiB"], ("--weights", "--memory", "--gpu")),
+    (["plan", "--draft-tokens", "100000"], ("--draft-tokens 100000 makes it too big", "lower --draft-tokens to")),
+    (["plan", "--draft-tokens", "100000", "--chunked-prefill-tokens", "2000000000"], ("--draft-tokens", "together")),
+    (["plan", "--memory", "1GiB"], ("lower --max-running-requests to 1 and --max-model-len to", "--memory")),
+    (["alloc", *TINY, "--backend", "vmm"], ("--backend", "--device cuda")),
+    (["simulate", *TINY, *HOST, "4TiB"], ("--host-memory", "available")),
+    (["serve", *TINY, *HOST, "4TiB"], ("--host-memory", "available")),
+    (["simulate", *TINY, "--backend", "none", *HOST, "1024TiB"], ("--host-memory", "bookkeeping")),
+    (["serve", *TINY, "--backend", "none", *HOST, "1024TiB"], ("--host-memory", "bookkeeping")),
+    *[([cmd, *TINY, "--workload", dev], ("--workload", "not a regular file or a pipe"))
+      for cmd in ("simulate", "serve") for dev in ("/dev/zero", "/dev/null", "/dev/urandom")],
+    *[([cmd, *TINY, "--turns", t, *extra], ("--turns", "at most"))
+      for cmd in ("simulate", "serve")
+      for t, extra in (("100001", []), ("uniform:1:200000", []), ("1e6", []), ("exp:300000", ["--rate", "20"]),
+                       ("100000", ["--rate", "100", "--duration", "1"]))],
+    *[([cmd, *TINY, "--plot", path], "--plot") for cmd in ("plan", "compare") for path in ("/proc/x.png", "/sys/x.png")],
+    (["simulate", *TINY, "--out", "/proc/run"], "--out"),
+    (["serve", *TINY, "--host", "::2"], "--host"),
+    (["serve", *TINY, "--host", "fe80::1"], "--host"),
+    *[(["audit", "--sglang", "--memory", "1GiB", flag, v], flag)
+      for flag, v in (("--max-running-requests", "-5"), ("--max-running-requests", "0"),
+                      ("--chunked-prefill-tokens", "0"), ("--chunked-prefill-tokens", "x"), ("--context-length", "-1"))],
+]
+
 CLI_CASES = (_cases(["plan", "compare", "alloc", "serve", "simulate"], DEPLOYMENT)
              + _cases(["serve", "simulate"], WORKLOAD)
              + _cases(["alloc"], ALLOC)
              + _cases(["serve"], SERVE)
              + _cases(["compare"], COMPARE)
-             + [pytest.param(a, n, id=" ".join(a)[:40]) for a, n in OUTPUTS + MISC])
+             + _cases(["plan", "compare", "alloc", "serve", "simulate"], IMPOSSIBLE)
+             + [pytest.param(a, n, id=" ".join(a)[:60]) for a, n in OUTPUTS + MISC + ROUND_TWO])
 
 
 class Allocated(Exception):
@@ -164,8 +211,16 @@ def assert_refused(capsys, argv, needle):
     assert "Traceback" not in err
     line = err.strip()
     assert line and "\n" not in line, f"not one line: {err!r}"
-    assert needle in line, f"{needle!r} not named in: {line}"
-    assert line.startswith("kvatlas")
+    for n in (needle if isinstance(needle, tuple) else (needle,)):
+        assert n in line, f"{n!r} not named in: {line}"
+    assert line.startswith("kvatlas") and "='" not in line   # flags, not Python keywords (backend='plain')
+    python = PYTHON_NAMES.search(line)
+    assert python is None, f"the CLI names the Python argument {python.group(0)!r}: {line}"
+
+
+# Python argument names (those with an underscore: unambiguous in prose); a config field
+# (config.sliding_window) is the user's own term and stays
+PYTHON_NAMES = re.compile(r"(?<![\w.\-])(" + "|".join(n for n in FLAGS if "_" in n) + r")(?![\w\-])")
 
 
 @pytest.mark.parametrize("argv,needle", CLI_CASES)
@@ -236,6 +291,48 @@ def test_bad_config_file(no_allocation, capsys, text, needle):
 def test_config_directory_without_config_json(no_allocation, capsys):
     (no_allocation / "model").mkdir()
     assert_refused(capsys, ["plan", str(no_allocation / "model")], "model")
+
+
+# a config the loader takes, but no deployment of it can exist: refused when planned
+PLANNED_CONFIGS = [
+    ({"head_dim": 256}, "config.head_dim: 256 is not supported"),
+    ({"head_dim": 1024}, "config.head_dim"),
+    ({"qk_rope_head_dim": 32}, "config.qk_rope_head_dim"),
+    ({"index_head_dim": 64}, "config.index_head_dim"),
+    ({"index_head_dim": 256}, "config.index_head_dim"),
+    ({"sliding_window": 8192}, ("config.sliding_window=8192", "makes it too big")),
+    ({"max_position_embeddings": 2048}, ("--max-model-len", "max_position_embeddings 2,048")),
+    ({"num_attention_heads": 3}, ("--tp", "3 attention heads")),
+    ({"num_hidden_layers": 2, "compress_ratios": [0, 4, 0]}, ("--pp", "2 layers")),
+]
+
+
+@pytest.mark.parametrize("change,needle", PLANNED_CONFIGS, ids=[str(c)[:30] for c, _ in PLANNED_CONFIGS])
+def test_config_no_deployment_of_which_can_exist(no_allocation, capsys, change, needle):
+    path = no_allocation / "config.json"
+    path.write_text(json.dumps({**_tiny(), **change}))
+    extra = {"num_attention_heads": ["--tp", "2"], "num_hidden_layers": ["--pp", "3"],
+             "max_position_embeddings": ["--max-model-len", "4096"]}.get(next(iter(change)), [])
+    assert_refused(capsys, ["plan", str(path), "--memory", "64MiB", "--max-running-requests", "8", *extra], needle)
+    from kvatlas import KvatlasError, plan
+    kw = {"--tp": "tp", "--pp": "pp", "--max-model-len": "max_model_len"}
+    with pytest.raises(KvatlasError) as exc:
+        plan(str(path), "64MiB", max_running_requests=8, **({kw[extra[0]]: int(extra[1])} if extra else {}))
+    for n in (needle if isinstance(needle, tuple) else (needle,)):
+        assert n.replace("--max-model-len", "max_model_len").replace("--tp", "tp").replace("--pp", "pp") in str(exc.value)
+
+
+def test_config_files_the_loader_misnamed(no_allocation, capsys):
+    big = no_allocation / "big" / "config.json"
+    big.parent.mkdir()
+    big.write_text(json.dumps({**_tiny(), "pad": "x" * (17 * 2**20)}))   # valid JSON, past the read cap
+    assert_refused(capsys, ["plan", str(big.parent)], ("model", "more than the 16 MiB"))
+    many = no_allocation / "many.json"
+    many.write_text(json.dumps({**_tiny(), "num_hidden_layers": 5000, "compress_ratios": [4] * 5000}))
+    assert_refused(capsys, ["plan", str(many)], "config.compress_ratios: has 5,000 entries")
+    bom = no_allocation / "bom.json"
+    bom.write_bytes(b"\xef\xbb\xbf" + json.dumps(_tiny()).encode())   # saved with a byte-order mark: read
+    assert main(["plan", str(bom), "--memory", "64MiB", "--max-running-requests", "4"]) == 0
 
 
 # ------------------------------------------------------------------ trace lines (the existing reader)
@@ -311,6 +408,17 @@ def test_missing_torch_is_one_line_naming_the_fix(tmp_path):
     assert "MissingDependencyError: torch: not installed" in r.stderr and "pip install torch==2.13.0" in r.stderr
 
 
+@pytest.mark.parametrize("how", ["/dev/full", "closed"])
+def test_stdout_that_cannot_be_written_is_one_line(how):
+    if how == "/dev/full" and not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full here")
+    with open(os.devnull if how == "closed" else how, "w") as out:
+        r = subprocess.run([sys.executable, "-m", "kvatlas", "plan", "--json"], stdout=out, stderr=subprocess.PIPE,
+                           text=True, timeout=120, preexec_fn=(lambda: os.close(1)) if how == "closed" else None)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.count("\n") == 1 and r.stderr.startswith("kvatlas plan: error: stdout: ") and "Traceback" not in r.stderr
+
+
 def test_broken_pipe_is_quiet():
     proc = subprocess.Popen([sys.executable, "-m", "kvatlas", "compare", "--json"], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE)
@@ -319,11 +427,15 @@ def test_broken_pipe_is_quiet():
     assert proc.wait(timeout=120) == 141 and err == ""
 
 
-def test_unexpected_error_is_one_line_naming_the_bug(monkeypatch, capsys):
+def test_unexpected_error_is_one_line_naming_the_bug(monkeypatch, capsys, tmp_path):
+    """The innermost frame is not kvatlas's although its path holds /kvatlas/ (a checkout is often
+    named so): the locator names the package's own file, found by its real location."""
     from kvatlas.cli import plan as plan_cli
 
-    def boom(p):
-        raise ZeroDivisionError("division by zero")
+    ns = {}
+    fake = tmp_path / "kvatlas" / "tests" / "helper.py"
+    exec(compile("def boom(p):\n    raise ZeroDivisionError('division by zero')\n", str(fake), "exec"), ns)
+    boom = ns["boom"]
     monkeypatch.setattr(plan_cli, "text_report", boom)
     assert main(["plan", *TINY]) == 1
     err = capsys.readouterr().err

@@ -15,7 +15,7 @@ import kvatlas  # noqa: E402
 from kvatlas.cli import main  # noqa: E402
 from kvatlas.driving.sim import Simulator  # noqa: E402
 from kvatlas.driving.workload import synthetic  # noqa: E402
-from kvatlas.cache.arena import _host_available_bytes  # noqa: E402
+from kvatlas.cache.arena import host_available_bytes  # noqa: E402
 from kvatlas.errors import BudgetError  # noqa: E402
 
 TINY = dict(max_running_requests=8, max_model_len=2048, chunked_prefill_tokens=512, draft_tokens=2)
@@ -71,7 +71,7 @@ def test_same_books_as_the_tensor_backed_cache_pass_by_pass():
 
 def test_a_plan_larger_than_this_machine_runs_with_books_only():
     p = kvatlas.plan("deepseek-v4-flash", "120GiB")
-    if _host_available_bytes() < p.total_bytes:                # a real allocation is refused up front
+    if host_available_bytes() < p.total_bytes:                # a real allocation is refused up front
         with pytest.raises(BudgetError, match="memory"):
             kvatlas.allocate(p, backend="plain")
     cache = kvatlas.allocate(p, backend="none")

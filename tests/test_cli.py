@@ -43,7 +43,7 @@ def test_models(capsys):
     (["plan", "deepseek-v9"], "model"),
     (["plan", "--memory", "1GiB"], "memory"),
     (["plan", "--memory", "abc"], "--memory"),
-    (["plan", "--memory", "120GiB", "--layout", "fp16"], "kv_layout"),
+    (["plan", "--memory", "120GiB", "--layout", "fp16"], "--layout"),
     (["plan", "--memory", "120GiB", "--max-running-requests", "-3"], "--max-running-requests"),
     (["plan", "--memory", "120GiB", "--draft-tokens", "x"], "--draft-tokens"),
 ])

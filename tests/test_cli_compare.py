@@ -74,11 +74,11 @@ def test_plot(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("args, text", [
-    (["--engines", "kvatlas,trtllm"], "engine: 'trtllm' is not a modelled engine"),
-    (["--engines", "vllm", "--state-dtype", "bf16"], "state_dtype: vllm 0.33: keeps compressor state in fp32"),
+    (["--engines", "kvatlas,trtllm"], "--engines: 'trtllm' is not a modelled engine"),
+    (["--engines", "vllm", "--state-dtype", "bf16"], "--state-dtype: vllm 0.33: keeps compressor state in fp32"),
     (["--engines", "vllm", "--sglang-swa-ratio", "0.2"], "sglang options were given"),
-    (["--engines", "sglang:cap", "--sglang-swa-ratio", "0.2"], "swa_ratio"),
-    (["--engines", "sglang", "--draft-tokens", "12"], "draft_tokens"),
+    (["--engines", "sglang:cap", "--sglang-swa-ratio", "0.2"], "--sglang-swa-ratio"),
+    (["--engines", "sglang", "--draft-tokens", "12"], "--draft-tokens"),
     (["--engines", "vllm", "--vllm-entrypoint", "api"], "invalid choice: 'api'"),
     (["--engines", "vllm", "--gpu", "a100"], "invalid choice: 'a100'"),
 ])

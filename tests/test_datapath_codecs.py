@@ -246,7 +246,10 @@ def test_page_geometry_inversion_and_checks():
         store(geom, buf, 0, torch.tensor([4, 12]), x)          # slot 12 is past 3 pages of 4
     with pytest.raises(SlotError):
         store(geom, buf, 0, torch.tensor([5, 5]), x)           # duplicate live slot
-    store(geom, buf, 0, torch.tensor([0, 0]), x)               # the null page may repeat
+    with pytest.raises(SlotError, match="null page"):
+        store(geom, buf, 0, torch.tensor([0, 5]), x)           # the null page: readers expect zeros
+    assert buf[0].count_nonzero() == 0
+    store(geom, buf, 0, torch.tensor([0, 0]), x, allow_null=True)   # padding on purpose may repeat
     with pytest.raises(SlotError):
         store(geom, buf, 2, torch.tensor([4, 5]), x)           # layer out of range
     with pytest.raises(SlotError):

@@ -158,7 +158,7 @@ def test_fp4_indexer_is_refused_on_hopper_and_marked():
     assert r.refused == "the fp4 indexer needs a Blackwell GPU; h200 is hopper"
     assert r.to_dict()["refused"] == r.refused
     assert (r.figures["bytes_per_block"], r.figures["num_blocks"]) == (917_568, 140_424)  # sized all the same
-    assert vl(indexer="fp4", gpu="h100").refused.endswith("h100 is hopper")
+    assert vl(indexer="fp4", gpu="h100", memory=70 * 2**30).refused.endswith("h100 is hopper")   # fits an h100
     assert vl(indexer="fp4", gpu="b200").refused == ""
     assert vl().refused == "" and vl().to_dict()["refused"] is None
 
@@ -169,7 +169,7 @@ def test_fp4_indexer_is_refused_on_hopper_and_marked():
 ])
 def test_defaults_follow_entry_point_and_gpu(gpu, entrypoint, batched, seqs):
     assert vllm.batch_defaults(gpu, entrypoint) == (batched, seqs)
-    r = vl(gpu=gpu, entrypoint=entrypoint)
+    r = vl(gpu=gpu, entrypoint=entrypoint, memory=min(BUDGET, 70 * 2**30))   # a budget the GPU holds
     assert r.figures["max_num_batched_tokens"] == batched and r.figures["default_max_num_seqs"] == seqs
     assert r.figures["max_num_seqs"] == 256  # the comparison's request limit, said beside its default
     assert r.assumes.startswith({"serve": "vllm serve", "offline": "the offline LLM class"}[entrypoint] + f" on {gpu}")

@@ -267,3 +267,12 @@ def test_requests_refuse_values_that_would_break_a_run(kw, field):
     with pytest.raises(ConfigError) as exc:
         Request(**args)
     assert exc.value.field == field and "'r'" in str(exc.value)
+
+
+def test_a_kvatlas_line_with_a_stray_timestamp_stays_kvatlas(tmp_path):
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"arrival_s": 1.5, "prompt_tokens": 700, "output_tokens": 8, "timestamp": 99}\n'
+                    '{"timestamp": 250, "input_length": 600, "output_length": 4, "hash_ids": [0, 2]}\n')
+    (a, b), bad = read_trace(str(path))
+    assert bad == [] and (a.arrival_s, a.prompt_tokens, a.blocks) == (0.25, 600, (0, 2))   # the Mooncake line
+    assert (b.arrival_s, b.prompt_tokens, b.blocks) == (1.5, 700, None)                    # kvatlas's, its own time

@@ -15,6 +15,8 @@ def audit(obj, **kwargs):
     """Every torch storage reachable from `obj`, each counted once, by attribute path.
     See kvatlas.cache.audit.audit (imported on first use: `kvatlas plan` never pays for it)."""
     from .cache.audit import audit as _audit
+    from .checks import known_options
+    known_options("audit", kwargs, ("max_objects", "max_depth", "root"))
     return _audit(obj, **kwargs)
 
 
@@ -32,18 +34,25 @@ def allocate(plan, device="cpu", backend="plain", **backend_options):
 # Modules of the public API that live in a story package but keep their short name; imported on
 # first use, so `import kvatlas` stays as light as the plan path.
 _LAZY_MODULES = {"server": ".observing.server", "datapath": ".datapath", "engines": ".engines"}
+# Classes the README names at the top level, imported on first use for the same reason
+_LAZY_NAMES = {"KvatlasCollector": ".observing.metrics"}
 
 
 def __getattr__(name):
+    import importlib
     if name in _LAZY_MODULES:
-        import importlib
         module = importlib.import_module(_LAZY_MODULES[name], __name__)
         globals()[name] = module
         return module
+    if name in _LAZY_NAMES:
+        value = getattr(importlib.import_module(_LAZY_NAMES[name], __name__), name)
+        globals()[name] = value
+        return value
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = [
-    "BudgetError", "allocate", "audit", "formats", "ConfigError", "KvatlasError", "LayerKind", "ModelSpec", "Plan", "PoolExhaustedError",
+    "BudgetError", "allocate", "audit", "formats", "ConfigError", "KvatlasCollector", "KvatlasError",
+    "LayerKind", "ModelSpec", "Plan", "PoolExhaustedError",
     "RequestStateError", "ServeOptions", "budget_for", "load_model", "max_concurrency", "plan", "preset_names",
 ]

@@ -76,6 +76,27 @@ def request_id(value):
     return value
 
 
+def of_type(field: str, value, cls, what: str, fix: str):
+    """`value` if it is a `cls`; else a ConfigError naming the field (never an AttributeError from
+    deep inside when the wrong object is passed)."""
+    if not isinstance(value, cls):
+        raise ConfigError(field, f"{_kind(value)} is not {what}", fix)
+    return value
+
+
+def known_options(where: str, given, allowed) -> None:
+    """Refuse keyword options a call does not take, naming the first and the ones it does."""
+    unknown = sorted(set(given) - set(allowed))
+    if unknown:
+        raise ConfigError(unknown[0], f"is not an option of {where}",
+                          f"use {', '.join(sorted(allowed))}" if allowed else f"{where} takes no options")
+
+
+def _kind(value) -> str:
+    r = repr(value)
+    return f"a {type(value).__name__} ({r if len(r) <= 40 else r[:30] + '…'})"
+
+
 def require_torch(what: str):
     """Import torch, or say in one line how to install it."""
     try:

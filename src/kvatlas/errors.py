@@ -17,6 +17,13 @@ class ConfigError(KvatlasError):
         super().__init__(f"{field}: {problem}; {fix}")
 
 
+class NotFoundError(ConfigError, KeyError):
+    """A name or number looked up that this object does not have (also a KeyError, which such
+    lookups raised before, so code catching KeyError keeps working)."""
+
+    __str__ = BaseException.__str__   # the message, not KeyError's quoted repr of it
+
+
 class BudgetError(KvatlasError):
     """The memory budget cannot hold what was asked for."""
 

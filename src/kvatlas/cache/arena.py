@@ -187,11 +187,12 @@ def parse_device(device):
     if dev.type not in ("cpu", "cuda"):
         raise ConfigError("device", f"{device!r} is not supported", "use cpu, cuda or cuda:N")
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("device", "CUDA is not available here", "use --device cpu")
+        raise ConfigError("device", "CUDA is not available here", "use device='cpu'")
     return dev
 
 
-def _host_available_bytes() -> int:
+def host_available_bytes() -> int:
+    """Memory this machine can give now without swapping (MemAvailable), in bytes."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
@@ -215,11 +216,11 @@ def check_device_fits(plan: Plan, device) -> None:
     if dev.type == "cuda":
         free, total = torch.cuda.mem_get_info(dev)
     else:
-        free = total = _host_available_bytes()
+        free = total = host_available_bytes()
     if plan.total_bytes > free:
         raise BudgetError(
             f"memory: the plan needs {fmt_bytes(plan.total_bytes)} ({plan.total_bytes} B) but {dev} has "
-            f"{fmt_bytes(free)} ({free} B) free of {fmt_bytes(total)}; lower --memory or free the device")
+            f"{fmt_bytes(free)} ({free} B) free of {fmt_bytes(total)}; lower memory_bytes or free the device")
 
 
 class Arena:
@@ -230,6 +231,8 @@ class Arena:
         if not isinstance(backend, str) and backend_options:
             raise ConfigError(", ".join(backend_options), "backend options given with a backend object",
                               "pass them to the backend's constructor instead")
+        if not isinstance(backend, (str, Backend)):
+            raise ConfigError("backend", f"{backend!r} is not a backend", f"use one of {', '.join(BACKENDS)}")
         self.backend = make_backend(backend, **backend_options) if isinstance(backend, str) else backend
         if self.backend.commits_upfront:   # a lazily backed arena checks what it maps, as it maps
             check_device_fits(plan, device)

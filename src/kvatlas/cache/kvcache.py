@@ -11,7 +11,9 @@ from ..alloc.entries import ratio_key
 from ..alloc.integrity import check as check_allocator
 from .arena import Arena
 from ..planning.buffers import FULL_PAGES, REQUEST_SLOTS, SWA_PAGES
-from ..errors import RequestStateError
+from ..checks import of_type
+from ..errors import NotFoundError, RequestStateError
+from ..planning.planner import Plan
 from .ledger import Ledger, entry_key
 from .pools import build_pools
 
@@ -40,7 +42,7 @@ class KVCache:
     """Owns every tensor of a plan. Lifecycle calls go to the allocator, which moves the ledger."""
 
     def __init__(self, plan, device="cpu", backend="plain", prefix_policy="kvatlas", **backend_options) -> None:
-        self.plan = plan
+        self.plan = of_type("plan", plan, Plan, "a Plan", "give what kvatlas.plan() returns")
         self.arena = Arena(plan, device=device, backend=backend, **backend_options)
         self.pools = build_pools(plan, {n: r.tensor for n, r in self.arena.regions.items()})
         self._pool_specs = plan.pools()   # request_usage runs per request on every /state
@@ -64,8 +66,9 @@ class KVCache:
 
     def layer_pools(self, layer: int) -> dict:
         """Every pool holding a slice for model layer `layer`, by pool name."""
-        if layer not in self._by_layer:
-            raise KeyError(f"layer {layer} is not cached on this rank (layers {sorted(self._by_layer)})")
+        if _lookup_key(layer) not in self._by_layer:
+            raise NotFoundError("layer", f"{layer!r} is not cached on this rank",
+                                f"give a model layer index this rank holds: {sorted(self._by_layer)}")
         return self._by_layer[layer]
 
     # --- lifecycle (see kvatlas.alloc.Allocator) ---
@@ -118,10 +121,14 @@ class KVCache:
         self.allocator.rollback(request_id, num_tokens)
 
     def finish(self, request_id, *, token_ids=None) -> None:
-        """token_ids (prefix cache): the request's whole sequence, to cache pages past the prompt."""
+        """token_ids (prefix cache): the request's whole sequence, to cache pages past the prompt;
+        they must agree with the prompt it was admitted with (kvatlas.prefix.keys)."""
         if self.prefix is not None:
             self.prefix.finish(request_id, token_ids=token_ids)
         else:
+            if token_ids is not None:   # unused without a prefix cache, but never garbage
+                from ..prefix.keys import check_token_ids
+                check_token_ids(token_ids)
             self.allocator.finish(request_id)
 
     def flush(self) -> None:

@@ -4,7 +4,8 @@ so `kvatlas plan` never pays for torch or matplotlib.
 Exit statuses: 0 done; 2 bad input (arguments, config files, traces: one line naming the field
 and the fix, never a traceback); 1 a bug in kvatlas (one line saying where to report it; the
 traceback only with --debug); 130 interrupted; 141 the reader of stdout went away (a pipe into
-`head`), quietly, as a program killed by SIGPIPE would.
+`head`), quietly, as a program killed by SIGPIPE would. Output that cannot be written (stdout
+closed, or a full disk such as /dev/full) is a bad place to write, not a bug: status 2, one line.
 """
 
 from __future__ import annotations
@@ -80,6 +81,17 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     name = f"kvatlas {argv[0]}" if argv and argv[0] in COMMANDS else "kvatlas"
     debug = "--debug" in argv
+    if sys.stdout is None:   # started with stdout closed (`>&-`): every print would vanish
+        _say(f"{name}: error: stdout: is closed; run with stdout open (a terminal, a file or a pipe)")
+        return EXIT_BAD_INPUT
+    real, sys.stdout = sys.stdout, _Stdout(sys.stdout)
+    try:
+        return _run(name, argv, debug)
+    finally:
+        sys.stdout = real
+
+
+def _run(name: str, argv: list[str], debug: bool) -> int:
     try:
         mod, args = _parse(argv)
         code = 0 if mod is None else (mod.run(args) or 0)
@@ -91,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
         _say(f"{name}: error: {_one_line(str(exc))}; see {name} --help")
         return EXIT_BAD_INPUT
     except KvatlasError as exc:
-        _say(f"{name}: error: {_one_line(str(exc))}")
+        from .common import cli_terms
+        _say(f"{name}: error: {cli_terms(_one_line(str(exc)))}")
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:
         _say("interrupted")
@@ -99,28 +112,74 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:
         _quiet_stdout()
         return EXIT_PIPE
+    except _OutputError as exc:
+        _quiet_stdout()
+        _say(f"{name}: error: stdout: cannot be written ({exc}); write it where there is room (a file on a "
+             "disk with space, a pipe or the terminal)")
+        return EXIT_BAD_INPUT
     except Exception as exc:   # noqa: BLE001: the last line of defence, reported as a bug
-        if debug:
-            import traceback
-            traceback.print_exc()
-        where = _where(exc)
-        _say(f"{name}: internal error: {type(exc).__name__}: {_one_line(str(exc))[:300]}{where}; this is a bug "
-             f"in kvatlas: please report it to {BUG_REPORT} with the command line"
-             + ("" if debug else " and the output of the same command with --debug"))
-        return EXIT_BUG
+        return _bug(name, exc, debug)
+
+
+def _bug(name: str, exc: BaseException, debug: bool) -> int:
+    """An error no check anticipated: one line naming where, and where to report it."""
+    if debug:
+        import traceback
+        traceback.print_exception(exc)
+    where = _where(exc)
+    _say(f"{name}: internal error: {type(exc).__name__}: {_one_line(str(exc))[:300]}{where}; this is a bug "
+         f"in kvatlas: please report it to {BUG_REPORT} with the command line"
+         + ("" if debug else " and the output of the same command with --debug"))
+    return EXIT_BUG
+
+
+class _OutputError(Exception):
+    """stdout refused a write (a full disk, an I/O error); a closed pipe stays a BrokenPipeError."""
+
+
+class _Stdout:
+    """sys.stdout while a command runs: the same stream, except that a write or flush the OS
+    refuses raises _OutputError, so it is told apart from an OSError elsewhere (a bug)."""
+
+    def __init__(self, real) -> None:
+        self._real = real
+
+    def write(self, text):
+        try:
+            return self._real.write(text)
+        except BrokenPipeError:
+            raise
+        except OSError as exc:
+            raise _OutputError(exc.strerror or str(exc)) from None
+
+    def flush(self):
+        try:
+            return self._real.flush()
+        except BrokenPipeError:
+            raise
+        except OSError as exc:
+            raise _OutputError(exc.strerror or str(exc)) from None
+
+    def __getattr__(self, attr):
+        return getattr(self._real, attr)
 
 
 def _one_line(text: str) -> str:
     return " ".join(text.split())
 
 
+# The package's own folder, resolved: a checkout is itself often named kvatlas (`git clone`
+# makes one), so a path merely containing /kvatlas/ may be a test or a user's script.
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
+
+
 def _where(exc: BaseException) -> str:
     """The innermost kvatlas frame the error passed through: names the bug without a traceback."""
-    tb, hit = exc.__traceback__, None
+    tb, hit, root = exc.__traceback__, None, _PACKAGE_DIR + os.sep
     while tb is not None:
-        path = tb.tb_frame.f_code.co_filename
-        if f"{os.sep}kvatlas{os.sep}" in path:
-            hit = f" (at kvatlas/{path.rsplit(os.sep + 'kvatlas' + os.sep, 1)[1]}:{tb.tb_lineno})"
+        path = os.path.realpath(tb.tb_frame.f_code.co_filename)
+        if path.startswith(root):
+            hit = f" (at kvatlas/{path[len(root):].replace(os.sep, '/')}:{tb.tb_lineno})"
         tb = tb.tb_next
     return hit or ""
 
@@ -138,6 +197,10 @@ def _quiet_stdout() -> None:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
     except (OSError, ValueError, AttributeError):   # no real fd (captured in tests): nothing to flush
+        pass
+    try:   # what the failed write left buffered goes there too
+        sys.stdout.flush()
+    except (OSError, ValueError):
         pass
 
 

@@ -9,7 +9,7 @@ import time
 from ..checks import require_torch
 from ..observing.table import render
 from ..units import fmt_bytes
-from .common import add_deployment_args, plan_from_args
+from .common import add_deployment_args, check_backend, plan_from_args
 
 
 def add_parser(p) -> None:
@@ -35,9 +35,8 @@ def run(args) -> int:
     p = plan_from_args(args)
     require_torch("kvatlas alloc")
     import kvatlas
-    from ..cache.arena import backend_factory, parse_device
-    parse_device(args.device)   # refused here, before anything is allocated
-    backend_factory(args.backend)
+    from ..cache.arena import parse_device
+    check_backend(args.backend, parse_device(args.device))   # refused here, before anything is allocated
     before = _torch_counters(args.device)
     t0 = time.perf_counter()
     cache = kvatlas.allocate(p, device=args.device, backend=args.backend)

@@ -8,6 +8,7 @@ import json
 from ..errors import ConfigError
 from ..observing.table import render
 from ..units import parse_bytes
+from .common import count
 
 
 def add_parser(p) -> None:
@@ -16,11 +17,13 @@ def add_parser(p) -> None:
     p.add_argument("--sglang", action="store_true", required=True,
                    help="build the pools with SGLang's own configurator (the only engine audited offline)")
     p.add_argument("--memory", required=True, help="the KV budget SGLang sizes from, e.g. 120GiB")
-    p.add_argument("--max-running-requests", type=int, default=256)
-    p.add_argument("--chunked-prefill-tokens", type=int, default=8192)
+    p.add_argument("--max-running-requests", type=count(1), default=256,
+                   help="SGLang --max-running-requests (default 256)")
+    p.add_argument("--chunked-prefill-tokens", type=count(1), default=8192,
+                   help="SGLang --chunked-prefill-size (default 8192)")
     p.add_argument("--swa-mode", choices=("ratio", "cap"), default="ratio",
                    help="ratio: what a V4 launch gets (default); cap: the ratio marked as not set by the operator")
-    p.add_argument("--context-length", type=int, help="SGLang --context-length (default: the model's)")
+    p.add_argument("--context-length", type=count(1), help="SGLang --context-length (default: the model's)")
     p.add_argument("--json", action="store_true", help="print the ledger and every storage as JSON")
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 
 from ..checks import MAX_COUNT, real, span, whole
 from ..errors import ConfigError
@@ -65,52 +66,88 @@ def check_output_file(flag: str, path: str | None, extensions=PLOT_EXTENSIONS) -
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
         raise ConfigError(flag, f"directory {folder!r} does not exist", "create it or write somewhere else")
-    if not os.access(folder, os.W_OK):
-        raise ConfigError(flag, f"directory {folder!r} is not writable", "write somewhere else")
     if extensions is not None:
         ext = os.path.splitext(path)[1].lstrip(".").lower()
         if ext not in extensions:
             what = f"an unknown extension {ext!r}" if ext else "no extension"
             raise ConfigError(flag, f"{path!r} has {what}",
                               f"end it in one of .{', .'.join(extensions)}")
+    _check_creatable(flag, path, folder)
+
+
+def _check_creatable(flag: str, path: str, folder: str) -> None:
+    """Create the file for a moment (or open an existing one for appending, which changes
+    nothing): permission bits say yes in places that refuse every new file (/proc), so only
+    trying tells, before the work rather than after it."""
+    try:
+        if os.path.exists(path):
+            with open(path, "ab"):
+                pass
+        else:
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+            os.unlink(path)
+    except OSError as exc:
+        raise ConfigError(flag, f"{path!r} cannot be written in {folder!r} ({exc.strerror or exc})",
+                          "write somewhere else") from None
 
 
 def add_deployment_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default="deepseek-v4-flash",
                    help="preset name, config.json or model directory (default: deepseek-v4-flash)")
-    g = p.add_argument_group("budget")
-    g.add_argument("--memory", help="KV budget per rank, e.g. 120GiB (default: --gpu × --mem-fraction − --weights)")
-    g.add_argument("--gpu", default="h200", choices=sorted(GPU_MEMORY_BYTES), help="GPU whose memory is the budget (compare: also the GPU the engines run on)")
-    g.add_argument("--mem-fraction", type=number(0.0, 1.0, open_low=True), default=0.9,
+    g = p.add_argument_group("budget (--memory, or --gpu × --mem-fraction − --weights)")
+    g.add_argument("--memory", help="KV budget per rank, e.g. 120GiB; the budget itself: not with --mem-fraction "
+                   "or --weights (default: --gpu × --mem-fraction − --weights)")
+    g.add_argument("--gpu", choices=sorted(GPU_MEMORY_BYTES), help="GPU whose memory is the budget; with --memory, "
+                   "the budget must fit it (compare: also the GPU the engines run on; default h200)")
+    g.add_argument("--mem-fraction", type=number(0.0, 1.0, open_low=True),
                    help="share of the GPU for weights + KV (default 0.9)")
-    g.add_argument("--weights", default="0", help="the weights' share of one rank's memory, e.g. 40GiB (default 0)")
+    g.add_argument("--weights", help="the weights' share of one rank's GPU memory, e.g. 40GiB (default 0)")
     g = p.add_argument_group("cache layout")
     g.add_argument("--layout", dest="kv_layout", help="v4 (fp8_ds_mla, default), bf16, uniform-fp8, unified-bf16, "
                    "unified-fp8; V4.1: v4.1 (default), v4.1-bf16")
     g.add_argument("--indexer", help="indexer key format: fp8, fp4, bf16 (default: the layout's)")
-    g.add_argument("--state-dtype", default="fp32", help="compressor state dtype: fp32 or bf16")
+    g.add_argument("--state-dtype", default="fp32", help="compressor state dtype: fp32 (default) or bf16")
     g.add_argument("--online-c128", action="store_true", help="keep C128 state as running max/sum/kv")
-    g.add_argument("--page-tokens", type=count(1), default=256, help="full-token page size (default 256)")
-    g.add_argument("--swa-page-tokens", type=count(1), default=64, help="SWA page size (default 64)")
+    g.add_argument("--page-tokens", type=count(1), default=256, help="full-token page size, a multiple of 128 "
+                   "(default 256)")
+    g.add_argument("--swa-page-tokens", type=count(1), default=64, help="SWA page size, a multiple of 64 (default 64)")
     g = p.add_argument_group("serving")
-    g.add_argument("--max-running-requests", type=count(1), default=256)
-    g.add_argument("--max-model-len", type=count(1), help="longest request in tokens (default: the model's)")
-    g.add_argument("--chunked-prefill-tokens", type=count(1), default=8192)
-    g.add_argument("--draft-tokens", type=count(0), default=0, help="speculative draft tokens per step")
+    g.add_argument("--max-running-requests", type=count(1), default=256,
+                   help="requests running at once, all data-parallel ranks together (default 256)")
+    g.add_argument("--max-model-len", type=count(1), help="longest request in tokens, at most the model's "
+                   "max_position_embeddings (default: that)")
+    g.add_argument("--chunked-prefill-tokens", type=count(1), default=8192,
+                   help="most prompt tokens one forward pass computes (default 8192)")
+    g.add_argument("--draft-tokens", type=count(0), default=0, help="speculative draft tokens per step (default 0)")
     g.add_argument("--draft-layers", choices=("on", "off"), help="cache the MTP layers (default: on with drafts)")
-    g.add_argument("--tp", type=count(1), default=1)
-    g.add_argument("--pp", type=count(1), default=1)
-    g.add_argument("--dp", type=count(1), default=1)
-    g.add_argument("--pp-rank", type=count(0), default=0)
+    g.add_argument("--tp", type=count(1), default=1, help="tensor-parallel ranks, a divisor of the attention heads "
+                   "(the MLA cache is not split: every rank holds it; default 1)")
+    g.add_argument("--pp", type=count(1), default=1, help="pipeline stages, at most the layers (default 1)")
+    g.add_argument("--dp", type=count(1), default=1, help="data-parallel ranks sharing --max-running-requests "
+                   "(default 1)")
+    g.add_argument("--pp-rank", type=count(0), default=0, help="the pipeline stage to plan, 0..--pp − 1 (default 0)")
     g.add_argument("--prefix-checkpoints", type=count(0), default=0, help="prefix cache: resume points it may keep "
                    "(each the SWA tail and C4 state at a page boundary; default 0: no prefix cache)")
 
 
+def check_backend(backend: str, device) -> None:
+    """The arena backend for the parsed --device, refused before anything is allocated: vmm maps
+    CUDA memory (only tests hand it a stand-in driver on the CPU)."""
+    from ..cache.arena import backend_factory
+    backend_factory(backend)
+    if backend == "vmm" and device.type != "cuda":
+        raise ConfigError("--backend", f"vmm maps CUDA memory (it needs CUDA and cuda-python), and --device is {device}",
+                          "use --device cuda on a CUDA machine, or --backend plain")
+
+
+def gpu_of(args) -> str:
+    return args.gpu or "h200"
+
+
 def options_from_args(args) -> dict:
-    memory = parse_bytes(args.memory, "--memory") if args.memory is not None else None
-    weights = parse_bytes(args.weights, "--weights") if args.weights not in ("0", 0) else 0
-    return {
-        "memory_bytes": memory, "gpu": args.gpu, "mem_fraction": args.mem_fraction, "weights_bytes": weights,
+    """The serving options the command line gives; the budget's parts only where typed, so a
+    part that would be ignored beside --memory is refused, never dropped."""
+    out = {
         "kv_layout": args.kv_layout, "indexer": args.indexer, "state_dtype": args.state_dtype,
         "online_c128": args.online_c128, "page_tokens": args.page_tokens, "swa_page_tokens": args.swa_page_tokens,
         "max_running_requests": args.max_running_requests, "max_model_len": args.max_model_len,
@@ -118,9 +155,55 @@ def options_from_args(args) -> dict:
         "draft_layers": None if args.draft_layers is None else args.draft_layers == "on",
         "tp": args.tp, "pp": args.pp, "dp": args.dp, "pp_rank": args.pp_rank,
         "prefix_checkpoints": args.prefix_checkpoints,
+        "memory_bytes": parse_bytes(args.memory, "--memory") if args.memory is not None else None,
     }
+    if args.weights is not None:
+        out["weights_bytes"] = parse_bytes(args.weights, "--weights") if args.weights.strip() != "0" else 0
+    for key, value in (("gpu", args.gpu), ("mem_fraction", args.mem_fraction)):
+        if value is not None:
+            out[key] = value
+    return out
 
 
 def plan_from_args(args):
     from ..planning.planner import plan
     return plan(args.model, **options_from_args(args))
+
+
+# Python argument names as the command line spells them: errors raised below the CLI name the
+# Python argument (kvatlas.plan(max_model_len=...)); the CLI says the flag the user typed.
+FLAGS = {
+    "memory_bytes": "--memory", "weights_bytes": "--weights", "mem_fraction": "--mem-fraction", "gpu": "--gpu",
+    "kv_layout": "--layout", "indexer": "--indexer", "state_dtype": "--state-dtype", "online_c128": "--online-c128",
+    "page_tokens": "--page-tokens", "swa_page_tokens": "--swa-page-tokens",
+    "max_running_requests": "--max-running-requests", "max_model_len": "--max-model-len",
+    "chunked_prefill_tokens": "--chunked-prefill-tokens", "draft_tokens": "--draft-tokens",
+    "draft_layers": "--draft-layers", "tp": "--tp", "pp": "--pp", "dp": "--dp", "pp_rank": "--pp-rank",
+    "prefix_checkpoints": "--prefix-checkpoints", "host_memory_bytes": "--host-memory",
+    "checkpoint_share": "--host-checkpoint-share", "backend": "--backend", "device": "--device",
+    "trace_format": "--trace-format", "prompt_len": "--prompt-len", "output_len": "--output-len",
+    "followup_len": "--followup-len", "system_prompt_len": "--system-prompt-len", "think_s": "--think",
+    "system_prompts": "--system-prompts", "turns": "--turns", "rate": "--rate", "duration": "--duration",
+    "seed": "--seed", "workload": "--workload", "host": "--host", "port": "--port",
+    # compare's engine options (kvatlas.engines.compare(engine_options=...))
+    "engine": "--engines", "swa_ratio": "--sglang-swa-ratio", "prefix_tails": "--sglang-prefix-tails",
+    "platform": "--sglang-platform", "max_num_batched_tokens": "--vllm-max-num-batched-tokens",
+    "entrypoint": "--vllm-entrypoint",
+}
+# names that are also plain words ("the backend", "a device") are flags only as `name=` or `name:`
+_WORDS = {"engine", "platform", "entrypoint", "indexer", "backend", "device", "rate", "duration", "seed", "workload", "turns", "host", "port"}
+_NAME = re.compile(r"(?<![\w.\-])(" + "|".join(sorted(FLAGS, key=len, reverse=True)) + r")(?![\w\-])"
+                   r"(=(['\"]?)([^\s'\",;)]*)\3|:)?")
+
+
+def cli_terms(message: str) -> str:
+    """`message` with Python argument names as the flags: "max_model_len=4096" becomes
+    "--max-model-len 4096", "backend='plain'" "--backend plain", "kv_layout:" "--layout:"."""
+    def swap(m: re.Match) -> str:
+        name, tail = m.group(1), m.group(2) or ""
+        if name in _WORDS and not tail:
+            return m.group(0)
+        if tail.startswith("="):
+            return f"{FLAGS[name]} {m.group(4)}".rstrip()
+        return FLAGS[name] + tail
+    return _NAME.sub(swap, message)

@@ -10,7 +10,7 @@ from ..observing.progress import Bar, wanted
 from ..observing.table import render
 from ..units import fmt_bytes
 from ..errors import ConfigError
-from .common import add_deployment_args, check_output_file, count, number, options_from_args
+from .common import add_deployment_args, check_output_file, count, gpu_of, number, options_from_args
 
 SCHEMA_VERSION = 1
 
@@ -56,9 +56,9 @@ def run(args) -> int:
                           on_result=lambda i, r: bar.update(i), **options_from_args(args))
     base = next((r for r in results if r.engine == "kvatlas"), None)
     if args.json:
-        print(json.dumps(to_dict(results, base, args.gpu), indent=2))
+        print(json.dumps(to_dict(results, base, gpu_of(args)), indent=2))
     else:
-        print(text_report(results, base, args.gpu))
+        print(text_report(results, base, gpu_of(args)))
     if args.plot:
         from ..engines.plot import plot_compare
         plot_compare(results, args.plot)

@@ -11,7 +11,7 @@ from ..driving.workload import MAX_DURATION_S, MAX_RATE_PER_S
 from ..errors import BudgetError, ConfigError
 from ..observing.table import render
 from ..units import fmt_bytes
-from .common import count, number
+from .common import check_backend, count, number
 
 
 def add_workload_args(p) -> None:
@@ -130,9 +130,10 @@ def build(args, plan_from_args, *, lock=None, record=True):
     host_bytes = host_memory(args, p)
     require_torch("allocating a cache")
     import kvatlas
-    from ..cache.arena import backend_factory, parse_device
-    layers = write_layers(args, parse_device(args.device))   # refused before the cache exists
-    backend_factory(args.backend)
+    from ..cache.arena import parse_device
+    device = parse_device(args.device)
+    layers = write_layers(args, device)   # refused before the cache exists
+    check_backend(args.backend, device)
     from ..driving.sim import Simulator
     from ..driving.simwrite import KVWriter
     cache = kvatlas.allocate(p, device=args.device, backend=args.backend)
@@ -158,12 +159,19 @@ def host_memory(args, plan) -> int | None:
         raise ConfigError("--host-memory", "the host tier holds what the prefix cache evicts, and the prefix "
                           "cache is off", "add --prefix-checkpoints N (N > 0) or drop --host-memory")
     try:
-        plan_host(plan, n, *([] if args.host_checkpoint_share is None else [args.host_checkpoint_share]))
+        host_plan = plan_host(plan, n, *([] if args.host_checkpoint_share is None else [args.host_checkpoint_share]))
     except ConfigError as exc:   # name the flag the user typed
         flag = "--host-checkpoint-share" if exc.field == "checkpoint_share" else "--host-memory"
         raise ConfigError(flag, exc.problem, exc.fix) from None
     except BudgetError as exc:   # too small for one page (and one checkpoint)
         raise BudgetError("--host-memory: " + str(exc).removeprefix("host_memory_bytes: ")) from None
+    if args.backend == "none":   # modeled: no memory, but bookkeeping per slot
+        from ..tiers.modeled import check_modeled_fits
+        check_modeled_fits(host_plan)
+    else:                        # pinned: it and, on the CPU, the pools themselves take host memory
+        from ..tiers.memory import check_host_fits
+        on_cpu = not str(args.device).startswith("cuda")
+        check_host_fits(host_plan, beside_bytes=plan.total_bytes if on_cpu else 0)
     return n
 
 

@@ -60,4 +60,9 @@ def text_report(p) -> str:
                f"per token        {cap.bytes_per_token:,.2f} B (page-padded; {cap.row_bytes_per_token:,.4f} B from rows alone)\n"
                f"per request      {cap.bytes_per_request:,} B ({fmt_bytes(cap.bytes_per_request)}) fixed while running\n"
                f"shared           {cap.shared_bytes:,} B (null units, in-flight prefill SWA, alignment)")
+    rp = cap.resume_points
+    if rp is not None:
+        figures += (f"\nresume points    {rp.count:,} ({rp.kept:,} to keep + {rp.count - rp.kept:,} "
+                    f"being saved by running requests and a prefill chunk) × {rp.bytes_each:,} B = {rp.total_bytes:,} B ({fmt_bytes(rp.total_bytes)}); they "
+                    f"cost {rp.token_capacity_cost:,} tokens of capacity ({rp.tokens_without:,} without them)")
     return "\n\n".join([head, pools, total, figures, conc])

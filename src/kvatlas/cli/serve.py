@@ -1,6 +1,8 @@
 """`kvatlas serve`: allocate a real cache, drive it with a workload in real time, and serve
 /metrics, /state and /healthz while it runs. SIGINT (Ctrl-C) or SIGTERM stops it cleanly: the pass
-in progress completes, the socket is closed, and the summary is printed."""
+in progress completes, the socket is closed, and the summary is printed. The exit status then
+says how it ended: 0 when the workload finished or SIGTERM asked it to stop (the way a service
+manager stops a service), 130 after SIGINT (an interrupted command, as the shell reports one)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import threading
 import time
 
 from ..units import fmt_bytes
+from . import EXIT_INTERRUPTED
 from .common import add_deployment_args, count, number, plan_from_args
 from .drive import add_workload_args, build, summary
 
@@ -137,4 +140,4 @@ def run(args) -> int:
         with lock:
             cache.check_integrity()
     print(summary(cache, sim, writer, time.monotonic() - t0, how + "; endpoint closed"), flush=True)
-    return 0
+    return EXIT_INTERRUPTED if stop.reason == "SIGINT" else 0

@@ -5,8 +5,10 @@ formats with parallel rows a second uint8 [units, n_layers, P * parallel_bytes].
 layer position (values [n, width]) or a `range` of positions (values [len, n, width]): one call
 over many layers lets a GPU kernel cover a decode step's layers at once.
 
-Slots must be distinct, except slots of page 0 (the null page, a target for padded writes), which
-may repeat; what lands there is garbage by definition. With `validate=True` (the default) a call
+Slots must be distinct and lie past page 0, the null page: every unused block-table entry points
+there and readers expect it to hold zeros. A padded write that targets it on purpose says so
+(`allow_null=True`); its slots may repeat, and what lands there is garbage by definition. With
+`validate=True` (the default) a call
 checks shapes, slot range, distinctness and finiteness before touching the buffer, so a refused
 call writes nothing; each check costs a device sync, so a tuned hot loop may pass validate=False,
 and then non-finite input leaves unspecified bytes in the written entries (and only in them).
@@ -42,8 +44,12 @@ def _check_slots(geom: PageGeometry, buffer, slots) -> None:
                         "allocate pages first; slot = page_id * entries_per_page + offset")
 
 
-def _check_store(codec: Codec, geom, buffer, slots, values) -> None:
+def _check_store(codec: Codec, geom, buffer, slots, values, allow_null: bool) -> None:
     _check_slots(geom, buffer, slots)
+    if not allow_null and slots.numel() and int(slots.min()) < geom.entries:
+        raise SlotError("slots", f"slot {int(slots.min())} is in the null page (slots 0..{geom.entries - 1}), "
+                        "which unused block-table entries point at", "write to pages the allocator handed out, "
+                        "or pass allow_null=True for padded writes that target the null page on purpose")
     live = slots[slots >= geom.entries]
     if live.numel() != torch.unique(live).numel():
         raise SlotError("slots", "a slot repeats outside the null page", "write each entry once per call")
@@ -119,14 +125,14 @@ def use_triton(codec: Codec, buffer, impl: str, op: str) -> bool:
 
 
 def store(geom: PageGeometry, buffer, layers, slots, values, *, parallel=None, codec: Codec | None = None,
-          validate: bool = True, impl: str = "auto") -> None:
+          validate: bool = True, impl: str = "auto", allow_null: bool = False) -> None:
     """Quantize `values` (bf16 [n, width], or [len(layers), n, width]) into `slots` of `layers`."""
     codec = _setup(geom, buffer, parallel, codec, impl)
     lr = _layer_range(layers, buffer)
     multi = not isinstance(layers, int)
     _shape_check(codec, values, slots, len(lr), multi)
     if validate:
-        _check_store(codec, geom, buffer, slots, values)
+        _check_store(codec, geom, buffer, slots, values, allow_null)
     if slots.numel() == 0:
         return
     vals = values if multi else values[None]

@@ -66,7 +66,46 @@ def block_tokens(block_ids, lengths=None, *, seed: int = 0, vocab_size: int = VO
 
 
 def covered_tokens(block_ids, lengths) -> int:
-    return BLOCK_TOKENS * len(block_ids) if lengths is None else int(sum(lengths))
+    return BLOCK_TOKENS * len(block_ids) if lengths is None else int(np.asarray(lengths, np.int64).sum())
+
+
+class Prefix:
+    """The first `n` entries of an array shared by many holders, as a read-only sequence that
+    compares, hashes and slices like the tuple it stands for: a session's turn k holds all k
+    previous turns' pieces, and a view instead of a copy keeps a session linear in its turns.
+    `np.asarray` of it is a view too (no copy)."""
+
+    __slots__ = ("_data", "_n")
+
+    def __init__(self, data: np.ndarray, n: int) -> None:
+        self._data, self._n = data, n
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return tuple(self._data[: self._n][i].tolist())
+        return int(self._data[: self._n][i])   # IndexError past the end, as a tuple's
+
+    def __iter__(self):
+        return iter(self._data[: self._n].tolist())
+
+    def __array__(self, dtype=None, copy=None):
+        view = self._data[: self._n]
+        return view if dtype is None else view.astype(dtype, copy=False)
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, (tuple, Prefix)):
+            return len(other) == self._n and tuple(self) == tuple(other)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(tuple(self))
+
+    def __repr__(self) -> str:
+        head = ", ".join(map(str, self._data[: min(self._n, 6)].tolist()))
+        return f"Prefix({head}{', …' if self._n > 6 else ''}; {self._n} entries)"
 
 
 def prompt_tokens_of(block_ids, lengths, prompt_tokens: int, start: int = 0, **kw) -> np.ndarray:

@@ -15,6 +15,10 @@ Content is pieces of deterministic tokens (`driving.content`): the system prompt
 message and every output get fresh block ids (one per 512 tokens), so two requests share tokens
 exactly where the workload says they do. A turn's content also covers its own output, so
 `Request.output_token_ids()` gives the tokens the next turn sends back.
+
+Bounds, checked before any content is made: at most MAX_TURNS_PER_SESSION turns in one session
+and MAX_SESSION_REQUESTS turns in all (each turn is a request: ~0.4 KiB here, ~2 KiB with the
+simulator's state). Memory is linear in the turns: a turn's content is a view of its session's.
 """
 
 from __future__ import annotations
@@ -24,7 +28,10 @@ import math
 import numpy as np
 
 from ..errors import ConfigError
-from .content import BLOCK_TOKENS
+
+MAX_TURNS_PER_SESSION = 100_000
+MAX_SESSION_REQUESTS = 1_000_000
+from .content import BLOCK_TOKENS, Prefix
 from .workload import LengthDist, Request, parse_length
 
 
@@ -70,6 +77,9 @@ def sessions(*, rate_per_s: float, duration_s: float, turns="1", first_len="unif
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
             raise ConfigError(name, f"{v!r}", "give a whole number ≥ 0")
     turns_d, first_d, follow_d = _dist(turns, "turns"), _dist(first_len, "prompt_len"), _dist(followup_len, "followup_len")
+    if turns_d.kind in ("fixed", "uniform") and max(turns_d.a, turns_d.b) > MAX_TURNS_PER_SESSION:
+        raise ConfigError("turns", f"{turns!s} allows sessions of more than {MAX_TURNS_PER_SESSION:,} turns",
+                          f"ask for at most {MAX_TURNS_PER_SESSION:,} turns per session")
     out_d, sys_d = _dist(output, "output_len"), _dist(system_len, "system_prompt_len")
     think_d = _think_dist(think)
     rng = np.random.default_rng(seed)
@@ -78,8 +88,7 @@ def sessions(*, rate_per_s: float, duration_s: float, turns="1", first_len="unif
     systems = [pieces.message(int(n)) for n in sys_d.sample(rng, system_prompts)]
     which = rng.integers(0, system_prompts, len(starts)) if system_prompts else np.zeros(len(starts), np.int64)
     n_turns = turns_d.sample(rng, len(starts))
-    if int(n_turns.sum()) > 10**7:   # each turn is a request: keep the list a list
-        raise ConfigError("turns", f"{int(n_turns.sum()):,} requests in all", "ask for at most 10 million turns")
+    _check_turns(n_turns)
     out: list[Request] = []
     for s, (t0, k) in enumerate(zip(starts, n_turns)):
         ids, lens = systems[which[s]] if system_prompts else ((), ())
@@ -87,23 +96,46 @@ def sessions(*, rate_per_s: float, duration_s: float, turns="1", first_len="unif
     return out
 
 
+def _check_turns(n_turns: np.ndarray) -> None:
+    """Refuse, before any content is made, a session past the per-session bound or a total past
+    the overall one (a long-tailed distribution can draw either)."""
+    longest, total = int(n_turns.max(initial=0)), int(n_turns.sum())
+    if longest > MAX_TURNS_PER_SESSION:
+        raise ConfigError("turns", f"a session drew {longest:,} turns",
+                          f"ask for at most {MAX_TURNS_PER_SESSION:,} turns per session")
+    if total > MAX_SESSION_REQUESTS:
+        raise ConfigError("turns", f"{total:,} turns in all (each one a request)",
+                          f"ask for at most {MAX_SESSION_REQUESTS:,} (fewer turns, a lower rate or a shorter duration)")
+
+
 def _think_dist(think) -> LengthDist:
     return think if isinstance(think, LengthDist) else parse_length(think, "think_s", minimum=0)
 
 
 def _one_session(s: int, t0: float, turns: int, ids, lens, pieces, rng, first_d, follow_d, out_d, think_d):
-    reqs, prev = [], None
+    """A session's turns. Its content is one array of pieces (system prompt, then each turn's
+    user message and output); turn k's blocks are a view of its first pieces (`content.Prefix`),
+    so the session costs memory linear in its turns, not a copy of every earlier turn per turn."""
     user = first_d.sample(rng, turns)
     user[1:] = follow_d.sample(rng, turns - 1)
     outs = out_d.sample(rng, turns)
     think = think_d.sample_real(rng, turns)
+    messages = np.stack([user, outs], axis=1).reshape(-1)             # u1, o1, u2, o2, ...
+    per = -(-messages // BLOCK_TOKENS)                                  # pieces of each message
+    piece_lens = np.full(int(per.sum()), BLOCK_TOKENS, np.int64)
+    ends = np.cumsum(per)
+    piece_lens[ends - 1] = messages - (per - 1) * BLOCK_TOKENS          # each message's last piece
+    block_ids = np.concatenate((np.asarray(ids, np.int64), pieces.next_id + np.arange(len(piece_lens))))
+    block_lens = np.concatenate((np.asarray(lens, np.int64), piece_lens))
+    pieces.next_id += len(piece_lens)
+    ends = ends.reshape(turns, 2) + len(ids)                            # after u_k, after o_k
+    tokens = np.concatenate(([0], np.cumsum(block_lens)))
+    reqs, prev = [], None
     for k in range(turns):
-        u_ids, u_lens = pieces.message(int(user[k]))
-        o_ids, o_lens = pieces.message(int(outs[k]))
-        prompt_ids, prompt_lens = ids + u_ids, lens + u_lens
         rid = f"s{s}" if turns == 1 else f"s{s}t{k + 1}"
-        reqs.append(Request(id=rid, arrival_s=t0, prompt_tokens=int(sum(prompt_lens)), output_tokens=int(outs[k]),
-                            blocks=prompt_ids + o_ids, block_lens=prompt_lens + o_lens, after=prev,
+        n = int(ends[k, 1])
+        reqs.append(Request(id=rid, arrival_s=t0, prompt_tokens=int(tokens[ends[k, 0]]), output_tokens=int(outs[k]),
+                            blocks=Prefix(block_ids, n), block_lens=Prefix(block_lens, n), after=prev,
                             think_s=float(think[k]) if prev is not None else 0.0))
-        ids, lens, prev = prompt_ids + o_ids, prompt_lens + o_lens, rid
+        prev = rid
     return reqs

@@ -11,19 +11,27 @@ Mooncake format (the FAST '25 release's traces), one object per line:
   timestamp in milliseconds; one hash id per 512-token block, ceil(input_length / 512) of them.
   Its requests are named by line: "line7".
 
-`fmt="auto"` decides per line: a line with any of timestamp / input_length / hash_ids is Mooncake.
+`fmt="auto"` decides per line: a line with any of kvatlas's fields (arrival_s / prompt_tokens /
+output_tokens) is kvatlas's, whatever else it carries (a stray "timestamp" too); otherwise a line
+with any of timestamp / input_length / hash_ids is Mooncake.
 Blank lines and lines starting with '#' are ignored. A file whose first line is not UTF-8 is
 refused as a whole (ConfigError): it is not a text trace. Otherwise a bad line — not UTF-8, longer than
 `max_line_bytes`, not JSON, a field missing or out of range, an id seen on an earlier line — is
 reported with its line number and skipped (or, with strict=True, fatal), so a long trace is never
 abandoned midway. The file is read line by line with a bounded read: a file without newlines costs
 `max_line_bytes` of memory, not its size.
+
+A trace is a regular file or a pipe: a device (/dev/zero) or a socket is refused before a byte is
+read. A file larger than MAX_TRACE_BYTES is refused up front; a pipe is read until that many
+bytes or MAX_TRACE_LINES lines, then refused (a stream that never ends cannot be a trace).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import stat
 from collections.abc import Iterator
 
 from ..errors import ConfigError
@@ -33,7 +41,10 @@ from .workload import Request
 FORMATS = ("auto", "kvatlas", "mooncake")
 MAX_LINE_BYTES = 1 << 20     # Mooncake's longest line is 2.7 KB (374 block ids); 1 MiB is generous
 MAX_PROBLEMS = 1000
+MAX_TRACE_BYTES = 1 << 30    # Mooncake's whole synthetic trace is 10 MB (3,993 lines)
+MAX_TRACE_LINES = 2_000_000   # ~1 GB of requests in memory: 500 times the Mooncake trace
 _MOONCAKE_KEYS = ("timestamp", "input_length", "hash_ids")
+_KVATLAS_KEYS = ("arrival_s", "prompt_tokens", "output_tokens")
 _FIX = {
     "kvatlas": 'write one object per line: {"arrival_s": 0.5, "prompt_tokens": 900, "output_tokens": 128}',
     "mooncake": 'write one object per line: {"timestamp": MS, "input_length": N, "output_length": N, '
@@ -119,6 +130,8 @@ def parse_mooncake(obj: dict, line_no: int) -> Request:
 def line_format(obj: dict, fmt: str = "auto") -> str:
     if fmt != "auto":
         return fmt
+    if any(k in obj for k in _KVATLAS_KEYS):
+        return "kvatlas"
     return "mooncake" if any(k in obj for k in _MOONCAKE_KEYS) else "kvatlas"
 
 
@@ -147,15 +160,20 @@ class _FieldError(ValueError):
         self.fmt = fmt
 
 
-def _raw_lines(fh, max_line_bytes: int) -> Iterator[tuple[int, bytes | None, int]]:
+def _raw_lines(fh, max_line_bytes: int, path: str = "") -> Iterator[tuple[int, bytes | None, int]]:
     """(line number, bytes, length) per line; bytes None when the line exceeds the bound (its
-    rest is read in bounded pieces and dropped, so memory stays at max_line_bytes)."""
-    line_no = 0
+    rest is read in bounded pieces and dropped, so memory stays at max_line_bytes). Stops with a
+    ConfigError past MAX_TRACE_BYTES or MAX_TRACE_LINES (a pipe that never ends)."""
+    line_no = total = 0
     while True:
         data = fh.readline(max_line_bytes + 1)
         if not data:
             return
         line_no += 1
+        total += len(data)
+        if total > MAX_TRACE_BYTES or line_no > MAX_TRACE_LINES:
+            raise ConfigError("workload", f"{path!r} goes on past {MAX_TRACE_BYTES:,} bytes or {MAX_TRACE_LINES:,} "
+                              f"lines (line {line_no:,})", "give a finite trace within those bounds (split a larger one)")
         if len(data) <= max_line_bytes or data.endswith(b"\n"):
             yield line_no, data, len(data)
             continue
@@ -163,6 +181,10 @@ def _raw_lines(fh, max_line_bytes: int) -> Iterator[tuple[int, bytes | None, int
         while data and not data.endswith(b"\n"):
             data = fh.readline(1 << 16)
             size += len(data)
+            total += len(data)
+            if total > MAX_TRACE_BYTES:
+                raise ConfigError("workload", f"{path!r} goes on past {MAX_TRACE_BYTES:,} bytes (line {line_no:,} "
+                                  "never ends)", "give a finite trace of one request per line")
         yield line_no, None, size
 
 
@@ -183,13 +205,16 @@ def iter_trace(path: str, *, fmt: str = "auto", strict: bool = False, on_error=N
     `on_error(line_no, problem)` and skipped; with strict=True it raises TraceError."""
     if fmt not in FORMATS:
         raise ConfigError("trace_format", f"{fmt!r} is not a trace format", f"use one of {', '.join(FORMATS)}")
+    if not isinstance(path, (str, os.PathLike)):
+        raise ConfigError("workload", f"{path!r} is not a path", "give the trace file's path")
     try:
         fh = open(path, "rb")
     except OSError as exc:
         raise ConfigError("workload", f"cannot read {path!r} ({exc.strerror})", "give an existing JSONL file") from None
     seen: dict[str, int] = {}
     with fh:
-        for line_no, data, size in _raw_lines(fh, max_line_bytes):
+        _check_kind(fh, path)
+        for line_no, data, size in _raw_lines(fh, max_line_bytes, path):
             try:
                 req = _parse(data, size, line_no, fmt, max_line_bytes, seen)
             except ValueError as exc:
@@ -205,6 +230,21 @@ def iter_trace(path: str, *, fmt: str = "auto", strict: bool = False, on_error=N
             if req is not None:
                 seen[req.id] = line_no
                 yield req
+
+
+def _check_kind(fh, path: str) -> None:
+    """A regular file within the size bound, or a pipe; anything else is refused unread."""
+    st = os.fstat(fh.fileno())
+    if stat.S_ISREG(st.st_mode):
+        if st.st_size > MAX_TRACE_BYTES:
+            raise ConfigError("workload", f"{path!r} is {st.st_size:,} bytes, more than the {MAX_TRACE_BYTES:,}-byte "
+                              "bound", "split the trace, or simulate a part of it")
+        return
+    if not stat.S_ISFIFO(st.st_mode):
+        kind = "a character device" if stat.S_ISCHR(st.st_mode) else "a block device" if stat.S_ISBLK(st.st_mode) \
+            else "a socket" if stat.S_ISSOCK(st.st_mode) else "not a file"
+        raise ConfigError("workload", f"{path!r} is {kind}, not a regular file or a pipe",
+                          "give a JSONL trace file (or a pipe that ends)")
 
 
 def _parse(data, size: int, line_no: int, fmt: str, max_line_bytes: int, seen: dict) -> Request | None:

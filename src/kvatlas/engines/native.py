@@ -39,5 +39,6 @@ def run(model: ModelSpec, opts: ServeOptions, budget: int, **engine_options) -> 
 def _plan_options(opts: ServeOptions) -> dict:
     from dataclasses import asdict
     out = asdict(opts)
-    out.pop("memory_bytes")
+    for budget_part in ("memory_bytes", "gpu", "mem_fraction", "weights_bytes"):   # the budget is given
+        out.pop(budget_part)
     return out

@@ -121,20 +121,20 @@ def _check(model: ModelSpec, opts: ServeOptions, eng: dict) -> None:
                           "compare a deepseek-v4-flash or deepseek-v4-pro preset")
     if opts.kv_layout != "v4":
         raise unsupported("kv_layout", ENGINE, f"only the default fp8_ds_mla layout (v4) is modelled, not {opts.kv_layout!r}",
-                          "drop --layout")
+                          "drop kv_layout")
     if opts.indexer not in ("fp8", "fp4"):
         raise unsupported("indexer", ENGINE, f"has no {opts.indexer} indexer", "use fp8 (default) or fp4")
     if opts.online_c128:
-        raise unsupported("online_c128", ENGINE, "its online C128 state is not modelled", "drop --online-c128")
+        raise unsupported("online_c128", ENGINE, "its online C128 state is not modelled", "drop online_c128")
     if opts.page_tokens != 256:
-        raise unsupported("page_tokens", ENGINE, "requires page 256 on CUDA", "use --page-tokens 256")
+        raise unsupported("page_tokens", ENGINE, "requires page 256 on CUDA", "use page_tokens=256")
     if opts.pp != 1 or opts.dp != 1:
         raise unsupported("pp" if opts.pp != 1 else "dp", ENGINE, "only one rank without pp or attention-DP is modelled",
                           "use pp=1 and dp=1")
     ring = formats.c4_attention_ring(model.head_dim, spec=True)
     if opts.draft_tokens > ring.write_pad:
         raise unsupported("draft_tokens", ENGINE, f"its {ring.rows}-row C4 ring absorbs at most {ring.write_pad} draft tokens",
-                          f"use --draft-tokens ≤ {ring.write_pad}")
+                          f"use draft_tokens ≤ {ring.write_pad}")
     if eng["platform"] not in ("cuda", "hip"):
         raise unsupported("platform", ENGINE, f"{eng['platform']!r} is not modelled", "use cuda or hip")
 

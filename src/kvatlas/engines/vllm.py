@@ -278,16 +278,16 @@ def _check(model: ModelSpec, opts: ServeOptions, eng: dict) -> None:
                           "compare a deepseek-v4-flash or deepseek-v4-pro preset")
     if opts.state_dtype != "fp32":
         raise unsupported("state_dtype", ENGINE, "keeps compressor state in fp32 only (its state cache asserts it)",
-                          "drop --state-dtype bf16, or leave vllm out (--engines kvatlas,sglang)")
+                          "drop state_dtype='bf16', or leave vllm out of the lineup (kvatlas,sglang)")
     if opts.online_c128:
-        raise unsupported("online_c128", ENGINE, "has no online C128 state", "drop --online-c128")
+        raise unsupported("online_c128", ENGINE, "has no online C128 state", "drop online_c128")
     if opts.kv_layout != "v4":
         raise unsupported("kv_layout", ENGINE, f"only the fp8_ds_mla layout (v4) is modelled, not {opts.kv_layout!r}",
-                          "drop --layout")
+                          "drop kv_layout")
     if opts.indexer not in ("fp8", "fp4"):
         raise unsupported("indexer", ENGINE, f"has no {opts.indexer} indexer", "use fp8 (default) or fp4 (mxfp4)")
     if opts.page_tokens != 256:
-        raise unsupported("page_tokens", ENGINE, "the V4 sparse-MLA kernels take block 256 only", "use --page-tokens 256")
+        raise unsupported("page_tokens", ENGINE, "the V4 sparse-MLA kernels take block 256 only", "use page_tokens=256")
     if opts.pp != 1 or opts.dp != 1:
         raise unsupported("pp" if opts.pp != 1 else "dp", ENGINE, "only one rank without pp or dp is modelled",
                           "use pp=1 and dp=1")

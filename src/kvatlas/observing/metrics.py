@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, SummaryMetricFamily
 
 from ..planning.buffers import FULL_PAGES, REQUEST_SLOTS, SWA_PAGES
+from ..checks import of_type, whole
 from ..errors import ConfigError
 from ..cache.ledger import MEASURES
 from ..planning.model import LayerKind
@@ -87,10 +88,12 @@ class _Source:
 
 def _rank_values(cache, ranks: dict) -> dict:
     """Explicit rank labels win; otherwise pp_rank from the plan when pipeline parallel."""
+    from ..cache.kvcache import KVCache
+    of_type("cache", cache, KVCache, "a KVCache", "give what kvatlas.allocate() returns")
     for k in ranks:
         if k not in RANK_LABELS:
             raise ConfigError(k, "is not a rank label", f"use one of {', '.join(RANK_LABELS)}")
-    out = {k: str(int(v)) for k, v in ranks.items() if v is not None}
+    out = {k: str(whole(k, v)) for k, v in ranks.items() if v is not None}
     o = cache.plan.options
     if not out and o.pp > 1:
         out["pp_rank"] = str(o.pp_rank)

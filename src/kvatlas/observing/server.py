@@ -13,6 +13,7 @@ from __future__ import annotations
 import errno
 import ipaddress
 import json
+import socket
 import sys
 import threading
 import time
@@ -242,6 +243,7 @@ def _handler(server_state):
 
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
+    address_family = socket.AF_INET
     request_queue_size = 128   # socketserver's 5 drops the SYNs of a sixth concurrent scraper: 1-s retries
 
     def handle_error(self, request, client_address):
@@ -249,6 +251,15 @@ class _Server(ThreadingHTTPServer):
         if isinstance(sys.exc_info()[1], OSError):   # resets, broken pipes, timeouts
             return
         super().handle_error(request, client_address)
+
+
+class _Server6(_Server):
+    address_family = socket.AF_INET6
+
+
+def _server_class(host: str):
+    """IPv6 addresses (::1) need an IPv6 socket; names and IPv4 addresses an IPv4 one."""
+    return _Server6 if ":" in host else _Server
 
 
 def _json_default(obj):
@@ -267,7 +278,8 @@ class ServerHandle:
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
 
     def close(self) -> None:
         if self.closed:
@@ -292,6 +304,10 @@ def start(cache_or_collector, host: str = "127.0.0.1", port: int = 0, *, lock=No
     added to /state as "workload"; `request_state`: a callable giving per-request progress (both
     are called under the lock, beside the ledger snapshot: they must be cheap and not lock).
     `gate`: how scrapes are rationed (ScrapeGate; ScrapeGate(yield_factor=0) never pauses)."""
+    if cache_or_collector is None or (isinstance(cache_or_collector, KvatlasCollector)
+                                      and not cache_or_collector.sources):
+        raise ServerError("cache: nothing to serve; give a KVCache (kvatlas.allocate) or a KvatlasCollector "
+                          "with at least one cache")
     collector = (cache_or_collector if isinstance(cache_or_collector, KvatlasCollector)
                  else KvatlasCollector(cache_or_collector, lock=lock))
     from ..planning.capacity import plan_to_dict
@@ -303,11 +319,11 @@ def start(cache_or_collector, host: str = "127.0.0.1", port: int = 0, *, lock=No
     if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
         raise ServerError(f"port: {port!r} is not a TCP port; give 0..65535 (0 picks a free one)")
     try:
-        httpd = _Server((host, port), _handler(state))
+        httpd = _server_class(host)((host, port), _handler(state))
     except OSError as exc:
         if exc.errno == errno.EADDRINUSE:
             raise ServerError(f"port: {host}:{port} is already in use; stop what listens there, "
-                              "or pick another --port (0 picks a free one)") from None
+                              "or use another port (port=0 picks a free one)") from None
         raise ServerError(f"host: cannot listen on {host}:{port} ({exc.strerror or exc}); "
                           "give a local address such as 127.0.0.1") from None
     thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.1},

@@ -2,9 +2,39 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from .planner import CONTEXTS, PLAN_SCHEMA_VERSION, Plan, max_concurrency
+from .planner import CONTEXTS, PLAN_SCHEMA_VERSION, Plan, _Sizer, check_plan, checkpoint_unit_bytes, max_concurrency
+from ..units import cdiv
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ResumePoints:
+    """The prefix cache's resume points and what they cost: `count` units (the `kept` ones the
+    option asks for, plus one being saved per running request and those one prefill chunk can
+    cross), `bytes_each` (a checkpoint unit and its SWA tail pages), and the token capacity the
+    same budget would hold without them."""
+
+    kept: int
+    count: int
+    bytes_each: int
+    total_bytes: int
+    tokens_without: int
+    token_capacity_cost: int
+
+
+def resume_points(p: Plan) -> ResumePoints | None:
+    if not p.sizing.checkpoint_units:
+        return None
+    bare = replace(p.options, prefix_checkpoints=0)
+    sizer = _Sizer(p.model, bare)
+    requests = p.sizing.requests
+    reach = requests * cdiv(bare.max_model_len, bare.page_tokens) if sizer.page_price else 0
+    pages = min(max(sizer.max_pages(requests, p.budget_bytes), 0), reach)
+    without = pages * bare.page_tokens if p.has_compressed else p.max_total_tokens
+    return ResumePoints(kept=p.options.prefix_checkpoints, count=p.sizing.checkpoint_units,
+                        bytes_each=checkpoint_unit_bytes(p.buffers, p.sizing), total_bytes=p.checkpoint_bytes,
+                        tokens_without=without, token_capacity_cost=without - p.max_total_tokens)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -14,6 +44,7 @@ class Capacity:
     row_bytes_per_token: float    # the same from row sizes alone (SPEC §5), no page padding
     bytes_per_request: int        # intercept: fixed bytes of one running request
     shared_bytes: int             # once per rank: null units, in-flight prefill SWA, workspace, alignment
+    resume_points: ResumePoints | None   # the prefix cache's, when it is on
     dead_bytes: int               # padding and null units: allocated, never holding data
     unused_bytes: int             # budget left unallocated (nothing could address it)
     total_bytes: int
@@ -25,15 +56,17 @@ class Capacity:
 
 
 def capacity(p: Plan, contexts=CONTEXTS) -> Capacity:
+    check_plan(p)
     return Capacity(
         max_total_tokens=p.max_total_tokens, bytes_per_token=p.bytes_per_token,
         row_bytes_per_token=p.row_bytes_per_token, bytes_per_request=p.bytes_per_request,
-        shared_bytes=p.shared_bytes, dead_bytes=p.dead_bytes, unused_bytes=p.unused_bytes,
+        shared_bytes=p.shared_bytes, resume_points=resume_points(p), dead_bytes=p.dead_bytes, unused_bytes=p.unused_bytes,
         total_bytes=p.total_bytes, concurrency={c: (max_concurrency(p, c), p.concurrency_in_plan(c)) for c in contexts},
     )
 
 
 def plan_to_dict(p: Plan, contexts=CONTEXTS) -> dict:
+    check_plan(p)
     cap = capacity(p, contexts)
     o = p.options
     return {
@@ -55,6 +88,11 @@ def plan_to_dict(p: Plan, contexts=CONTEXTS) -> dict:
             "bytes_per_token": cap.bytes_per_token, "row_bytes_per_token": cap.row_bytes_per_token,
             "bytes_per_request": cap.bytes_per_request, "shared_bytes": cap.shared_bytes,
             "dead_bytes": cap.dead_bytes, "dead_share": cap.dead_share,
+            "resume_points": None if cap.resume_points is None else {
+                "kept": cap.resume_points.kept, "count": cap.resume_points.count,
+                "bytes_each": cap.resume_points.bytes_each, "total_bytes": cap.resume_points.total_bytes,
+                "max_total_tokens_without": cap.resume_points.tokens_without,
+                "token_capacity_cost": cap.resume_points.token_capacity_cost},
             "concurrency": [{"context_tokens": c, "max_requests": fit, "in_plan": inplan}
                             for c, (fit, inplan) in cap.concurrency.items()],
         },

@@ -96,6 +96,26 @@ LAYOUTS = {
 }
 
 
+# The vectors the formats store (SPEC §2): every KV layout holds DeepSeek-V4's 512-wide latent
+# (fp8_ds_mla and unified fp8 split it 448 nope + 64 rope), every indexer format 128-wide keys.
+KV_HEAD_DIM, ROPE_HEAD_DIM, INDEX_HEAD_DIM = 512, 64, 128
+_SPLIT_ROPE = ("fp8_ds_mla", "unified_fp8")
+
+
+def check_dims(model, lay: KVLayout, indexer: RowFormat) -> None:
+    """Refuse a model whose vectors the layout's rows do not hold: planned as if they did, every
+    byte count would be wrong (a head_dim of 256 priced as 512)."""
+    def refuse(key: str, value: int, want: int, what: str):
+        raise ConfigError(f"config.{key}", f"{value} is not supported: layout {lay.name} stores {what} of {want}",
+                          f"plan a DeepSeek-V4 family model ({key} {want}); kvatlas has no format for others")
+    if model.head_dim != KV_HEAD_DIM:
+        refuse("head_dim", model.head_dim, KV_HEAD_DIM, "KV rows")
+    if {lay.swa.name, lay.compressed.name} & set(_SPLIT_ROPE) and model.rope_head_dim != ROPE_HEAD_DIM:
+        refuse("qk_rope_head_dim", model.rope_head_dim, ROPE_HEAD_DIM, "rope parts")
+    if any(l.kind.has_indexer for l in model.layers()) and model.index_head_dim != INDEX_HEAD_DIM:
+        refuse("index_head_dim", model.index_head_dim, INDEX_HEAD_DIM, f"indexer keys ({indexer.name})")
+
+
 def layout(name: str) -> KVLayout:
     if name not in LAYOUTS:
         raise ConfigError("kv_layout", f"{name!r} is not a known layout", f"use one of {', '.join(LAYOUTS)}")

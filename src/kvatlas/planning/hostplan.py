@@ -138,6 +138,8 @@ def _check_share(share) -> float:
 
 def plan_host(plan, host_memory_bytes: int | str, checkpoint_share: float = DEFAULT_CHECKPOINT_SHARE) -> HostPlan:
     """Size the host tier of device plan `plan` for `host_memory_bytes` of pinned host memory."""
+    from .planner import check_plan
+    check_plan(plan)
     budget = parse_bytes(host_memory_bytes, "host_memory_bytes")
     share = _check_share(checkpoint_share)
     pages, ckpts = _page_templates(plan), _checkpoint_templates(plan)

@@ -99,17 +99,28 @@ def _need(cfg: dict, key: str, where: str, low: int = 0, default=None):
     value = cfg.get(key, default)
     if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= MAX_COUNT:
         what = "a positive integer" if low == 1 else "a non-negative integer"
-        raise ConfigError(f"{where}.{key}", f"{value!r} is not {what} (at most {MAX_COUNT:,})",
+        raise ConfigError(f"{where}.{key}", f"{_short(value)} is not {what} (at most {MAX_COUNT:,})",
                           "fix the value in config.json")
     return value
 
 
+MAX_LAYERS = 4096   # DeepSeek-V4-Pro has 61 (+1 MTP); a list past this is not a layer list
+
+
 def _ints(cfg: dict, key: str, where: str) -> tuple[int, ...]:
     value = cfg.get(key, [])
-    if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value) \
-            or len(value) > 4096:
-        raise ConfigError(f"{where}.{key}", f"{value!r} is not a list of integers", "fix the list in config.json")
+    if isinstance(value, list) and len(value) > MAX_LAYERS:
+        raise ConfigError(f"{where}.{key}", f"has {len(value):,} entries, more than {MAX_LAYERS:,} layers",
+                          "fix the list in config.json (one entry per layer)")
+    if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        raise ConfigError(f"{where}.{key}", f"{_short(value)} is not a list of integers", "fix the list in config.json")
     return tuple(value)
+
+
+def _short(value) -> str:
+    """A config value quoted in a one-line error: a long list is cut, not printed whole."""
+    r = repr(value)
+    return r if len(r) <= 80 else r[:60] + f"… ({len(r):,} characters)"
 
 
 def model_from_config(cfg: dict, name: str = "custom") -> ModelSpec:
@@ -129,7 +140,7 @@ def model_from_config(cfg: dict, name: str = "custom") -> ModelSpec:
     allowed = set(_V41_KIND_OF_RATIO if v41 else _KIND_OF_RATIO)
     bad = sorted(set(ratios) - allowed)
     if bad:
-        raise ConfigError(f"{where}.compress_ratios", f"has ratios {bad} not used by {family} models",
+        raise ConfigError(f"{where}.compress_ratios", f"has ratios {_short(bad)} not used by {family} models",
                           f"use only {sorted(allowed)}")
     if len(ratios) < layers or layers == 0:
         raise ConfigError(f"{where}.compress_ratios", f"has {len(ratios)} entries for {layers} layers",
@@ -141,7 +152,7 @@ def model_from_config(cfg: dict, name: str = "custom") -> ModelSpec:
     if v41 and not sources:
         raise ConfigError(f"{where}.kv_source_layer_ids", "is missing", "V4.1 configs name the layers that store compressed KV")
     if any(not 0 <= s < layers or ratios[s] == 0 for s in sources):
-        raise ConfigError(f"{where}.kv_source_layer_ids", f"{list(sources)} names layers without compression",
+        raise ConfigError(f"{where}.kv_source_layer_ids", f"{_short(list(sources))} names layers without compression",
                           "list only compressed layers")
     head_dim = _need(cfg, "head_dim", where, 1)
     rope = _need(cfg, "qk_rope_head_dim", where)
@@ -162,7 +173,7 @@ def model_from_config(cfg: dict, name: str = "custom") -> ModelSpec:
 
 # plain os.path: importlib.resources and pathlib cost 15 ms of a 60 ms `kvatlas plan`
 PRESET_DIR = os.path.join(os.path.dirname(__file__), "presets")
-_MAX_CONFIG_BYTES = 16 * 2**20   # HF configs are a few KiB; past this the read stops and JSON fails
+_MAX_CONFIG_BYTES = 16 * 2**20   # HF configs are a few KiB; past this the read stops
 
 
 def preset_names() -> list[str]:
@@ -186,9 +197,14 @@ def load_model(name_or_path) -> ModelSpec:
                           f"use one of {', '.join(preset_names())}, a config.json or a model directory")
     try:
         with open(path, "rb") as f:
-            cfg = json.loads(f.read(_MAX_CONFIG_BYTES + 1).decode())
+            data = f.read(_MAX_CONFIG_BYTES + 1)
     except OSError as exc:
         raise ConfigError("model", f"cannot read {path} ({exc.strerror or exc})", "give a readable config.json") from None
+    if len(data) > _MAX_CONFIG_BYTES:   # said as such: cut short, it would read as "not valid JSON"
+        raise ConfigError("model", f"{path} is more than the {_MAX_CONFIG_BYTES // 2**20} MiB a config.json may be "
+                          "(HF configs are a few KiB)", "give the model's config.json, not a weights or data file")
+    try:
+        cfg = json.loads(data.decode("utf-8-sig"))   # utf-8-sig: a byte-order mark some editors write
     except (ValueError, RecursionError) as exc:   # JSONDecodeError, UnicodeDecodeError, too deep
         raise ConfigError("model", f"{path} is not valid JSON ({str(exc)[:120]})", "give a HF config.json") from None
     base = os.path.basename(path)

@@ -7,7 +7,7 @@ from dataclasses import dataclass, fields, replace
 from . import formats
 from ..checks import MAX_BYTES, boolean, real, whole
 from ..errors import ConfigError
-from ..units import parse_bytes
+from ..units import fmt_bytes, parse_bytes
 
 # Total memory CUDA reports for each GPU (nvidia-smi's MiB figure).
 GPU_MEMORY_BYTES = {"h200": 143771 * 2**20, "h100": 81559 * 2**20, "h20": 97871 * 2**20, "b200": 183359 * 2**20}
@@ -46,10 +46,13 @@ class ServeOptions:
         if unknown:
             raise ConfigError(unknown[0], "is not a serving option", f"use one of {', '.join(sorted(known))}")
         if isinstance(kwargs.get("memory_bytes"), str):
-            kwargs["memory_bytes"] = parse_bytes(kwargs["memory_bytes"], "memory")
+            kwargs["memory_bytes"] = parse_bytes(kwargs["memory_bytes"], "memory_bytes")
         if isinstance(kwargs.get("weights_bytes"), str):
-            kwargs["weights_bytes"] = parse_bytes(kwargs["weights_bytes"], "weights")
-        return cls(**kwargs).validated()
+            kwargs["weights_bytes"] = parse_bytes(kwargs["weights_bytes"], "weights_bytes")
+        opts = cls(**kwargs).validated()
+        if opts.memory_bytes is not None:
+            _beside_memory(opts, kwargs)
+        return opts
 
     def validated(self) -> "ServeOptions":
         _positive_int(self, "page_tokens", "swa_page_tokens", "max_running_requests", "chunked_prefill_tokens", "tp", "pp", "dp")
@@ -72,7 +75,8 @@ class ServeOptions:
             raise ConfigError("pp_rank", f"{self.pp_rank} is not below pp={self.pp}", "pick a rank in 0..pp-1")
         _names(self, "gpu", "kv_layout", "indexer", "state_dtype")
         if self.gpu not in GPU_MEMORY_BYTES:
-            raise ConfigError("gpu", f"{self.gpu!r} is not known", f"use one of {', '.join(GPU_MEMORY_BYTES)} or give memory")
+            raise ConfigError("gpu", f"{self.gpu!r} is not known",
+                              f"use one of {', '.join(GPU_MEMORY_BYTES)} or give memory_bytes")
         real("mem_fraction", self.mem_fraction, 0.0, 1.0, open_low=True)
         boolean("online_c128", self.online_c128)
         if self.draft_layers is not None:
@@ -96,7 +100,9 @@ class ServeOptions:
             choices = [n for n, l in formats.LAYOUTS.items() if l.family == model.family]
             raise ConfigError("kv_layout", f"{kv_layout!r} does not fit a {model.family} model",
                               f"use one of {', '.join(choices)}")
+        formats.check_dims(model, lay, formats.indexer_format(self.indexer or lay.default_indexer))
         max_len = self.max_model_len or model.max_position_embeddings
+        _deployable(self, model, max_len)
         draft_layers = self.draft_tokens > 0 if self.draft_layers is None else self.draft_layers
         return replace(self, kv_layout=kv_layout, indexer=self.indexer or lay.default_indexer,
                        max_model_len=max_len, draft_layers=draft_layers)
@@ -106,13 +112,55 @@ class ServeOptions:
             return self.memory_bytes
         usable = int(GPU_MEMORY_BYTES[self.gpu] * self.mem_fraction) - self.weights_bytes
         if usable <= 0:
-            raise ConfigError("weights_bytes", f"weights ({self.weights_bytes} B) leave nothing of the {self.gpu}",
-                              "raise tp/pp, lower the weights share, or give memory")
+            raise ConfigError("weights_bytes", f"weights ({self.weights_bytes:,} B) leave nothing of the {self.gpu}'s "
+                              f"{self.mem_fraction:g} share ({int(GPU_MEMORY_BYTES[self.gpu] * self.mem_fraction):,} B)",
+                              "raise tp or pp (fewer weights per rank), lower weights_bytes, or give memory_bytes")
         return usable
 
     @property
     def running_requests_per_rank(self) -> int:
         return -(-self.max_running_requests // self.dp)
+
+
+def _beside_memory(opts: ServeOptions, given: dict) -> None:
+    """memory_bytes IS the KV budget: options that only shape a GPU-derived budget would be
+    ignored beside it, and a budget larger than the GPU named cannot exist."""
+    if given.get("weights_bytes"):
+        raise ConfigError("weights_bytes", "given beside memory_bytes, which is the KV budget itself",
+                          "drop weights_bytes (it applies to budgets made from a gpu: its memory × mem_fraction − "
+                          "weights_bytes) or drop memory_bytes")
+    if "mem_fraction" in given:
+        raise ConfigError("mem_fraction", "given beside memory_bytes, which is the KV budget itself",
+                          "drop mem_fraction (it applies to gpu budgets) or drop memory_bytes")
+    if "gpu" in given and opts.memory_bytes > GPU_MEMORY_BYTES[opts.gpu]:
+        have = GPU_MEMORY_BYTES[opts.gpu]
+        bigger = [g for g, n in sorted(GPU_MEMORY_BYTES.items(), key=lambda x: x[1]) if n >= opts.memory_bytes]
+        raise ConfigError("memory_bytes", f"{fmt_bytes(opts.memory_bytes)} is more than the whole {opts.gpu} "
+                          f"({fmt_bytes(have)}, {have:,} B)", f"give at most {have:,} B"
+                          + (f", or name a GPU that holds it (gpu={bigger[0]})" if bigger else ""))
+
+
+def _deployable(opts: ServeOptions, model, max_len: int) -> None:
+    """Deployments that cannot exist: more stages than layers, a tensor split that does not
+    divide the heads, data-parallel ranks without a request, a context beyond the model's."""
+    if max_len > model.max_position_embeddings:
+        raise ConfigError("max_model_len", f"{max_len:,} tokens is beyond the model's context "
+                          f"(max_position_embeddings {model.max_position_embeddings:,})",
+                          f"give at most {model.max_position_embeddings:,}")
+    main = model.num_hidden_layers
+    if opts.pp > main:
+        raise ConfigError("pp", f"{opts.pp} pipeline stages for {main} layers leave stages without a layer",
+                          f"use pp ≤ {main}")
+    heads = model.num_attention_heads
+    if opts.tp > heads or heads % opts.tp:
+        divisors = [d for d in range(1, heads + 1) if heads % d == 0]
+        shown = ", ".join(map(str, divisors[:12])) + (", …" if len(divisors) > 12 else "")
+        raise ConfigError("tp", f"{opts.tp} does not divide the model's {heads} attention heads",
+                          f"use a divisor of {heads}: {shown}")
+    if opts.dp > opts.max_running_requests:
+        raise ConfigError("dp", f"{opts.dp} data-parallel ranks for max_running_requests={opts.max_running_requests} "
+                          "leave ranks without a request", f"use dp ≤ {opts.max_running_requests} or raise "
+                          "max_running_requests (it counts requests of all ranks)")
 
 
 def _positive_int(opts, *names):

@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from . import buffers as bufmod
 from . import formats
 from .buffers import CHECKPOINTS, FULL_PAGES, REQUEST_SLOTS, SWA_PAGES, WORKSPACE, BufferSpec
-from ..errors import BudgetError, ConfigError
+from ..checks import of_type, whole
+from ..errors import ConfigError, NotFoundError
 from .model import LayerSpec, ModelSpec, load_model
 from .options import ServeOptions
 from ..units import cdiv, fmt_bytes
@@ -87,6 +88,7 @@ class Plan:
     row_bytes_per_token: float
     bytes_per_request: int
     shared_bytes: int
+    checkpoint_bytes: int = 0   # the prefix cache's resume points (not in shared_bytes)
     schema_version: int = PLAN_SCHEMA_VERSION
 
     @property
@@ -137,7 +139,7 @@ class Plan:
         for b in self.buffers:
             if b.name == name:
                 return b
-        raise KeyError(f"no buffer {name!r} in this plan; buffers: {[b.name for b in self.buffers]}")
+        raise NotFoundError("name", f"no buffer {name!r} in this plan", f"use one of {', '.join(b.name for b in self.buffers)}")
 
     def pools(self) -> dict[str, list[BufferSpec]]:
         out: dict[str, list[BufferSpec]] = {}
@@ -152,6 +154,10 @@ class Plan:
         if not self.has_compressed:
             return self.sizing.requests
         return min(self.sizing.requests, (self.num_full_pages - 1) // cdiv(context_tokens, self.page_tokens))
+
+
+def check_plan(p, field: str = "plan") -> Plan:
+    return of_type(field, p, Plan, "a Plan", "give what kvatlas.plan() or kvatlas.budget_for() returns")
 
 
 def checkpoint_units(opts: ServeOptions, requests: int) -> int:
@@ -238,13 +244,21 @@ def _build(sizer: _Sizer, budget: int, requests: int, full_pages: int) -> Plan:
     per_request = sum(b.unit_bytes for b in bufs if b.group == REQUEST_SLOTS)
     per_request += sum(b.unit_bytes for b in bufs if b.group == SWA_PAGES) * sizing.swa_pages_per_request
     total = sum(b.bytes for b in bufs)
+    checkpoints = sizing.checkpoint_units * checkpoint_unit_bytes(bufs, sizing)
     lay = formats.layout(sizer.opts.kv_layout)
     row_price = formats.per_token_row_bytes(_RankModel(sizer.layers), lay.compressed,
                                             formats.indexer_format(sizer.opts.indexer))
     return Plan(model=sizer.model, options=sizer.opts, layers=sizer.layers, budget_bytes=budget, buffers=bufs,
                 units=units, sizing=sizing, bytes_per_token=sizer.page_price / sizer.opts.page_tokens,
                 row_bytes_per_token=row_price, bytes_per_request=per_request,
-                shared_bytes=total - per_request * requests - full_pages * sizer.page_price)
+                shared_bytes=total - per_request * requests - full_pages * sizer.page_price - checkpoints,
+                checkpoint_bytes=checkpoints)
+
+
+def checkpoint_unit_bytes(bufs, sizing: Sizing) -> int:
+    """Bytes of one resume point: a unit of every checkpoint buffer and its SWA tail pages."""
+    unit = sum(b.unit_bytes for b in bufs if b.group == CHECKPOINTS)
+    return unit + sizing.checkpoint_swa_pages * sum(b.unit_bytes for b in bufs if b.group == SWA_PAGES)
 
 
 @dataclass(frozen=True, slots=True)
@@ -258,7 +272,7 @@ class _RankModel:
 
 
 def _resolve(model, options) -> tuple[ModelSpec, ServeOptions]:
-    if isinstance(model, str):
+    if not isinstance(model, ModelSpec):   # a name or a path; anything else is refused there
         model = load_model(model)
     opts = options if isinstance(options, ServeOptions) else ServeOptions.from_kwargs(**options)
     return model, opts.validated().resolve(model)
@@ -276,21 +290,16 @@ def plan(model: ModelSpec | str, memory_bytes: int | str | None = None, **option
     one_request = cdiv(opts.max_model_len, opts.page_tokens) if sizer.page_price else 0
     pages = sizer.max_pages(requests, budget)
     if pages < one_request:
-        need = sizer.total(requests, one_request)
-        raise BudgetError(
-            f"memory: {fmt_bytes(budget)} ({budget} B) cannot hold {requests} running requests plus one request "
-            f"of max_model_len={opts.max_model_len} tokens: that needs {fmt_bytes(need)} ({need} B); "
-            f"raise memory, or lower max_running_requests or max_model_len")
+        from .diagnose import budget_error
+        raise budget_error(model, opts, budget, sizer.total(requests, one_request))
     reachable = requests * one_request if sizer.page_price else 0
     return _build(sizer, budget, requests, min(pages, reachable))
 
 
 def budget_for(model: ModelSpec | str, num_requests: int, context_tokens: int, **options) -> Plan:
     """The inverse: the smallest plan that holds `num_requests` requests of `context_tokens` each."""
-    if not isinstance(num_requests, int) or num_requests <= 0:
-        raise ConfigError("num_requests", f"{num_requests!r} is not a positive integer", "give a request count above 0")
-    if not isinstance(context_tokens, int) or context_tokens <= 0:
-        raise ConfigError("context_tokens", f"{context_tokens!r} is not a positive integer", "give a token count above 0")
+    whole("num_requests", num_requests, 1)
+    whole("context_tokens", context_tokens, 1)
     options.setdefault("max_running_requests", num_requests)
     options.setdefault("max_model_len", context_tokens)
     model, opts = _resolve(model, options)
@@ -303,6 +312,8 @@ def budget_for(model: ModelSpec | str, num_requests: int, context_tokens: int, *
 
 def max_concurrency(p: Plan, context_tokens: int) -> int:
     """Requests of `context_tokens` the same budget holds when max_running_requests is set for it."""
+    check_plan(p)
+    whole("context_tokens", context_tokens, 1)
     if context_tokens > p.options.max_model_len:
         return 0
     return _Sizer(p.model, p.options).max_requests(p.budget_bytes, context_tokens)

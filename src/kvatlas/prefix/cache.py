@@ -19,7 +19,7 @@ from ..checks import request_id as check_request_id
 from ..errors import KvatlasError, PoolExhaustedError, RequestStateError
 from ..planning.buffers import CHECKPOINTS, FULL_PAGES, SWA_PAGES
 from ..units import cdiv
-from .keys import check_keys, page_keys
+from .keys import check_keys, page_keys, prompt_tail, verified_keys
 from .policy import fitted, policy_named
 from .stats import PrefixStats
 from .tree import Checkpoint, Tree
@@ -36,10 +36,11 @@ class SharedPrefix:
 
 
 class _Request:
-    __slots__ = ("keys", "path", "kept", "prompt_tokens")
+    __slots__ = ("keys", "path", "kept", "prompt_tokens", "tail")
 
-    def __init__(self, keys, path, prompt_tokens) -> None:
+    def __init__(self, keys, path, prompt_tokens, tail=None) -> None:
         self.keys, self.path, self.prompt_tokens = keys, path, prompt_tokens
+        self.tail = tail   # the prompt's ids past its last full page (None: admitted without ids)
         self.kept: list = []
 
 
@@ -85,7 +86,7 @@ class PrefixCache:
     # ---------------------------------------------------------------- matching
     def _keys(self, prompt_tokens, token_ids, keys) -> np.ndarray:
         if keys is not None:
-            return check_keys(keys, prompt_tokens, self.P)
+            return check_keys(keys, prompt_tokens, self.P, token_ids)
         if token_ids is None:
             return np.zeros(0, np.uint64)
         if len(token_ids) < prompt_tokens:
@@ -124,6 +125,7 @@ class PrefixCache:
         if request_id in self.alloc.slot_of:
             raise RequestStateError(f"request_id {request_id!r} is already running; finish it first or use a new id")
         m = self._match(prompt_tokens, token_ids, page_keys)
+        tail = prompt_tail(token_ids, prompt_tokens, self.P) if token_ids is not None and page_keys is None else None
         j = m.resume_pages
         hit = m.path[:j]
         self.tree.ref(hit)   # protected from the eviction below
@@ -143,7 +145,7 @@ class PrefixCache:
         slot = adm.request_slot
         self._mine[slot] = True
         self._divergence[slot] = len(m.path) * self.P if len(m.path) > j else -1
-        self.requests[request_id] = _Request(m.keys, hit, prompt_tokens)
+        self.requests[request_id] = _Request(m.keys, hit, prompt_tokens, tail)
         self._count(m, prompt_tokens)
         return adm
 
@@ -248,7 +250,8 @@ class PrefixCache:
     def finish(self, request_id, token_ids=None) -> None:
         """Finish a request; its full pages and kept resume points join the tree. token_ids (the
         prompt and what was generated) key the pages past the prompt; without them only the
-        prompt's pages are cached."""
+        prompt's pages are cached. Ids that differ from the admitted prompt are refused
+        (ContentMismatchError) before anything changes: the pages hold the admitted content."""
         check_request_id(request_id)
         a = self.alloc
         if request_id not in a.slot_of:
@@ -258,8 +261,8 @@ class PrefixCache:
         slot = a.slot_of[request_id]
         L = int(a.length[slot])
         keys = req.keys
-        if token_ids is not None and len(token_ids) // self.P > len(keys):
-            keys = page_keys(np.asarray(token_ids)[:L], self.P)
+        if token_ids is not None:
+            keys = verified_keys(keys, req.tail, req.prompt_tokens, token_ids, L, self.P)
         a._commit_captures([slot])   # the last pass's resume points, while the request is known
         del self.requests[request_id]
         end = self._tentative(slot)

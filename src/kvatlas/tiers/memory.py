@@ -14,6 +14,21 @@ from ..errors import BudgetError, ConfigError
 from ..units import fmt_bytes
 
 
+def check_host_fits(host_plan, beside_bytes: int = 0, field: str = "host_memory_bytes") -> None:
+    """Refuse, before pinning, a host tier larger than the memory this machine has available
+    (as the device budget is checked against the device's free memory). `beside_bytes`: what
+    else will take host memory first (a CPU cache's own pools)."""
+    from ..cache.arena import host_available_bytes
+    avail = host_available_bytes()
+    need = host_plan.total_bytes
+    if need + beside_bytes > avail:
+        also = f" beside {fmt_bytes(beside_bytes)} of device pools in host memory" if beside_bytes else ""
+        room = max(avail - beside_bytes, 0)
+        raise BudgetError(f"{field}: the host tier needs {fmt_bytes(need)} ({need:,} B){also}, but this machine has "
+                          f"{fmt_bytes(avail)} ({avail:,} B) available; lower {field} to at most {room:,} B, or free "
+                          "host memory")
+
+
 class HostMemory:
     def __init__(self, host_plan, pin: bool | None = None) -> None:
         import torch

@@ -13,13 +13,33 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..errors import BudgetError
+from ..planning.hostplan import plan_host
+from ..units import fmt_bytes
 from .copies import Transfer, _runs
 from .index import HostIndex
 
 RESTORE_BYTES_PER_S = 47.3e9     # 3,000 V4-Flash pages, host slots contiguous: 0.86 × plain copy_
 OFFLOAD_BYTES_PER_S = 50.7e9     # device to host, same pages
+# What a modeled host slot costs in this process when the tier is full: its free-list entry, its
+# LRU entry and the prefix link's parent/child entries (~590 B measured with tracemalloc).
+BOOKKEEPING_BYTES_PER_SLOT = 600
 COPY_CALL_S = 5e-6               # per run of host slots and buffer: a random half of the host slots
                                  # (~1,500 runs × 3 buffers) took 85.6 ms against 63.3 contiguous
+
+
+def check_modeled_fits(host_plan, field: str = "host_memory_bytes") -> None:
+    """A modeled tier holds no memory, but its bookkeeping does: refuse one whose slots, full,
+    would not fit in this machine's available memory."""
+    from ..cache.arena import host_available_bytes
+    slots = sum(host_plan.units.values())
+    need, avail = slots * BOOKKEEPING_BYTES_PER_SLOT, host_available_bytes()
+    if need > avail:
+        most = avail // BOOKKEEPING_BYTES_PER_SLOT
+        raise BudgetError(f"{field}: a modeled host tier of {fmt_bytes(host_plan.budget_bytes)} has {slots:,} slots, whose "
+                          f"bookkeeping needs {fmt_bytes(need)} when full, but this machine has {fmt_bytes(avail)} "
+                          f"available; model at most {most:,} slots (about "
+                          f"{host_plan.budget_bytes * most // slots:,} B of host tier)")
 
 
 def move_seconds(direction: str, nbytes: int, runs: int, buffers: int) -> float:
@@ -41,6 +61,7 @@ class ModeledHost(HostIndex):
 
     def __init__(self, device_plan, host_memory_bytes, checkpoint_share=None) -> None:
         kw = {} if checkpoint_share is None else {"checkpoint_share": checkpoint_share}
+        check_modeled_fits(plan_host(device_plan, host_memory_bytes, **kw))
         super().__init__(device_plan, host_memory_bytes, **kw)
 
     def _copy(self, direction: str, group: str, slots: np.ndarray, where) -> Transfer:

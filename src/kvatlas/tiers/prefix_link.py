@@ -17,9 +17,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..checks import known_options, of_type
 from ..errors import KvatlasError, PoolExhaustedError
+from ..planning.hostplan import plan_host
 from .host import HostTier
 from .index import CheckpointAt
+from .memory import check_host_fits
 
 
 @dataclass(slots=True)
@@ -98,6 +101,7 @@ class HostLink:
     def prefetch(self, prompt_tokens: int, *, token_ids=None, page_keys=None):
         """Bring back the host pages (and the checkpoint) that extend this prompt's device match
         to a deeper resume point. Returns a Ready (wait() before the first forward) or None."""
+        self.prefix.alloc._validate_lengths(prompt_tokens, 0)
         keys = self.prefix._keys(prompt_tokens, token_ids, page_keys)
         cap = min(len(keys), (prompt_tokens - 1) // self.P)
         path = self.prefix.tree.match(keys[:cap])
@@ -193,10 +197,23 @@ class Ready:
             t.synchronize()
 
 
+HOST_TIER_OPTIONS = ("checkpoint_share", "pin", "staging_bytes")
+
+
 def attach_host_tier(cache, host_memory_bytes, **options) -> HostLink:
-    """A HostTier for `cache`, wired under its prefix cache; `cache.host` reports it."""
-    if cache.prefix is None:     # refused before any host memory is pinned
+    """A HostTier for `cache`, wired under its prefix cache; `cache.host` reports it. Refused
+    before any host memory is taken: a cache that is not one, options it does not take, a second
+    tier, and a size beyond the host memory available."""
+    from ..cache.kvcache import KVCache
+    of_type("cache", cache, KVCache, "a KVCache", "give what kvatlas.allocate() returns")
+    known_options("attach_host_tier", options, HOST_TIER_OPTIONS)
+    if cache.prefix is None:
         HostLink(None, None)
+    if cache.host is not None:
+        raise KvatlasError("cache: a host tier is attached already; attach one per cache (close the cache to "
+                           "drop it)")
+    check_host_fits(plan_host(cache.plan, host_memory_bytes,
+                              *([options["checkpoint_share"]] if "checkpoint_share" in options else [])))
     link = HostLink(cache.prefix, HostTier(cache, host_memory_bytes, **options))
     cache.host = link
     return link
