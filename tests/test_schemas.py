@@ -77,11 +77,9 @@ def _served_state():
 def _plugin_documents():
     """An engine plugin's ledger (built as the SGLang plugin builds one, without SGLang) and the
     /state it serves."""
-    from test_integrations import _kv_buffer
+    from plugin_ledger import sglang_like_ledger
     from kvatlas.integrations import foreign
-    ledger = foreign.ForeignLedger(engine="sglang", buffers=[_kv_buffer()], used_units=lambda: {"full_pages": 2},
-                                   units_total={"full_pages": 7}, labels={"tp_rank": "0"}, budget_bytes=700_000,
-                                   in_budget_pools=frozenset({"c4_kv"}))
+    ledger = sglang_like_ledger()
     h = foreign.serve_state(lambda: [ledger.snapshot()])
     try:
         with urllib.request.urlopen(h.url + "/state", timeout=10) as r:
