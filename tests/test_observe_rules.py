@@ -181,3 +181,16 @@ def test_a_real_prometheus_records_the_rules_and_answers_every_panel(prometheus,
         if q.startswith("label_values(") or 'engine="sglang"' in q:
             continue
         assert e2e.query(prom, grafana(q)), q        # every kvatlas panel has data
+
+
+def test_package_data_ships_every_asset():
+    tomllib = pytest.importorskip("tomllib")
+    import fnmatch
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "pyproject.toml"), "rb") as fh:
+        patterns = tomllib.load(fh)["tool"]["setuptools"]["package-data"]["kvatlas"]
+    pkg = os.path.join(root, "src", "kvatlas")
+    for folder, _, files in os.walk(shipped.ASSETS_DIR):
+        for f in files:
+            rel = os.path.relpath(os.path.join(folder, f), pkg).replace(os.sep, "/")
+            assert any(fnmatch.fnmatch(rel, p) for p in patterns), rel

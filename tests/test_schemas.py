@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import json
-import urllib.request
 
 import jsonschema
 import pytest
@@ -13,6 +12,7 @@ import pytest
 import kvatlas
 from kvatlas.cli import main
 from kvatlas.observing import server, shipped
+from test_e2e_prometheus import get_json
 
 def printed(capsys, *argv):
     assert main(list(argv)) == 0
@@ -68,8 +68,7 @@ def _served_state():
         sim.step(i * 0.02)
     h = server.start(cache, port=0, extra_state=sim.state, request_state=sim.progress)
     try:
-        with urllib.request.urlopen(h.url + "/state", timeout=10) as r:
-            return json.loads(r.read()), cache.host.tier.plan.to_dict()
+        return get_json(h.url + "/state"), cache.host.tier.plan.to_dict()
     finally:
         h.close()
 
@@ -82,8 +81,7 @@ def _plugin_documents():
     ledger = sglang_like_ledger()
     h = foreign.serve_state(lambda: [ledger.snapshot()])
     try:
-        with urllib.request.urlopen(h.url + "/state", timeout=10) as r:
-            served = json.loads(r.read())
+        served = get_json(h.url + "/state")
     finally:
         h.close()
     return [("foreign ledger", ledger.snapshot().to_dict()), ("plugin /state", served)]
