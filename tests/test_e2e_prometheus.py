@@ -7,6 +7,7 @@ Every wait is bounded; the whole test takes well under 60 s.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -62,14 +63,15 @@ def query(prom: str, q: str) -> list:
     return doc["data"]["result"]
 
 
-@pytest.fixture()
-def prometheus(tmp_path):
-    """Prometheus first, scraping a port `kvatlas serve` will take: it scrapes from the serve's
-    first second on, so it sees the workload from its start."""
-    serve_port, port = free_port(), free_port()
+@contextlib.contextmanager
+def running_prometheus(tmp_path, target_port: int, rule_files=()):
+    """A Prometheus on loopback scraping 127.0.0.1:target_port every second (rules evaluated every
+    second too); yields its URL once ready, and stops it by its PID."""
+    port = free_port()
     cfg = tmp_path / "prometheus.yml"
-    cfg.write_text("global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\nscrape_configs:\n"
-                   f"  - job_name: kvatlas\n    static_configs:\n      - targets: ['127.0.0.1:{serve_port}']\n")
+    rules = "rule_files:\n" + "".join(f"  - {json.dumps(str(f))}\n" for f in rule_files) if rule_files else ""
+    cfg.write_text("global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n" + rules + "scrape_configs:\n"
+                   f"  - job_name: kvatlas\n    static_configs:\n      - targets: ['127.0.0.1:{target_port}']\n")
     proc = subprocess.Popen([PROMETHEUS, f"--config.file={cfg}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
                              f"--web.listen-address=127.0.0.1:{port}"], stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
@@ -77,13 +79,22 @@ def prometheus(tmp_path):
     try:
         wait_for("Prometheus to be ready", lambda: urllib.request.urlopen(f"{prom}/-/ready", timeout=2).status == 200,
                  20)
-        yield prom, serve_port
+        yield prom
     finally:
         proc.terminate()
         try:
             proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+@pytest.fixture()
+def prometheus(tmp_path):
+    """Prometheus first, scraping a port `kvatlas serve` will take: it scrapes from the serve's
+    first second on, so it sees the workload from its start."""
+    serve_port = free_port()
+    with running_prometheus(tmp_path, serve_port) as prom:
+        yield prom, serve_port
 
 
 @pytest.fixture()

@@ -29,7 +29,8 @@ $PIP install -q --upgrade pip >/dev/null
 NODEPS=("sglang==$SGLANG_VERSION" "compressed-tensors==0.18.0")
 DEPS=(numpy orjson psutil pybase64 requests triton packaging pillow starlette msgspec pydantic pyzmq tqdm
       ipython aiohttp "apache-tvm-ffi==0.1.11" "transformers==5.19.0" dill sentencepiece loguru gguf)
-OWN=("setuptools>=68" "rich>=13" "matplotlib>=3.7" "prometheus_client>=0.19" "pytest>=7" "hypothesis>=6.80")
+OWN=("setuptools>=68" "rich>=13" "matplotlib>=3.7" "prometheus_client>=0.19" "pytest>=7" "hypothesis>=6.80"
+     "jsonschema>=4.18")
 if [ ! -f "$WH/.complete" ]; then
   mkdir -p "$WH"
   if $PIP download -q -d "$WH" --no-deps "${NODEPS[@]}" && $PIP download -q -d "$WH" "${DEPS[@]}" "${OWN[@]}"; then

@@ -26,6 +26,7 @@ COMMANDS = {
     "serve": ("kvatlas.cli.serve", "drive a real cache with a workload live, serving /metrics, /state and /healthz"),
     "simulate": ("kvatlas.cli.simulate", "run a workload offline through a real cache; plot memory over time"),
     "audit": ("kvatlas.cli.audit", "SGLang's own DeepSeek-V4 pools built offline (--sglang): every buffer mapped"),
+    "observe": ("kvatlas.cli.observe", "the Grafana dashboard, Prometheus rules and alerts, and JSON Schemas kvatlas ships"),
 }
 
 # Where an unexpected error asks to be reported (one place, so a fork changes one line).

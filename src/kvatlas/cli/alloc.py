@@ -11,12 +11,14 @@ from ..observing.table import render
 from ..units import fmt_bytes
 from .common import add_deployment_args, check_backend, plan_from_args
 
+ALLOC_SCHEMA_VERSION = 1
+
 
 def add_parser(p) -> None:
     add_deployment_args(p)
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
     p.add_argument("--backend", default="plain", help="arena backend: plain (default) or vmm (CUDA)")
-    p.add_argument("--json", action="store_true", help="print the ledger snapshot and torch counters as JSON")
+    p.add_argument("--json", action="store_true", help="print the ledger snapshot and torch counters as JSON (schema kvatlas.alloc v1)")
 
 
 def _torch_counters(device) -> dict:
@@ -45,7 +47,8 @@ def run(args) -> int:
     snap = cache.check_integrity()
     growth = {k: after[k] - before[k] for k in after}
     if args.json:
-        print(json.dumps({"plan_total_bytes": p.total_bytes, "allocate_seconds": seconds,
+        print(json.dumps({"schema": "kvatlas.alloc", "schema_version": ALLOC_SCHEMA_VERSION,
+                          "plan_total_bytes": p.total_bytes, "allocate_seconds": seconds,
                           "ledger": snap.to_dict(), "torch_growth": growth}, indent=2))
         return 0
     rows = [[name, f"{u.measures.planned_bytes:,}", f"{u.measures.tensor_bytes:,}", f"{u.measures.reserved_bytes:,}",

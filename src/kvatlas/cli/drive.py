@@ -12,6 +12,7 @@ from ..errors import BudgetError, ConfigError
 from ..observing.table import render
 from ..units import fmt_bytes
 from .common import check_backend, count, number
+from .runreport import run_rows
 
 
 def add_workload_args(p) -> None:
@@ -228,6 +229,7 @@ def summary(cache, sim, writer, wall_s: float, how: str) -> str:
         ["prefix cache", _prefix_line(cache)],
         ["host tier", _host_line(sim)],
         ["KV writes", _writes(writer)],
+        *run_rows(cache, sim),
         ["time model", sim.time_model.describe() + _host_model(sim)],
         ["wall time", f"{wall_s:.2f} s ({how})"],
     ]

@@ -16,8 +16,8 @@ def add_parser(p) -> None:
     add_deployment_args(p)
     add_workload_args(p)
     g = p.add_argument_group("output")
-    g.add_argument("--out", default="kvatlas-sim", help="output prefix: writes PREFIX.png and PREFIX.csv "
-                   "(default kvatlas-sim)")
+    g.add_argument("--out", default="kvatlas-sim", help="output prefix: writes PREFIX.png, PREFIX.csv (memory "
+                   "per pass) and PREFIX.requests.csv (latency per request) (default kvatlas-sim)")
     g.add_argument("--no-plot", action="store_true", help="write the CSV only")
     g.add_argument("--max-steps", type=count(1), default=None, help="stop after this many forward passes")
 
@@ -38,7 +38,7 @@ def run(args) -> int:
     from ..observing.timeline_plot import write_csv, write_png
     csv_path, png_path = f"{args.out}.csv", f"{args.out}.png"
     write_csv(csv_path, sim.timeline)
-    written = [csv_path]
+    written = [csv_path, write_requests(args.out, sim)]
     if not args.no_plot:
         write_png(png_path, sim.timeline, title=f"kvatlas simulate — {cache.plan.model.name}")
         written.append(png_path)
@@ -46,3 +46,11 @@ def run(args) -> int:
     print(summary(cache, sim, writer, wall, f"offline; {virtual:.1f} s of virtual time"))
     print("\nwritten: " + ", ".join(written))
     return 0
+
+
+def write_requests(prefix: str, sim) -> str:
+    """PREFIX.requests.csv: one row per request of the workload, those never admitted too."""
+    from ..driving.latency import write_requests_csv
+    path = f"{prefix}.requests.csv"
+    write_requests_csv(path, sim.latency.timings(sim.unarrived()))
+    return path

@@ -35,6 +35,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..errors import ConfigError
+from .latency import LatencyLog
+from .limits import LimitLog
 from .timemodel import TimeModel
 
 
@@ -149,6 +151,9 @@ class Simulator:
         self.timeline: list[TimelinePoint] = []
         self._rr = 0   # round-robin start of the decode batch when it exceeds the token budget
         self.clock_s = 0.0   # run_offline: virtual time when the run ended
+        # per-request latency and the limits passes waited on (driving.latency, driving.limits)
+        self.latency = LatencyLog()
+        self.limits = LimitLog()
 
     @property
     def done(self) -> bool:
@@ -174,6 +179,7 @@ class Simulator:
                 self._finish_done(now_s)
                 self.stats.steps += 1
                 self.last_pass_s = self.time_model.pass_time_s(prefilled, decoded)
+                self.limits.pass_done(decoded + prefilled, self.chunk)
             else:   # idle, or every running request waits for its restores: no pass until they land
                 self.cache.flush()
                 self.last_pass_s = self.time_model.pass_s if blocked is None else min(self.time_model.pass_s,
@@ -184,6 +190,7 @@ class Simulator:
                 self._check(now_s)
             occupied = self.cache.ledger.occupied_bytes()
             snap = self.cache.ledger.snapshot() if self._sampling(now_s) else None
+        self.latency.pass_ended(now_s + self.last_pass_s)
         self._observe(now_s, occupied, snap)
 
     def _check(self, now_s: float) -> None:
@@ -209,10 +216,14 @@ class Simulator:
 
     def _arrive(self, now_s: float) -> None:
         while self.pending and self.pending[0].arrival_s <= now_s:
-            self.waiting.append(self.pending.popleft())
+            r = self.pending.popleft()
+            self.waiting.append(r)
+            self.latency.arrived(r, r.arrival_s)
             self.stats.arrived += 1
         while self._released and self._released[0][0] <= now_s:
-            self.waiting.append(heapq.heappop(self._released)[2])
+            t, _, r = heapq.heappop(self._released)
+            self.waiting.append(r)
+            self.latency.arrived(r, t)
             self.stats.arrived += 1
 
     def _release_followers(self, rid, now_s: float) -> None:
@@ -233,6 +244,7 @@ class Simulator:
                 self.waiting.popleft()
                 self.stats.rejected_too_long += 1
                 self.stats.rejected_ids.append(r.id)
+                self.latency.rejected(r)
                 self._release_followers(r.id, now_s)
                 continue
             ids = r.token_ids() if self.cache.prefix is not None else None
@@ -240,6 +252,7 @@ class Simulator:
                 self.host_clock.prefetch(self.host, r, ids, now_s)   # restored pages would be evicted again
             if not self.cache.can_admit(r.prompt_tokens, r.output_tokens, token_ids=ids):
                 self.stats.blocked_steps += 1
+                self.limits.blocked(self.cache, len(self.running), self.max_running)
                 return
             self.waiting.popleft()
             adm = self.cache.admit(r.id, r.prompt_tokens, r.output_tokens, token_ids=ids)
@@ -247,6 +260,7 @@ class Simulator:
                          ready_s=self.host_clock.admitted(r.id, now_s) if self.host is not None else 0.0)
             self.running[r.id] = self._prefilling[r.id] = live
             self.stats.admitted += 1
+            self.latency.admitted(r, now_s, adm.cached_tokens)
 
     def _decode(self, budget: int) -> int:
         live = list(self._decoding.values())
@@ -267,6 +281,7 @@ class Simulator:
         for x, w, a in zip(live, want, accepted):
             if w - 1 > a:
                 self.cache.rollback(x.req.id, int(w - 1 - a))
+            self.latency.decoded(x.req, x.generated, x.generated + 1 + int(a))
             x.generated += 1 + int(a)
             if x.generated >= x.req.output_tokens:
                 self._finishing.append(x.req.id)
@@ -302,6 +317,7 @@ class Simulator:
             if x.decoding:
                 complete.append(x)
         for x in complete:   # decoding from the next pass on, in the order their prompts completed
+            self.latency.prefilled(x.req)
             del self._prefilling[x.req.id]
             self._decoding[x.req.id] = x
         self.stats.prefill_tokens += done
@@ -348,6 +364,10 @@ class Simulator:
                 self._observe(t, self.cache.ledger.occupied_bytes(), self.cache.ledger.snapshot())
         self.clock_s = t
         return self.stats
+
+    def unarrived(self) -> list:
+        """Requests whose arrival has not come (a session's turns not yet released too)."""
+        return [*self.pending, *(r for _, _, r in self._released), *(r for v in self._followers.values() for r in v)]
 
     def progress(self) -> dict:
         """Per running request: its lengths and progress. Takes no lock: a scrape calls it under

@@ -73,6 +73,10 @@ HELP = {
     "kvatlas_host_tier_moved_entries": "Entries copied per kind and direction (to_host, to_device) (counter)",
     "kvatlas_host_tier_evicted_entries": "Host-tier entries dropped by its own LRU to make room, per kind "
                                          "(counter)",
+    "kvatlas_host_tier_dropped_entries": "Host-tier entries dropped because their prefix left the host tier "
+                                         "(unreachable), per kind (counter)",
+    "kvatlas_host_tier_refused_entries": "Evictions the host tier could not take, every host slot being "
+                                          "claimed by a restore under way: the entry is lost, per kind (counter)",
     "kvatlas_host_tier_restore_seconds": "Restores from the host tier (summary): seconds from issue to the "
                                          "last copy landing",
     "kvatlas_prefix_tier_hit_tokens": "Prompt tokens served by the prefix cache per tier (device, host) "
@@ -225,7 +229,9 @@ def host_samples(f: _Families, cache, host, rv: list[str]) -> None:
         for d, moved in (("to_host", host.moved_to_host), ("to_device", host.moved_to_device)):
             f.add("kvatlas_host_tier_moved_entries", ["kind", "direction"], [kind, d] + rv, moved[kind],
                   kind=CounterMetricFamily)
-        f.add("kvatlas_host_tier_evicted_entries", ["kind"], [kind] + rv, host.evicted[kind], kind=CounterMetricFamily)
+        for name, counts in (("evicted", host.evicted), ("dropped", host.dropped)):
+            f.add(f"kvatlas_host_tier_{name}_entries", ["kind"], [kind] + rv, counts[kind], kind=CounterMetricFamily)
+        f.add("kvatlas_host_tier_refused_entries", ["kind"], [kind] + rv, host.refused[kind], kind=CounterMetricFamily)
     f.add("kvatlas_host_tier_staging_device_bytes", [], rv, host.staging_device_bytes)
     for d, v in (("to_host", host.bytes_to_host), ("to_device", host.bytes_to_device)):
         f.add("kvatlas_host_tier_moved_bytes", ["direction"], [d] + rv, v, kind=CounterMetricFamily)

@@ -99,6 +99,10 @@ class HostIndex:
         self.slots[g].take(keys)
         self.moves.dropped[g] += len(keys)
 
+    def refuse_offload(self, kind: str) -> None:
+        """Count an eviction the tier could not take (no host slot free of a claim)."""
+        self.moves.refused[_group(kind)] += 1
+
     # ------------------------------------------------------------------ moves
     def offload_pages(self, keys, device_pages) -> Offload:
         keys, pages = list(keys), self._units(device_pages, len(keys), "device_pages")
@@ -244,6 +248,7 @@ class HostIndex:
             moved_to_device={GROUP_LABEL[g]: v for g, v in mv.moved_to_device.items()},
             evicted={GROUP_LABEL[g]: v for g, v in mv.evicted.items()},
             dropped={GROUP_LABEL[g]: v for g, v in mv.dropped.items()},
+            refused={GROUP_LABEL[g]: v for g, v in mv.refused.items()},
             restores_completed=mv.restores, restore_latency_sum_s=mv.restore_latency_sum_s,
             restore_latency_max_s=mv.restore_latency_max_s, transfers_in_flight=in_flight, hits=hits or {})
 

@@ -26,6 +26,9 @@ class MoveCounters:
     moved_to_device: dict = field(default_factory=lambda: {HOST_PAGES: 0, HOST_CHECKPOINTS: 0})
     evicted: dict = field(default_factory=lambda: {HOST_PAGES: 0, HOST_CHECKPOINTS: 0})
     dropped: dict = field(default_factory=lambda: {HOST_PAGES: 0, HOST_CHECKPOINTS: 0})
+    # evictions the tier could not take (every host slot claimed by a restore under way): the
+    # device entry is lost as it would be without the tier
+    refused: dict = field(default_factory=lambda: {HOST_PAGES: 0, HOST_CHECKPOINTS: 0})
     restores: int = 0
     restore_latency_sum_s: float = 0.0
     restore_latency_max_s: float = 0.0
@@ -53,6 +56,7 @@ class HostSnapshot:
     moved_to_device: dict
     evicted: dict
     dropped: dict
+    refused: dict
     restores_completed: int
     restore_latency_sum_s: float
     restore_latency_max_s: float
@@ -68,7 +72,7 @@ class HostSnapshot:
             "staging_device_bytes": self.staging_device_bytes,
             "bytes_to_host": self.bytes_to_host, "bytes_to_device": self.bytes_to_device,
             "moved_to_host": self.moved_to_host, "moved_to_device": self.moved_to_device,
-            "host_evictions": self.evicted, "dropped": self.dropped,
+            "host_evictions": self.evicted, "dropped": self.dropped, "refused_offloads": self.refused,
             "restores_completed": self.restores_completed,
             "restore_latency_sum_s": self.restore_latency_sum_s,
             "restore_latency_max_s": self.restore_latency_max_s,

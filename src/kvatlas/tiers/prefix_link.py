@@ -64,6 +64,7 @@ class HostLink:
             try:
                 moved = self.tier.offload_checkpoints([e.key], [at])
             except PoolExhaustedError:
+                self.tier.refuse_offload("checkpoint")
                 return
             self.boundary[e.key] = e.boundary_tokens
             for k in moved.evicted:
@@ -75,6 +76,7 @@ class HostLink:
         try:
             moved = self.tier.offload_pages([e.key], [e.full_page])
         except PoolExhaustedError:    # every host slot is claimed by a restore under way: drop it
+            self.tier.refuse_offload("page")
             return
         self.parent[e.key] = e.parent_key
         self.children.setdefault(e.parent_key, set()).add(e.key)

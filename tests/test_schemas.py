@@ -1,0 +1,141 @@
+"""Every JSON document kvatlas prints or serves validates against the schema it names, the
+schemas refuse what they should, and every shipped schema is used by a document here."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import jsonschema
+import pytest
+
+import kvatlas
+from kvatlas.cli import main
+from kvatlas.observing import server, shipped
+from test_e2e_prometheus import get_json
+
+def printed(capsys, *argv):
+    assert main(list(argv)) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def named(doc) -> tuple:
+    return ("kvatlas.models", 1) if isinstance(doc, list) else (doc["schema"], doc["schema_version"])
+
+
+PLANS = [["deepseek-v4-flash", "--memory", "120GiB"],
+         ["deepseek-v4-pro", "--memory", "120GiB", "--draft-tokens", "3", "--tp", "8"],
+         ["deepseek-v4.1-flash", "--memory", "64GiB", "--prefix-checkpoints", "100"],
+         ["deepseek-v4-flash", "--memory", "40GiB", "--layout", "unified-fp8", "--pp", "2", "--pp-rank", "1"]]
+
+
+@pytest.fixture(scope="module")
+def documents():
+    """(where it came from, document) for every kind of document, each made as a user makes it."""
+    import contextlib
+    import io
+    out = []
+
+    def cli(*argv):
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            assert main(list(argv)) == 0
+        out.append((" ".join(argv[:2]), json.loads(buf.getvalue())))
+    for argv in PLANS:
+        cli("plan", *argv, "--json")
+    cli("compare", "deepseek-v4-flash", "--memory", "120GiB", "--json")
+    cli("alloc", "tiny-v4", "--memory", "64MiB", "--max-running-requests", "4", "--max-model-len", "2048", "--json")
+    cli("models", "--json")
+    state, host_plan = _served_state()
+    entry = state["caches"][0]
+    assert entry["requests"] and entry["host_tier"] is not None and "prefix_cache" in entry
+    out += [("GET /state", state), ("/state ledger", entry["ledger"]), ("/state plan", entry["plan"]),
+            ("/state host_tier", entry["host_tier"]), ("plan_host", host_plan)]
+    out += _plugin_documents()
+    return out
+
+
+def _served_state():
+    from kvatlas.driving.sim import Simulator
+    from kvatlas.driving.workload import synthetic
+    from kvatlas.tiers import attach_host_tier
+    p = kvatlas.plan("tiny-v4", "64MiB", max_running_requests=4, max_model_len=2048, prefix_checkpoints=8)
+    cache = kvatlas.allocate(p)
+    attach_host_tier(cache, "4MiB")
+    reqs = synthetic(rate_per_s=40, duration_s=0.2, prompt="uniform:16:600", output="uniform:2:30", seed=1)
+    sim = Simulator(cache, reqs)
+    for i in range(6):
+        sim.step(i * 0.02)
+    h = server.start(cache, port=0, extra_state=sim.state, request_state=sim.progress)
+    try:
+        return get_json(h.url + "/state"), cache.host.tier.plan.to_dict()
+    finally:
+        h.close()
+
+
+def _plugin_documents():
+    """An engine plugin's ledger (built as the SGLang plugin builds one, without SGLang) and the
+    /state it serves."""
+    from plugin_ledger import sglang_like_ledger
+    from kvatlas.integrations import foreign
+    ledger = sglang_like_ledger()
+    h = foreign.serve_state(lambda: [ledger.snapshot()])
+    try:
+        served = get_json(h.url + "/state")
+    finally:
+        h.close()
+    return [("foreign ledger", ledger.snapshot().to_dict()), ("plugin /state", served)]
+
+
+def test_shipped_schemas_are_valid_draft_2020_12():
+    for (name, version), f in shipped.SCHEMAS.items():
+        if f is None:
+            continue
+        schema = shipped.load_schema(name, version)
+        jsonschema.Draft202012Validator.check_schema(schema)
+        assert schema["$schema"].endswith("/draft/2020-12/schema")
+        if name != "kvatlas.models":
+            assert schema["properties"]["schema"] == {"const": name}
+            assert schema["properties"]["schema_version"] == {"const": version}
+
+
+def test_every_document_validates_against_its_schema(documents):
+    for where, doc in documents:
+        errors = sorted(shipped.validator(doc).iter_errors(doc), key=lambda e: list(e.path))
+        assert not errors, f"{where}: " + "; ".join(f"{list(e.path)}: {e.message}" for e in errors[:5])
+
+
+def test_every_shipped_schema_is_used_by_a_document(documents):
+    want = {k for k, f in shipped.SCHEMAS.items() if f is not None}
+    assert want == {named(d) for _, d in documents}
+
+
+def test_schemas_refuse_what_they_should(capsys):
+    good = printed(capsys, "plan", "tiny-v4", "--memory", "96MiB", "--max-model-len", "2048",
+                   "--max-running-requests", "8", "--json")
+    shipped.validator(good).validate(good)
+    bad = []
+    for change in (lambda d: d.pop("budget_bytes"), lambda d: d.update(extra_field=1),
+                   lambda d: d["buffers"][0].update(bytes=-1), lambda d: d.update(schema_version=2),
+                   lambda d: d["capacity"].update(max_total_tokens="many"), lambda d: d["layers"][0].update(kind="c5")):
+        d = copy.deepcopy(good)
+        change(d)
+        bad.append(d)
+    v = shipped.validator(good)
+    assert all(not v.is_valid(d) for d in bad[:3] + bad[4:])
+    with pytest.raises(kvatlas.ConfigError, match="version 2"):
+        shipped.validator(bad[3])
+
+
+def test_observe_prints_and_writes_the_files(tmp_path, capsys):
+    assert main(["observe", "kvatlas.plan"]) == 0
+    assert json.loads(capsys.readouterr().out)["properties"]["schema"] == {"const": "kvatlas.plan"}
+    assert main(["observe", "--path", "rules"]) == 0
+    assert capsys.readouterr().out.strip().endswith("kvatlas-rules.yml")
+    assert main(["observe", "--write", str(tmp_path / "out")]) == 0
+    written = capsys.readouterr().out.split()
+    assert {p.rsplit("/", 2)[-2] for p in written} == {"grafana", "prometheus", "schemas"}
+    assert (tmp_path / "out" / "schemas" / "kvatlas.state.v1.schema.json").read_text() == \
+        open(shipped.schema_path("kvatlas.state", 1)).read()
+    assert main(["observe", "kvatlas.tune"]) == 2
+    assert "kvatlas.tune" in capsys.readouterr().err
