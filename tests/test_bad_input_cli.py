@@ -312,7 +312,7 @@ def test_missing_torch_is_one_line_naming_the_fix(tmp_path):
 
 
 def test_broken_pipe_is_quiet():
-    proc = subprocess.Popen([sys.executable, "-m", "kvatlas", "compare", "--json"], stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-m", "kvatlas", "compare", "--tp", "4", "--json"], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE)
     proc.stdout.close()   # the reader is gone before the first write: `| head -0`
     err = proc.stderr.read().decode()
@@ -322,7 +322,7 @@ def test_broken_pipe_is_quiet():
 def test_unexpected_error_is_one_line_naming_the_bug(monkeypatch, capsys):
     from kvatlas.cli import plan as plan_cli
 
-    def boom(p):
+    def boom(p, **_):
         raise ZeroDivisionError("division by zero")
     monkeypatch.setattr(plan_cli, "text_report", boom)
     assert main(["plan", *TINY]) == 1
