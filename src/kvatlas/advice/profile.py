@@ -30,6 +30,7 @@ class Profile:
     requests: int
     span_s: float
     prompt_p50: int
+    prompt_max: int
     context_p50: int             # prompt + output
     context_p90: int
     context_max: int
@@ -67,7 +68,8 @@ def profile(requests, pace: Pace = Pace(), chunk: int = 8192) -> Profile:
     ctx = sorted(r.prompt_tokens + r.output_tokens for r in reqs)
     prompts = sorted(r.prompt_tokens for r in reqs)
     span = max(last - first, 1e-9)
-    return Profile(requests=len(reqs), span_s=span, prompt_p50=_quantile(prompts, 0.5), context_p50=_quantile(ctx, 0.5),
+    return Profile(requests=len(reqs), span_s=span, prompt_p50=_quantile(prompts, 0.5),
+                   prompt_max=prompts[-1], context_p50=_quantile(ctx, 0.5),
                    context_p90=_quantile(ctx, 0.9), context_max=ctx[-1], peak_in_flight=peak,
                    mean_in_flight=area / span, sessions=sum(1 for r in reqs if getattr(r, "after", None) is None))
 

@@ -17,7 +17,11 @@ Every figure comes from the byte-exact engine models `compare` uses (`kvatlas.en
   vLLM reserves sliding blocks for two batches of it per request being admitted;
 - SGLang's SWA pool: V4 runs its ratio mode (the model override sets the ratio); the smallest
   `--swa-full-tokens-ratio` whose SWA pool holds what its cap mode would reserve for those
-  requests: the request cap, two chunks and four prefix tails (window + page) per running request;
+  requests (the request cap, two chunks, four prefix tails of window + page per running request)
+  plus the longest prompt whole: with the radix cache on, SGLang frees no out-of-window SWA while a
+  request prefills (`ScheduleBatch.maybe_evict_swa` evicts in extend mode only without prefix
+  sharing); the prefill's SWA only becomes evictable in the tree, newer than every other
+  request's tail, so a pool smaller than the prompt evicts the tails other sessions resume from;
 - resume points: kvatlas keeps `--prefix-checkpoints` worth an eighth of the budget; vLLM's
   `--prefix-cache-retention-interval` takes the spacing kvatlas's policy fits to that many points.
 """
@@ -33,7 +37,7 @@ from ..errors import ConfigError
 from ..planning.buffers import CHECKPOINTS
 from ..planning.model import ModelSpec, load_model
 from ..planning.options import ServeOptions
-from ..planning.planner import plan
+from ..planning.planner import budget_for_mix, plan
 from ..units import cdiv, round_up
 from .profile import Pace, Profile
 
@@ -140,9 +144,15 @@ def _sglang(model, opts: ServeOptions, budget: int, eng: dict, ctxs, flags: dict
                              "swa_full_tokens_ratio": s.swa_ratio})
 
 
-def sglang_ratio_for(model, opts: ServeOptions, budget: int) -> float:
-    """The smallest ratio (to 1e-4) whose SWA pool holds what cap mode reserves for these requests."""
-    need = sg.configure(model, sg.setup_for(model, opts, {**sg.OPTIONS, "swa_mode": "cap"}), budget).swa_cap_tokens
+def sglang_swa_need(model, opts: ServeOptions, budget: int, longest_prompt: int) -> int:
+    """SWA tokens SGLang's pool must hold so no prefix tail is evicted: its cap-mode reserve for
+    these requests plus the longest prompt's SWA, held whole while it prefills (module doc)."""
+    cap = sg.configure(model, sg.setup_for(model, opts, {**sg.OPTIONS, "swa_mode": "cap"}), budget).swa_cap_tokens
+    return cap + round_up(longest_prompt, opts.page_tokens)
+
+
+def sglang_ratio_for(model, opts: ServeOptions, budget: int, need: int) -> float:
+    """The smallest ratio (to 1e-4) whose SWA pool holds `need` tokens."""
     lo, hi = 1, 10000          # in units of 1e-4
     swa = lambda k: sg.configure(model, sg.setup_for(model, opts, {**sg.OPTIONS, "swa_ratio": k / 1e4}), budget).swa_tokens
     if swa(hi) < need:
@@ -161,15 +171,17 @@ def advise_sglang(model, base: ServeOptions, budget: int, t: dict, ctxs) -> Engi
                       "--mem-fraction-static": base.mem_fraction})
     opts = replace(base, max_running_requests=t["running"], chunked_prefill_tokens=t["chunk"],
                    max_model_len=t["max_model_len"])
-    ratio = sglang_ratio_for(model, opts, budget)
+    need = sglang_swa_need(model, opts, budget, t["prompt_max"])
+    ratio = sglang_ratio_for(model, opts, budget, need)
     flags = {"--swa-full-tokens-ratio": ratio, "--max-running-requests": t["running"],
              "--chunked-prefill-size": t["chunk"], "--mem-fraction-static": base.mem_fraction,
              "--context-length": t["max_model_len"]}
     tuned = _sglang(model, opts, budget, {"swa_ratio": ratio}, ctxs, flags)
     why = (f"--swa-full-tokens-ratio {ratio:g}: the smallest ratio whose SWA pool ({tuned.reported['swa_tokens']:,} "
-           f"tokens) holds its cap-mode reserve for {t['running']} requests (their windows, two chunks, four prefix "
-           f"tails each); the default 0.1 gives {default.reported['swa_tokens']:,} SWA tokens and leaves "
-           f"{default.token_capacity:,} full tokens",
+           f"tokens) holds {need:,}: its cap-mode reserve for {t['running']} requests (their windows, two chunks, "
+           f"four prefix tails each) and the longest prompt ({t['prompt_max']:,}), whose SWA a prefill holds whole "
+           f"with the radix cache on; the default 0.1 gives {default.reported['swa_tokens']:,} SWA tokens and "
+           f"leaves {default.token_capacity:,} full tokens",
            f"--max-running-requests {t['running']}: the workload's peak in flight, +25%; each request slot "
            "costs C128 state whether used or not",
            f"--mem-fraction-static {base.mem_fraction:g}: the share the budget was made from (weights + KV)")
@@ -231,8 +243,11 @@ def checkpoints_for(model, opts: ServeOptions, budget: int) -> tuple[int, int]:
     from ..prefix.policy import POLICIES, fitted
     probe = 1024
     opts = replace(opts, max_model_len=model.max_position_embeddings)   # every page the budget buys addressable
-    a, b = (plan(model, budget, **{**_plan_kwargs(opts), "prefix_checkpoints": k}) for k in (1, 1 + probe))
-    per_point = (a.num_full_pages - b.num_full_pages) * a.bytes_per_token * a.page_tokens / probe
+    kw = _plan_kwargs(opts)
+    kw.pop("max_running_requests")
+    a, b = (budget_for_mix(model, [(opts.max_running_requests, opts.page_tokens)], **{**kw, "prefix_checkpoints": k})
+            for k in (1, 1 + probe))
+    per_point = (b.total_bytes - a.total_bytes) / probe
     n = max(1, int(budget * CHECKPOINT_SHARE / per_point))
     p = plan(model, budget, **{**_plan_kwargs(opts), "prefix_checkpoints": n})
     return n, fitted(POLICIES["kvatlas"], p.num_full_pages - 1, n).spacing_pages
@@ -272,7 +287,7 @@ def tune(model: ModelSpec | str, prof: Profile, *, pace: Pace = Pace(), memory_b
     options.setdefault("weights_bytes", "auto")
     base = ServeOptions.from_kwargs(memory_bytes=memory_bytes, **options).resolve(model)
     budget = base.budget_bytes()
-    t = {"running": pick_running(prof), "chunk": pick_chunk(prof, pace),
+    t = {"running": pick_running(prof), "chunk": pick_chunk(prof, pace), "prompt_max": prof.prompt_max,
          "max_model_len": min(round_up(prof.context_max, base.page_tokens), model.max_position_embeddings)}
     sized = replace(base, max_running_requests=t["running"], chunked_prefill_tokens=t["chunk"],
                     max_model_len=t["max_model_len"])
