@@ -116,7 +116,6 @@ def _require_supported() -> None:
 def _model_dir(model, tmp: str) -> str:
     """vLLM reads a directory holding config.json; a preset or a bare file is copied into one."""
     import json
-    import shutil
     from ..planning.model import PRESET_DIR, load_model, preset_names
     spec = load_model(model)   # a clear ConfigError for anything that is not a V4 config
     if spec.family != "v4":
@@ -128,8 +127,12 @@ def _model_dir(model, tmp: str) -> str:
         return text
     src = os.path.join(PRESET_DIR, f"{text}.json") if text in preset_names() else text
     with open(src) as f:
-        json.load(f)
-    shutil.copy(src, os.path.join(tmp, "config.json"))
+        cfg = json.load(f)
+    # the weights' quantization (fp8 blocks, fp4 experts) sets up vLLM's weight kernels, which the KV
+    # planner never reads and whose imports a CPU install lacks; the KV cache dtype is separate
+    cfg.pop("quantization_config", None)
+    with open(os.path.join(tmp, "config.json"), "w") as f:
+        json.dump(cfg, f)
     return tmp
 
 
