@@ -24,13 +24,6 @@ from kvatlas.advice import profile, tune
 from kvatlas.driving.measure import measure
 from kvatlas.driving.timemodel import default_time_model
 from kvatlas.driving.traces import read_trace
-from kvatlas.planning.planner import plan
-
-
-def _plan(t, flags):
-    names = {"--max-running-requests": "max_running_requests", "--chunked-prefill-tokens": "chunked_prefill_tokens",
-             "--max-model-len": "max_model_len", "--prefix-checkpoints": "prefix_checkpoints"}
-    return plan(t.model, t.budget_bytes, **{names[k]: v for k, v in flags.items() if k in names})
 
 
 def main() -> None:
@@ -47,10 +40,10 @@ def main() -> None:
            "weights_bytes": t.options.weights_bytes, "profile": prof.to_dict()}
     if not args.no_simulate:   # as `tune --simulate`: the default run's peak sets max running requests
         w = time.perf_counter()
-        default = measure(_plan(t, t.engine("kvatlas").default.flags), reqs, tm)
+        default = measure(t.kvatlas_plan("default"), reqs, tm)
         t = tune("deepseek-v4-flash", replace(prof, peak_in_flight=default.peak_running, peak_measured=True),
                  tp=args.tp)
-        tuned = measure(_plan(t, t.engine("kvatlas").tuned.flags), reqs, tm)
+        tuned = measure(t.kvatlas_plan("tuned"), reqs, tm)
         out["simulated"] = {"default": default.to_dict(), "tuned": tuned.to_dict(),
                             "wall_s": time.perf_counter() - w}
     out["engines"] = [{"engine": e.engine, "command": e.command(),

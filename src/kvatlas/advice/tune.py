@@ -102,6 +102,13 @@ class Tuning:
     def engine(self, name: str) -> EngineAdvice:
         return next(e for e in self.engines if e.engine.split()[0] == name)
 
+    def kvatlas_plan(self, which: str = "tuned"):
+        """The plan kvatlas's `which` ("default" or "tuned") flags make, for this budget."""
+        names = {"--max-running-requests": "max_running_requests", "--chunked-prefill-tokens": "chunked_prefill_tokens",
+                 "--max-model-len": "max_model_len", "--prefix-checkpoints": "prefix_checkpoints"}
+        flags = getattr(self.engine("kvatlas"), which).flags
+        return plan(self.model, self.budget_bytes, **{names[k]: v for k, v in flags.items() if k in names})
+
     def to_dict(self) -> dict:
         o = self.options
         return {"schema": TUNE_SCHEMA, "schema_version": TUNE_SCHEMA_VERSION, "model": self.model.name,

@@ -71,15 +71,7 @@ def run(args) -> int:
 def run_setting(t, which: str, requests, tm) -> dict:
     """The workload through kvatlas's cache planned with its `which` ("default"/"tuned") flags."""
     from ..driving.measure import measure
-    from ..planning.planner import plan
-    setting = getattr(t.engine("kvatlas"), which)
-    return measure(plan(t.model, t.budget_bytes, **_flags_to_plan(setting.flags)), requests, tm).to_dict()
-
-
-def _flags_to_plan(flags: dict) -> dict:
-    names = {"--max-running-requests": "max_running_requests", "--chunked-prefill-tokens": "chunked_prefill_tokens",
-             "--max-model-len": "max_model_len", "--prefix-checkpoints": "prefix_checkpoints"}
-    return {names[k]: v for k, v in flags.items() if k in names}
+    return measure(t.kvatlas_plan(which), requests, tm).to_dict()
 
 
 def _ctx(c: int) -> str:
