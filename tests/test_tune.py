@@ -2,6 +2,7 @@
 for them (the engines' own code checks the same figures in tests/sglang_plugin and tests/vllm_plugin)."""
 
 import json
+import math
 
 import pytest
 
@@ -110,3 +111,18 @@ def test_tune_refuses_bad_input(capsys):
     assert main(["tune", "--tp", "4", "--workload", HEAD, "--engines", "sglang", "--simulate"]) == 2
     with pytest.raises(ConfigError):
         tune("deepseek-v4-flash", profile([]))
+
+
+def test_tune_simulate_measures_hits_and_the_peak(capsys):
+    args = ["tune", "tiny-v4", "--memory", "1GiB", "--engines", "kvatlas", "--simulate", "--duration", "10",
+            "--rate", "2", "--system-prompts", "2", "--system-prompt-len", "1024", "--output-len", "uniform:4:16",
+            "--json"]
+    assert main(args) == 0
+    doc = json.loads(capsys.readouterr().out)
+    d, t = doc["simulated"]["default"], doc["simulated"]["tuned"]
+    assert d["finished"] == t["finished"] == doc["workload"]["requests"]
+    assert d["hit_ratio"] == 0 < t["hit_ratio"] and t["prefill_tokens"] + t["hit_tokens"] == d["prefill_tokens"]
+    # the default run's peak of running requests sets the tuned request limit (+25%, to 8)
+    assert doc["workload"]["peak_measured"] and doc["workload"]["peak_in_flight"] == d["peak_running"]
+    expected = max(8, math.ceil(math.ceil(d["peak_running"] * 1.25) / 8) * 8)
+    assert doc["engines"][0]["tuned"]["flags"]["--max-running-requests"] == expected
