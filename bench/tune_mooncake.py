@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from dataclasses import replace
 
 from kvatlas.advice import profile, tune
 from kvatlas.driving.measure import measure
@@ -38,11 +37,9 @@ def main() -> None:
     t = tune("deepseek-v4-flash", prof, tp=args.tp)
     out = {"trace": args.trace, "requests": len(reqs), "tp": args.tp, "budget_bytes": t.budget_bytes,
            "weights_bytes": t.options.weights_bytes, "profile": prof.to_dict()}
-    if not args.no_simulate:   # as `tune --simulate`: the default run's peak sets max running requests
+    if not args.no_simulate:   # as `tune --simulate`
         w = time.perf_counter()
         default = measure(t.kvatlas_plan("default"), reqs, tm)
-        t = tune("deepseek-v4-flash", replace(prof, peak_in_flight=default.peak_running, peak_measured=True),
-                 tp=args.tp)
         tuned = measure(t.kvatlas_plan("tuned"), reqs, tm)
         out["simulated"] = {"default": default.to_dict(), "tuned": tuned.to_dict(),
                             "wall_s": time.perf_counter() - w}

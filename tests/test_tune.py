@@ -2,7 +2,6 @@
 for them (the engines' own code checks the same figures in tests/sglang_plugin and tests/vllm_plugin)."""
 
 import json
-import math
 
 import pytest
 
@@ -29,14 +28,15 @@ def flash(head):
 
 
 def test_profile_by_hand():
-    pace = Pace(pass_s=1.0, prefill_s_per_token=0.0, decode_s_per_token=0.0)   # one second per pass
-    reqs = [Request(id="a", arrival_s=0.0, prompt_tokens=100, output_tokens=3),    # 1 + 3 passes: [0, 4)
-            Request(id="b", arrival_s=1.0, prompt_tokens=300, output_tokens=1),    # 2 + 1: [1, 4)
-            Request(id="c", arrival_s=5.0, prompt_tokens=50, output_tokens=1),     # [5, 7)
-            Request(id="d", arrival_s=0.0, prompt_tokens=60, output_tokens=1, after="c", think_s=1.0)]  # [8, 10)
+    pace = Pace(pass_s=1.0, prefill_s_per_token=0.0, decode_s_per_token=0.0)   # one second a pass, 256 tokens
+    reqs = [Request(id="a", arrival_s=0.0, prompt_tokens=256, output_tokens=3),    # prefill [0, 1), 3 passes: [0, 4)
+            Request(id="b", arrival_s=1.0, prompt_tokens=512, output_tokens=1),    # [1, 3) + 1: [1, 4)
+            Request(id="e", arrival_s=1.5, prompt_tokens=256, output_tokens=1),    # waits for the stream: [3, 5)
+            Request(id="c", arrival_s=5.0, prompt_tokens=256, output_tokens=1),    # [5, 7)
+            Request(id="d", arrival_s=0.0, prompt_tokens=256, output_tokens=1, after="c", think_s=1.0)]  # [8, 10)
     p = profile(reqs, pace, chunk=256)
-    assert (p.peak_in_flight, p.requests, p.sessions, p.prompt_max, p.context_max) == (2, 4, 3, 300, 301)
-    assert p.span_s == 10.0 and p.mean_in_flight == pytest.approx((4 + 3 + 2 + 2) / 10)
+    assert (p.peak_in_flight, p.requests, p.sessions, p.prompt_max, p.context_max) == (3, 5, 4, 512, 513)
+    assert p.span_s == 10.0 and p.mean_in_flight == pytest.approx((4 + 3 + 2 + 2 + 2) / 10)
     assert pick_running(p) == 8 and pick_running(p.__class__(**{**p.to_dict(), "peak_in_flight": 33})) == 48
 
 
@@ -122,7 +122,9 @@ def test_tune_simulate_measures_hits_and_the_peak(capsys):
     d, t = doc["simulated"]["default"], doc["simulated"]["tuned"]
     assert d["finished"] == t["finished"] == doc["workload"]["requests"]
     assert d["hit_ratio"] == 0 < t["hit_ratio"] and t["prefill_tokens"] + t["hit_tokens"] == d["prefill_tokens"]
-    # the default run's peak of running requests sets the tuned request limit (+25%, to 8)
-    assert doc["workload"]["peak_measured"] and doc["workload"]["peak_in_flight"] == d["peak_running"]
-    expected = max(8, math.ceil(math.ceil(d["peak_running"] * 1.25) / 8) * 8)
-    assert doc["engines"][0]["tuned"]["flags"]["--max-running-requests"] == expected
+    assert doc["engines"][0]["tuned"]["flags"]["--max-running-requests"] == pick_running(profile_of(doc))
+
+
+def profile_of(doc):
+    from kvatlas.advice import Profile
+    return Profile(**doc["workload"])

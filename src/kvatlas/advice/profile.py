@@ -19,10 +19,12 @@ class Pace:
     prefill_s_per_token: float = 40e-6
     decode_s_per_token: float = 100e-6
 
-    def service_s(self, prompt: int, output: int, chunk: int) -> float:
-        """One request alone: its prefill passes, its prompt's compute, one pass per output token."""
-        passes = -(-prompt // chunk) + output
-        return passes * self.pass_s + prompt * self.prefill_s_per_token + output * self.decode_s_per_token
+    def prefill_s(self, tokens: int, chunk: int) -> float:
+        """What `tokens` prompt tokens take of a prefill stream that runs `chunk` tokens a pass."""
+        return tokens * (self.prefill_s_per_token + self.pass_s / chunk)
+
+    def full_pass_s(self, chunk: int) -> float:
+        return self.pass_s + chunk * self.prefill_s_per_token
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -34,10 +36,9 @@ class Profile:
     context_p50: int             # prompt + output
     context_p90: int
     context_max: int
-    peak_in_flight: int          # requests running at once if none ever waited
+    peak_in_flight: int          # requests holding a slot at once (prefilling or decoding), fluid model
     mean_in_flight: float
     sessions: int                # conversations (first turns); equals requests without sessions
-    peak_measured: bool = False  # peak_in_flight measured by the simulator, not estimated here
 
     def to_dict(self) -> dict:
         return {k: getattr(self, k) for k in self.__slots__}
@@ -49,8 +50,8 @@ def _quantile(sorted_values: list[int], q: float) -> int:
 
 def profile(requests, pace: Pace = Pace(), chunk: int = 8192) -> Profile:
     """`requests`: objects with id, arrival_s, prompt_tokens, output_tokens and optionally `after`
-    and `think_s` (driving.workload.Request). In flight = from arrival to the end of its service
-    time alone (`Pace.service_s`); a later turn starts when the turn it follows ends."""
+    and `think_s` (driving.workload.Request). In flight = from arrival to its end on the fluid
+    model of `_starts` (an estimate; `kvatlas tune --simulate` measures the peak instead)."""
     reqs = list(requests)
     if not reqs:
         raise ConfigError("workload", "holds no request", "give a trace or a synthetic workload with requests")
@@ -75,19 +76,29 @@ def profile(requests, pace: Pace = Pace(), chunk: int = 8192) -> Profile:
 
 
 def _starts(reqs, pace: Pace, chunk: int, ends: dict) -> dict:
-    """Start times: the arrival, or for a later turn the end of the one it follows plus think time."""
+    """When each request holds a slot, on a fluid model of continuous batching: one prefill stream
+    of `chunk` tokens a pass, first come first served; a request takes its slot when its prefill
+    starts (before that it waits in the queue, as engines' waiting queues hold it) and decodes one
+    token a pass, a pass being a full chunk long while prompts wait behind it. A later turn
+    arrives when the turn it follows ends, plus its think time."""
     starts: dict = {}
     by_id = {r.id: r for r in reqs}
     followers: dict = {}
     for r in reqs:
-        if getattr(r, "after", None) is not None:
+        if getattr(r, "after", None) is not None and r.after in by_id:
             followers.setdefault(r.after, []).append(r)
-    todo = [r for r in reqs if getattr(r, "after", None) is None or r.after not in by_id]
-    while todo:
-        r = todo.pop()
-        prev = getattr(r, "after", None)
-        start = r.arrival_s if prev is None or prev not in ends else max(r.arrival_s, ends[prev] + r.think_s)
-        starts[r.id] = start
-        ends[r.id] = start + pace.service_s(r.prompt_tokens, r.output_tokens, chunk)
-        todo.extend(followers.get(r.id, ()))
+    ready = [(r.arrival_s, i, r) for i, r in enumerate(reqs) if getattr(r, "after", None) is None or r.after not in by_id]
+    heapq.heapify(ready)
+    order, stream_free = len(reqs), 0.0
+    while ready:
+        start, _, r = heapq.heappop(ready)
+        begin = max(start, stream_free)
+        stream_free = begin + pace.prefill_s(r.prompt_tokens, chunk)
+        busy = stream_free > start + pace.prefill_s(r.prompt_tokens, chunk)   # prompts waited: passes are full
+        per_pass = pace.full_pass_s(chunk) if busy else pace.pass_s
+        starts[r.id] = begin   # it waits for the stream in the queue, without a slot
+        ends[r.id] = stream_free + r.output_tokens * (per_pass + pace.decode_s_per_token)
+        for f in followers.get(r.id, ()):
+            order += 1
+            heapq.heappush(ready, (max(f.arrival_s, ends[r.id] + f.think_s), order, f))
     return starts

@@ -6,10 +6,11 @@ Every figure comes from the byte-exact engine models `compare` uses (`kvatlas.en
 
 - one KV budget per rank for every engine: the GPU's share (`mem_fraction`, SGLang's
   `--mem-fraction-static`, vLLM's `--gpu-memory-utilization`) less the weights from the config;
-- max running requests / max_num_seqs: what the workload keeps in flight at its peak (measured by
-  the simulator where the CLI runs it, else `advice.profile`'s estimate with no waiting), a
-  quarter more for bursts, rounded up to 8 — every slot an engine holds costs fixed state whether
-  or not a request fills it;
+- max running requests / max_num_seqs: the most requests the workload keeps prefilling or
+  decoding at once (`advice.profile`: a fluid model of continuous batching under the time model;
+  requests waiting for the prefill stream wait in the queue, without a slot), a quarter more for
+  bursts, rounded up to 8 — every slot an engine holds costs fixed state whether or not a request
+  fills it;
 - max_model_len / context length: the workload's longest request rounded up to a page;
 - chunked prefill (SGLang's `--chunked-prefill-size`, vLLM's `--max-num-batched-tokens`): the
   smallest of 2K/4K/8K/16K whose pass's fixed cost is at most a tenth of its prefill compute under
@@ -189,8 +190,8 @@ def advise_sglang(model, base: ServeOptions, budget: int, t: dict, ctxs) -> Engi
            f"four prefix tails each) and the longest prompt ({t['prompt_max']:,}), whose SWA a prefill holds whole "
            f"with the radix cache on; the default 0.1 gives {default.reported['swa_tokens']:,} SWA tokens and "
            f"leaves {default.token_capacity:,} full tokens",
-           f"--max-running-requests {t['running']}: the workload's peak in flight, +25%; each request slot "
-           "costs C128 state whether used or not",
+           f"--max-running-requests {t['running']}: the workload's peak of requests prefilling or decoding, "
+           "+25%; each request slot costs C128 state whether used or not",
            f"--mem-fraction-static {base.mem_fraction:g}: the share the budget was made from (weights + KV)")
     return EngineAdvice(engine=sg.ENGINE, default=default, tuned=tuned, why=why)
 
@@ -218,7 +219,8 @@ def advise_vllm(model, base: ServeOptions, budget: int, t: dict, ctxs) -> Engine
     tuned = _vllm(model, opts, budget, {"max_num_batched_tokens": t["chunk"]}, ctxs, flags)
     why = (f"--max-num-batched-tokens {t['chunk']:,}: the smallest batch whose pass overhead stays under a tenth of "
            "its prefill; every sliding group reserves blocks for two batches of it per request being admitted",
-           f"--max-num-seqs {t['running']}: the workload's peak in flight, +25% (its default on {base.gpu}: {seqs:,})",
+           f"--max-num-seqs {t['running']}: the workload's peak of requests prefilling or decoding, +25% (its "
+           f"default on {base.gpu}: {seqs:,})",
            f"--max-model-len {t['max_model_len']:,}: the longest request, page-rounded; its 'GPU KV cache size' "
            f"then reads {tuned.reported['gpu_kv_cache_size_tokens']:,} tokens (a concurrency × max_model_len, "
            "not a capacity)",
@@ -277,8 +279,8 @@ def advise_kvatlas(model, base: ServeOptions, budget: int, t: dict, ctxs) -> Eng
     tuned = _kvatlas(model, opts, budget, ctxs, flags)
     why = (f"--prefix-checkpoints {t['checkpoints']:,}: resume points worth an eighth of the budget; its policy then "
            f"keeps one every {t['spacing_pages']} pages besides request ends and divergence points",
-           f"--max-running-requests {t['running']}: the workload's peak in flight, +25%; a slot's fixed state is "
-           "reserved up front",
+           f"--max-running-requests {t['running']}: the workload's peak of requests prefilling or decoding, "
+           "+25%; a slot's fixed state is reserved up front",
            f"--max-model-len {mml:,}: at least the longest request, and enough that {t['running']} requests address "
            "every page the budget buys (kvatlas sizes no page no request can reach)",
            f"--memory {budget:,}: the GPU's share less the weights")

@@ -6,7 +6,6 @@ bookkeeping backend: no pool memory) for the prefix-hit ratio and the queueing."
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 
 from ..observing.table import render
 from ..units import fmt_bytes, parse_bytes
@@ -54,11 +53,8 @@ def run(args) -> int:
               mem_fraction=args.mem_fraction, weights_bytes=weights)
     t = tune(args.model, prof, **kw)
     simulated = None
-    if args.simulate:   # the default run measures what the workload keeps running; tune again on that
-        simulated = {"default": run_setting(t, "default", requests, tm)}
-        prof = replace(prof, peak_in_flight=simulated["default"]["peak_running"], peak_measured=True)
-        t = tune(args.model, prof, **kw)
-        simulated["tuned"] = run_setting(t, "tuned", requests, tm)
+    if args.simulate:
+        simulated = {w: run_setting(t, w, requests, tm) for w in ("default", "tuned")}
     if args.json:
         doc = t.to_dict()
         doc["simulated"] = simulated
@@ -84,9 +80,8 @@ def text_report(t, simulated=None) -> str:
             f"({fmt_bytes(t.budget_bytes)}) per rank"
             + (f" = {o.gpu} × {o.mem_fraction:g} less weights {fmt_bytes(o.weights_bytes)}" if o.memory_bytes is None else "")
             + f"\nworkload: {prof.requests:,} requests over {prof.span_s:,.0f} s; context p50 {prof.context_p50:,}, "
-              f"p90 {prof.context_p90:,}, max {prof.context_max:,} tokens; {prof.peak_in_flight} running at the peak "
-              + ("(simulated, kvatlas's default flags)" if prof.peak_measured else
-                 f"({prof.mean_in_flight:.1f} on average) if none waited, under the time model; --simulate measures it"))
+              f"p90 {prof.context_p90:,}, max {prof.context_max:,} tokens; {prof.peak_in_flight:,} running at the peak, "
+              f"{prof.mean_in_flight:.1f} on average (prefilling or decoding; a fluid model under the time model)")
     parts = [head]
     ctxs = sorted(t.engines[0].tuned.requests_at)
     for e in t.engines:
