@@ -23,10 +23,10 @@ def _build(flags, budget, **kw):
 
 def test_pools_built_with_the_tuned_flags_hold_the_predicted_capacity(plugins_loaded):
     reqs, _ = read_trace(HEAD)
-    t = tune("deepseek-v4-flash", profile(reqs), memory_bytes=16 * GIB)
+    t = tune("deepseek-v4-flash", profile(reqs), tp=4)   # the KV budget of one H200 at TP 4, weights from the config
     e = t.engine("sglang")
     for setting, extra in ((e.tuned, {"context_length": e.tuned.flags["--context-length"]}), (e.default, {})):
-        alloc = _build(setting.flags, 16 * GIB, **extra).pools.token_to_kv_pool_allocator
+        alloc = _build(setting.flags, t.budget_bytes, **extra).pools.token_to_kv_pool_allocator
         assert alloc.full_available_size() == setting.reported["max_total_num_tokens"] == setting.token_capacity
         assert alloc.swa_available_size() == setting.reported["swa_tokens"]
     assert e.tuned.token_capacity > e.default.token_capacity
