@@ -116,14 +116,14 @@ def _vec(name, n, stored, count, where, split="none", param=True) -> Tensor:
 
 def _layer_tensors(model, a: WeightArch, prefix: str, kinds: list[int], hash_layers: int, where: str) -> list[Tensor]:
     """The tensors of the decoder blocks whose compress ratios are `kinds` (one entry per block)."""
-    d, hd, h = model.hidden_size, model.head_dim, model.num_attention_heads
+    return (_attention(model, a, prefix, kinds, where) + _compressors(model, prefix, kinds, where)
+            + _ffn(model, a, prefix, len(kinds), hash_layers, where))
+
+
+def _attention(model, a: WeightArch, p: str, kinds: list[int], where: str) -> list[Tensor]:
+    d, hd, h, n = model.hidden_size, model.head_dim, model.num_attention_heads, len(kinds)
     fp8 = "fp8" if a.fp8_block else "bf16"
-    n, c4, c128 = len(kinds), kinds.count(4), kinds.count(128)
-    ih, ihd = model.index_n_heads, model.index_head_dim
     hc = a.hc_mult * (2 + a.hc_mult)
-    inter, e = a.moe_intermediate_size, a.n_routed_experts
-    expert = {"fp4": "fp4", "fp8": "fp8", "bf16": "bf16"}[a.expert_dtype]
-    p = prefix
     out = [
         _vec(f"{p}.attn_norm", d, "bf16", n, where), _vec(f"{p}.ffn_norm", d, "bf16", n, where),
         _linear(f"{p}.attn.wq_a", a.q_lora_rank, d, fp8, "none", n, where),
@@ -134,38 +134,52 @@ def _layer_tensors(model, a: WeightArch, prefix: str, kinds: list[int], hash_lay
         _linear(f"{p}.attn.wo_a", a.o_groups * a.o_lora_rank, h * hd // a.o_groups, fp8, "out", n, where),
         _linear(f"{p}.attn.wo_b", d, a.o_groups * a.o_lora_rank, fp8, "in", n, where),
         _vec(f"{p}.attn.attn_sink", h, "fp32", n, where, split="out"),
-        _linear(f"{p}.hc_attn_fn", hc, a.hc_mult * d, "fp32", "none", n, where),
-        _vec(f"{p}.hc_attn_base", hc, "fp32", n, where), _vec(f"{p}.hc_attn_scale", 3, "fp32", n, where),
-        _linear(f"{p}.hc_ffn_fn", hc, a.hc_mult * d, "fp32", "none", n, where),
-        _vec(f"{p}.hc_ffn_base", hc, "fp32", n, where), _vec(f"{p}.hc_ffn_scale", 3, "fp32", n, where),
+    ]
+    for block in ("attn", "ffn"):   # the hyper-connection mixers around each sub-block
+        out += [_linear(f"{p}.hc_{block}_fn", hc, a.hc_mult * d, "fp32", "none", n, where),
+                _vec(f"{p}.hc_{block}_base", hc, "fp32", n, where), _vec(f"{p}.hc_{block}_scale", 3, "fp32", n, where)]
+    c4 = kinds.count(4)
+    if c4:
+        q = f"{p}.attn.indexer"
+        ih, ihd = model.index_n_heads, model.index_head_dim
+        out += [_linear(f"{q}.wq_b", ih * ihd, a.q_lora_rank, fp8, "none", c4, where),
+                _linear(f"{q}.weights_proj", ih, d, "bf16", "none", c4, where)]
+    return out
+
+
+def _compressors(model, p: str, kinds: list[int], where: str) -> list[Tensor]:
+    """C4 layers compress twice (the KV, over overlapping windows: two halves; the indexer keys),
+    C128 layers once."""
+    d, hd, ihd = model.hidden_size, model.head_dim, model.index_head_dim
+    out = []
+    for name, ratio, count, width, coff in ((f"{p}.attn.compressor[4]", 4, kinds.count(4), hd, 2),
+                                            (f"{p}.attn.compressor[128]", 128, kinds.count(128), hd, 1),
+                                            (f"{p}.attn.indexer.compressor", 4, kinds.count(4), ihd, 2)):
+        if count:
+            out += [_linear(f"{name}.wkv", coff * width, d, "bf16", "none", count, where),
+                    _linear(f"{name}.wgate", coff * width, d, "bf16", "none", count, where),
+                    _linear(f"{name}.ape", ratio, coff * width, "fp32", "none", count, where),
+                    _vec(f"{name}.norm", width, "bf16", count, where)]
+    return out
+
+
+def _ffn(model, a: WeightArch, p: str, n: int, hash_layers: int, where: str) -> list[Tensor]:
+    d, inter, e = model.hidden_size, a.moe_intermediate_size, a.n_routed_experts
+    fp8 = "fp8" if a.fp8_block else "bf16"
+    shared = inter * a.n_shared_experts
+    return [
         _linear(f"{p}.ffn.gate", e, d, "bf16", "none", n, where),
-        _linear(f"{p}.ffn.shared_experts.w1", inter * a.n_shared_experts, d, fp8, "out", n, where),
-        _linear(f"{p}.ffn.shared_experts.w3", inter * a.n_shared_experts, d, fp8, "out", n, where),
-        _linear(f"{p}.ffn.shared_experts.w2", d, inter * a.n_shared_experts, fp8, "in", n, where),
-        _linear(f"{p}.ffn.experts.w1", inter, d, expert, "expert", n * e, where),
-        _linear(f"{p}.ffn.experts.w3", inter, d, expert, "expert", n * e, where),
-        _linear(f"{p}.ffn.experts.w2", d, inter, expert, "expert", n * e, where),
+        _linear(f"{p}.ffn.shared_experts.w1", shared, d, fp8, "out", n, where),
+        _linear(f"{p}.ffn.shared_experts.w3", shared, d, fp8, "out", n, where),
+        _linear(f"{p}.ffn.shared_experts.w2", d, shared, fp8, "in", n, where),
+        _linear(f"{p}.ffn.experts.w1", inter, d, a.expert_dtype, "expert", n * e, where),
+        _linear(f"{p}.ffn.experts.w3", inter, d, a.expert_dtype, "expert", n * e, where),
+        _linear(f"{p}.ffn.experts.w2", d, inter, a.expert_dtype, "expert", n * e, where),
         # the router's buffers: hash layers keep a token → expert table, the others a bias
         _linear(f"{p}.ffn.gate.tid2eid", a.vocab_size, a.num_experts_per_tok, "int64", "none", hash_layers, where,
                 param=False),
         _vec(f"{p}.ffn.gate.bias", e, "fp32", n - hash_layers, where, param=False),
     ]
-    for ratio, count, coff in ((4, c4, 2), (128, c128, 1)):   # C4 windows overlap: two halves
-        if count:
-            q = f"{p}.attn.compressor[{ratio}]"
-            out += [_linear(f"{q}.wkv", coff * hd, d, "bf16", "none", count, where),
-                    _linear(f"{q}.wgate", coff * hd, d, "bf16", "none", count, where),
-                    _linear(f"{q}.ape", ratio, coff * hd, "fp32", "none", count, where),
-                    _vec(f"{q}.norm", hd, "bf16", count, where)]
-    if c4:
-        q = f"{p}.attn.indexer"
-        out += [_linear(f"{q}.wq_b", ih * ihd, a.q_lora_rank, fp8, "none", c4, where),
-                _linear(f"{q}.weights_proj", ih, d, "bf16", "none", c4, where),
-                _linear(f"{q}.compressor.wkv", 2 * ihd, d, "bf16", "none", c4, where),
-                _linear(f"{q}.compressor.wgate", 2 * ihd, d, "bf16", "none", c4, where),
-                _linear(f"{q}.compressor.ape", 4, 2 * ihd, "fp32", "none", c4, where),
-                _vec(f"{q}.compressor.norm", ihd, "bf16", c4, where)]
-    return out
 
 
 def tensors(model, layers=None, *, first: bool = True, last: bool = True, mtp: bool = True) -> list[Tensor]:
