@@ -95,7 +95,8 @@ def text_report(t, simulated=None) -> str:
     if simulated:
         rows = [[k.replace("_", " "), _v(simulated["default"][k]), _v(simulated["tuned"][k])] for k in simulated["tuned"]]
         parts.append(render(["", "default", "tuned"], rows, title="kvatlas simulated on this workload (bookkeeping "
-                            "backend): prefix hits and queueing") + f"\ntime model: {t.pace}")
+                            "backend): prefix hits and queueing") + f"\ntime model: a pass = {t.pace.pass_s * 1e3:g} ms + {t.pace.prefill_s_per_token * 1e6:g} µs × prefill "
+                     f"tokens + {t.pace.decode_s_per_token * 1e6:g} µs × decode tokens (hit tokens are not prefilled)")
     return "\n\n".join(parts)
 
 
