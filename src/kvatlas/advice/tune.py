@@ -23,7 +23,9 @@ Every figure comes from the byte-exact engine models `compare` uses (`kvatlas.en
   request prefills (`ScheduleBatch.maybe_evict_swa` evicts in extend mode only without prefix
   sharing); the prefill's SWA only becomes evictable in the tree, newer than every other
   request's tail, so a pool smaller than the prompt evicts the tails other sessions resume from;
-- resume points: kvatlas keeps `--prefix-checkpoints` worth an eighth of the budget; vLLM's
+- resume points: kvatlas keeps `--prefix-checkpoints` worth a quarter of the budget (the share its
+  prefix cache was calibrated with on the Mooncake trace: 90–97% of the hit ceiling at 64–120 GiB
+  with requests taken one after another); vLLM's
   `--prefix-cache-retention-interval` takes the spacing kvatlas's policy fits to that many points.
 """
 
@@ -46,7 +48,7 @@ TUNE_SCHEMA = "kvatlas.tune"
 TUNE_SCHEMA_VERSION = 1
 CHUNKS = (2048, 4096, 8192, 16384)
 BURST = 1.25
-CHECKPOINT_SHARE = 1 / 8
+CHECKPOINT_SHARE = 1 / 4   # the prefix cache's calibration (bench/RESULTS.md, issue 12): 90-97% of the ceiling at 64-120 GiB
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -277,7 +279,8 @@ def advise_kvatlas(model, base: ServeOptions, budget: int, t: dict, ctxs) -> Eng
     flags = {"--max-running-requests": t["running"], "--chunked-prefill-tokens": t["chunk"],
              "--max-model-len": mml, "--prefix-checkpoints": t["checkpoints"], "--memory": f"{budget}"}
     tuned = _kvatlas(model, opts, budget, ctxs, flags)
-    why = (f"--prefix-checkpoints {t['checkpoints']:,}: resume points worth an eighth of the budget; its policy then "
+    why = (f"--prefix-checkpoints {t['checkpoints']:,}: resume points worth a quarter of the budget (its prefix "
+           "cache's calibration share); its policy then "
            f"keeps one every {t['spacing_pages']} pages besides request ends and divergence points",
            f"--max-running-requests {t['running']}: the workload's peak of requests prefilling or decoding, "
            "+25%; a slot's fixed state is reserved up front",
