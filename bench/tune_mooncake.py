@@ -30,6 +30,8 @@ def main() -> None:
     ap.add_argument("--trace", required=True)
     ap.add_argument("--tp", type=int, default=4)
     ap.add_argument("--no-simulate", action="store_true")
+    ap.add_argument("--sequential", action="store_true", help="also replay the trace one request after another "
+                    "through the tuned plan's prefix cache (bench/prefix_hit.py's replay, SPEC §8's calibration)")
     args = ap.parse_args()
     reqs, _ = read_trace(args.trace)
     tm = default_time_model()
@@ -43,6 +45,17 @@ def main() -> None:
         tuned = measure(t.kvatlas_plan("tuned"), reqs, tm)
         out["simulated"] = {"default": default.to_dict(), "tuned": tuned.to_dict(),
                             "wall_s": time.perf_counter() - w}
+    if args.sequential:
+        import sys
+        from pathlib import Path
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from prefix_hit import load, simulate
+        trace = load(Path(args.trace))
+        r = simulate(t.kvatlas_plan("tuned"), "kvatlas", trace)
+        blocks = sum(-(-prompt // 512) for prompt, _, _ in trace)
+        out["sequential"] = {"hit_ratio_blocks": r["hit_blocks"] / blocks, "hit_blocks": r["hit_blocks"],
+                             "blocks": blocks, "evicted_pages": r["evicted_pages"],
+                             "evicted_checkpoints": r["evicted_checkpoints"], "seconds": r["seconds"]}
     out["engines"] = [{"engine": e.engine, "command": e.command(),
                        "default_capacity": e.default.token_capacity, "tuned_capacity": e.tuned.token_capacity,
                        "capacity_ratio": e.capacity_ratio,
