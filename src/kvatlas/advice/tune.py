@@ -178,7 +178,7 @@ def advise_sglang(model, base: ServeOptions, budget: int, t: dict, ctxs) -> Engi
     default = _sglang(model, base, budget, {}, ctxs, {"--swa-full-tokens-ratio": sg.DEFAULT_SWA_RATIO,
                       "--max-running-requests": base.max_running_requests,
                       "--chunked-prefill-size": base.chunked_prefill_tokens,
-                      "--mem-fraction-static": base.mem_fraction})
+                      "--mem-fraction-static": "its own"})
     opts = replace(base, max_running_requests=t["running"], chunked_prefill_tokens=t["chunk"],
                    max_model_len=t["max_model_len"])
     need = sglang_swa_need(model, opts, budget, t["prompt_max"])
@@ -194,7 +194,8 @@ def advise_sglang(model, base: ServeOptions, budget: int, t: dict, ctxs) -> Engi
            f"leaves {default.token_capacity:,} full tokens",
            f"--max-running-requests {t['running']}: the workload's peak of requests prefilling or decoding, "
            "+25%; each request slot costs C128 state whether used or not",
-           f"--mem-fraction-static {base.mem_fraction:g}: the share the budget was made from (weights + KV)")
+           f"--mem-fraction-static {base.mem_fraction:g}: the share the budget was made from (weights + KV); SGLang "
+           "picks its own default from the GPU and the parallelism, and both columns here use the same KV budget")
     return EngineAdvice(engine=sg.ENGINE, default=default, tuned=tuned, why=why)
 
 
