@@ -420,7 +420,7 @@ def test_stdout_that_cannot_be_written_is_one_line(how):
 
 
 def test_broken_pipe_is_quiet():
-    proc = subprocess.Popen([sys.executable, "-m", "kvatlas", "compare", "--json"], stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-m", "kvatlas", "compare", "--tp", "4", "--json"], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE)
     proc.stdout.close()   # the reader is gone before the first write: `| head -0`
     err = proc.stderr.read().decode()
@@ -434,7 +434,7 @@ def test_unexpected_error_is_one_line_naming_the_bug(monkeypatch, capsys, tmp_pa
 
     ns = {}
     fake = tmp_path / "kvatlas" / "tests" / "helper.py"
-    exec(compile("def boom(p):\n    raise ZeroDivisionError('division by zero')\n", str(fake), "exec"), ns)
+    exec(compile("def boom(p, **_):\n    raise ZeroDivisionError('division by zero')\n", str(fake), "exec"), ns)
     boom = ns["boom"]
     monkeypatch.setattr(plan_cli, "text_report", boom)
     assert main(["plan", *TINY]) == 1

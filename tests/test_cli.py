@@ -4,6 +4,7 @@ import sys
 
 import pytest
 
+import kvatlas
 from kvatlas.cli import main
 
 
@@ -12,9 +13,36 @@ def run_cli(*args):
 
 
 def test_plan_default_table(capsys):
-    assert main(["plan"]) == 0
+    assert main(["plan", "--tp", "4"]) == 0
     out = capsys.readouterr().out
     assert "deepseek-v4-flash" in out and "c4_kv" in out and "3,899.25 B" in out
+    # the budget is the GPU's share less the weights the config implies for one of 4 ranks
+    assert "weights 40,924,052,296 B (38.11 GiB) per rank from the config" in out
+    assert "leaves 94,755,285,790 B (88.25 GiB) of KV budget" in out
+
+
+def test_plan_on_one_gpu_says_the_weights_do_not_fit(capsys):
+    assert main(["plan"]) == 2   # V4-Flash's 159.6 GB checkpoint exceeds 0.9 of one H200
+    err = capsys.readouterr().err
+    assert "weights take 159,609,485,896 B per rank" in err and "use --tp 2" in err
+
+
+def test_plan_fit_smallest_budget_and_running_requests(capsys):
+    assert main(["plan", "--fit", "8x128K,32x4K", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    fit = doc["fit"]
+    assert fit["kind"] == "smallest_budget" and fit["budget_bytes"] == doc["total_bytes"] == doc["budget_bytes"]
+    assert doc["options"]["max_running_requests"] == 40 and doc["options"]["max_model_len"] == 131072
+    p = kvatlas.plan("deepseek-v4-flash", fit["budget_bytes"], max_running_requests=40, max_model_len=131072)
+    assert p.num_full_pages - 1 == 8 * 512 + 32 * 16   # exactly the pages the mix fills
+    q = kvatlas.plan("deepseek-v4-flash", fit["budget_bytes"] - 1, max_running_requests=40, max_model_len=131072)
+    assert q.num_full_pages - 1 < 8 * 512 + 32 * 16   # one byte less cannot hold them
+    assert main(["plan", "--memory", "120GiB", "--fit", "128K"]) == 0
+    out = capsys.readouterr().out
+    assert "for 131,072-token contexts in 120.00 GiB per rank: --max-running-requests 242" in out
+    p = kvatlas.plan("deepseek-v4-flash", "120GiB", max_running_requests=242)
+    assert p.concurrency_in_plan(131072) == 242
+    assert kvatlas.plan("deepseek-v4-flash", "120GiB", max_running_requests=243).concurrency_in_plan(131072) < 243
 
 
 def test_plan_json_schema(capsys):

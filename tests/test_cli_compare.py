@@ -85,3 +85,20 @@ def test_plot(tmp_path, capsys):
 def test_bad_engine_options_exit_2(args, text):
     res = run_cli("compare", "--memory", "120GiB", *args)
     assert res.returncode == 2 and text in res.stderr and "Traceback" not in res.stderr
+
+
+def test_verdicts_one_line_per_engine_before_the_tables(capsys):
+    from kvatlas.cli import main
+    assert main(["compare", "--memory", "120GiB"]) == 0
+    out = capsys.readouterr().out
+    lines = out[out.index("verdicts\n"):out.index("\nmemory")].strip().splitlines()[1:]
+    assert len(lines) == 4 and out.index("verdicts") < out.index("capacity (same budget")
+    assert lines[1] == ("- sglang 0.5.23 [ratio 0.1 (default)]: holds 17,798,400 tokens, kvatlas 1.78× that; its "
+                        "max_total_num_tokens (17,798,400 tokens) is the truth, its memory gauge reads 0 B of "
+                        "130,082,784,840 B; 12,822,592 B (12.23 MiB) over its budget, 1.14 GiB beside it, "
+                        "28,814,784 B unreachable")
+    assert "GPU KV cache size says 12,507,513 tokens, 0.42× the 29,504,512 it holds" in lines[3]
+    assert "memory gauge is exact; within its budget" in lines[0]
+    assert main(["compare", "--memory", "120GiB", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["verdicts"] == [l[2:] for l in lines] == [e["verdict"] for e in doc["engines"]]

@@ -25,6 +25,7 @@ COMMANDS = {
     "alloc": ("kvatlas.cli.alloc", "allocate a plan for real and print its ledger"),
     "serve": ("kvatlas.cli.serve", "drive a real cache with a workload live, serving /metrics, /state and /healthz"),
     "simulate": ("kvatlas.cli.simulate", "run a workload offline through a real cache; plot memory over time"),
+    "tune": ("kvatlas.cli.tune", "the flags to start SGLang, vLLM and kvatlas with for a workload, and what they hold"),
     "audit": ("kvatlas.cli.audit", "SGLang's own DeepSeek-V4 pools built offline (--sglang): every buffer mapped"),
     "observe": ("kvatlas.cli.observe", "the Grafana dashboard, Prometheus rules and alerts, and JSON Schemas kvatlas ships"),
 }

@@ -51,6 +51,34 @@ def number(low: float = 0.0, high: float = math.inf, open_low: bool = False):
     return parse
 
 
+_TOKEN_UNITS = {"": 1, "k": 2**10, "m": 2**20}
+
+
+def parse_tokens(text: str, field: str) -> int:
+    """A token count: 131072, 128K (×1,024) or 1M (×1,048,576)."""
+    body = text.strip().lower()
+    unit = body[-1:] if body[-1:] in ("k", "m") else ""
+    digits = body[: len(body) - len(unit)]
+    if not digits.isdigit() or len(digits) > 12 or int(digits) == 0:
+        raise ConfigError(field, f"{_quote(text)} is not a token count",
+                          "give a whole number of tokens above 0, e.g. 131072, 128K or 1M")
+    return int(digits) * _TOKEN_UNITS[unit]
+
+
+def parse_mix(text: str, field: str) -> list[tuple[int | None, int]]:
+    """"8x128K,32x4K" → [(8, 131072), (32, 4096)]; a part without a count ("128K") → (None, 131072)."""
+    out = []
+    for part in text.split(","):
+        count_text, _, ctx_text = part.strip().rpartition("x")
+        if count_text and not (count_text.isdigit() and 0 < int(count_text) <= MAX_COUNT):
+            raise ConfigError(field, f"{_quote(part)} does not start with a request count",
+                              "write REQUESTSxCONTEXT, e.g. 8x128K, or a bare context such as 128K")
+        out.append((int(count_text) if count_text else None, parse_tokens(ctx_text, field)))
+    if not out:
+        raise ConfigError(field, f"{_quote(text)} names nothing to fit", "give e.g. 8x128K or 8x128K,32x4K")
+    return out
+
+
 def _quote(text: str) -> str:
     r = repr(text)
     return r if len(r) <= 40 else r[:30] + "…" + r[-6:]
@@ -101,7 +129,8 @@ def add_deployment_args(p: argparse.ArgumentParser) -> None:
                    "the budget must fit it (compare: also the GPU the engines run on; default h200)")
     g.add_argument("--mem-fraction", type=number(0.0, 1.0, open_low=True),
                    help="share of the GPU for weights + KV (default 0.9)")
-    g.add_argument("--weights", help="the weights' share of one rank's GPU memory, e.g. 40GiB (default 0)")
+    g.add_argument("--weights", help="the weights' share of one rank's GPU memory, e.g. 40GiB, or auto (default "
+                   "without --memory: from the config's shapes and quantization, split over --tp/--pp); not with --memory")
     g = p.add_argument_group("cache layout")
     g.add_argument("--layout", dest="kv_layout", help="v4 (fp8_ds_mla, default), bf16, uniform-fp8, unified-bf16, "
                    "unified-fp8; V4.1: v4.1 (default), v4.1-bf16")
@@ -146,7 +175,8 @@ def gpu_of(args) -> str:
 
 def options_from_args(args) -> dict:
     """The serving options the command line gives; the budget's parts only where typed, so a
-    part that would be ignored beside --memory is refused, never dropped."""
+    part that would be ignored beside --memory is refused, never dropped. Without --memory the
+    weights default to auto: derived from the config (planning.weights)."""
     out = {
         "kv_layout": args.kv_layout, "indexer": args.indexer, "state_dtype": args.state_dtype,
         "online_c128": args.online_c128, "page_tokens": args.page_tokens, "swa_page_tokens": args.swa_page_tokens,
@@ -158,7 +188,10 @@ def options_from_args(args) -> dict:
         "memory_bytes": parse_bytes(args.memory, "--memory") if args.memory is not None else None,
     }
     if args.weights is not None:
-        out["weights_bytes"] = parse_bytes(args.weights, "--weights") if args.weights.strip() != "0" else 0
+        w = args.weights.strip()
+        out["weights_bytes"] = "auto" if w == "auto" else 0 if w == "0" else parse_bytes(args.weights, "--weights")
+    elif args.memory is None:
+        out["weights_bytes"] = "auto"
     for key, value in (("gpu", args.gpu), ("mem_fraction", args.mem_fraction)):
         if value is not None:
             out[key] = value

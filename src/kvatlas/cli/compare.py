@@ -6,6 +6,7 @@ import json
 
 from ..engines import DEFAULT_LINEUP, compare
 from ..engines.base import TABLE_CONTEXTS
+from ..engines.verdict import verdict
 from ..observing.progress import Bar, wanted
 from ..observing.table import render
 from ..units import fmt_bytes
@@ -78,7 +79,9 @@ def to_dict(results, base, gpu: str) -> dict:
     first = results[0]
     return {"schema": "kvatlas.compare", "schema_version": SCHEMA_VERSION, "model": first.model,
             "budget_bytes": first.budget_bytes, "gpu": gpu, "contexts": list(TABLE_CONTEXTS),
-            "engines": [{**r.to_dict(), "kvatlas_token_ratio": token_ratio(base, r)} for r in results]}
+            "verdicts": [verdict(r, base) for r in results],
+            "engines": [{**r.to_dict(), "kvatlas_token_ratio": token_ratio(base, r), "verdict": verdict(r, base)}
+                        for r in results]}
 
 
 def _signed(n: int) -> str:
@@ -145,7 +148,8 @@ def text_report(results, base, gpu: str = "h200") -> str:
         cap += ("\nkvatlas re-planned for one context (max running set to fit it): "
                 + ", ".join(f"{c} {planned[n]:,}" for c, n in zip(ctx, TABLE_CONTEXTS)))
     notes = [f"- {_name(r)}: {n}" for r in results for n in r.notes]
-    parts = [head, memory, cap, rep]
+    verdicts = "verdicts\n" + "\n".join(f"- {verdict(r, base)}" for r in results)
+    parts = [head, verdicts, memory, cap, rep]
     if notes:
         parts.append("notes\n" + "\n".join(notes))
     return "\n\n".join(parts)

@@ -6,29 +6,59 @@ import json
 
 from ..planning.capacity import capacity, plan_to_dict
 from ..observing.table import render
+from ..errors import ConfigError
 from ..units import fmt_bytes
-from .common import add_deployment_args, check_output_file, plan_from_args
+from .common import add_deployment_args, check_output_file, options_from_args, parse_mix, plan_from_args
 
 
 def add_parser(p) -> None:
     add_deployment_args(p)
+    p.add_argument("--fit", metavar="NxCTX[,NxCTX]", help="the inverse: 8x128K (or a mix, 8x128K,32x4K) plans the "
+                   "smallest budget that holds them at once; a bare context (128K) gives, for the budget, the "
+                   "--max-running-requests that holds that context")
     p.add_argument("--json", action="store_true", help="print the plan as JSON (schema kvatlas.plan v1)")
     p.add_argument("--plot", metavar="FILE.png", help="also draw memory by pool and concurrency vs context")
 
 
 def run(args) -> int:
     check_output_file("--plot", args.plot)
-    p = plan_from_args(args)
-    if args.json:
-        print(json.dumps(plan_to_dict(p), indent=2))
+    fit = parse_mix(args.fit, "--fit") if args.fit else None
+    if fit and all(n is not None for n, _ in fit):
+        p = _smallest(args, fit)
+        lines = [fit_line(p, fit)]
     else:
-        print(text_report(p))
+        p = plan_from_args(args)
+        lines = [] if fit is None else _running_for(p, fit)
+    if args.json:
+        doc = plan_to_dict(p)
+        if fit:
+            doc["fit"] = _fit_dict(p, fit)
+        print(json.dumps(doc, indent=2))
+    else:
+        print("\n".join(lines + [text_report(p, sized=bool(fit) and fit[0][0] is not None)]))
     if args.plot:
         from ..observing.plan_plot import plot_plan
         plot_plan(p, args.plot)
         if not args.json:
             print(f"\nplot written to {args.plot}")
     return 0
+
+
+def weights_line(p) -> str:
+    """Where the budget came from: the GPU's share, less the weights (from the config, or given)."""
+    from ..planning.options import GPU_MEMORY_BYTES
+    o = p.options
+    share = int(GPU_MEMORY_BYTES[o.gpu] * o.mem_fraction)
+    if o.weights_from_config:
+        w = o.auto_weights(p.model, o)
+        parts = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in sorted(w.by_part.items(), key=lambda kv: -kv[1]))
+        return (f"weights {o.weights_bytes:,} B ({fmt_bytes(o.weights_bytes)}) per rank from the config ({parts}); "
+                f"{o.gpu} × {o.mem_fraction:g} = {share:,} B less the weights leaves {p.budget_bytes:,} B "
+                f"({fmt_bytes(p.budget_bytes)}) of KV budget\nassumes: " + "; ".join(w.assumptions))
+    if o.weights_bytes == 0:
+        return "note: no weights share (--weights 0); the whole GPU fraction is counted as KV budget"
+    return (f"weights {o.weights_bytes:,} B per rank (given); {o.gpu} × {o.mem_fraction:g} = {share:,} B less the "
+            f"weights leaves {p.budget_bytes:,} B of KV budget")
 
 
 def pool_rows(p) -> list[list]:
@@ -42,15 +72,16 @@ def pool_rows(p) -> list[list]:
     return rows
 
 
-def text_report(p) -> str:
+def text_report(p, sized: bool = False) -> str:
+    """The plan as text; `sized`: the budget is the one the plan was sized to (the inverse)."""
     o, cap = p.options, capacity(p)
     head = (f"kvatlas plan — {p.model.name} ({p.model.family}), layout {o.kv_layout}, indexer {o.indexer}, "
             f"state {o.state_dtype}{' online-C128' if o.online_c128 else ''}\n"
             f"budget {fmt_bytes(p.budget_bytes)} ({p.budget_bytes:,} B) per rank; tp={o.tp} pp={o.pp} dp={o.dp}"
             f" (stage {o.pp_rank}: {len(p.layers)} layers); max running {p.max_running_requests}; "
             f"max_model_len {o.max_model_len:,}; chunk {o.chunked_prefill_tokens:,}; draft tokens {o.draft_tokens}")
-    if o.memory_bytes is None and o.weights_bytes == 0:
-        head += "\nnote: no weights share given (--weights); the whole GPU fraction is counted as KV budget"
+    if o.memory_bytes is None and not sized:
+        head += "\n" + weights_line(p)
     pools = render(["pool", "role", "kind", "layers", "units", "bytes", "", "share", "dead bytes"], pool_rows(p))
     total = (f"total {p.total_bytes:,} B ({fmt_bytes(p.total_bytes)}), unused budget {p.unused_bytes:,} B, "
              f"dead {cap.dead_bytes:,} B ({100 * cap.dead_share:.2f}% of the total)")
@@ -66,3 +97,56 @@ def text_report(p) -> str:
                     f"being saved by running requests and a prefill chunk) × {rp.bytes_each:,} B = {rp.total_bytes:,} B ({fmt_bytes(rp.total_bytes)}); they "
                     f"cost {rp.token_capacity_cost:,} tokens of capacity ({rp.tokens_without:,} without them)")
     return "\n\n".join([head, pools, total, figures, conc])
+
+
+def _smallest(args, fit):
+    from ..planning.planner import budget_for_mix
+    if any(n is None for n, _ in fit):
+        raise ConfigError("--fit", "mixes counted parts (8x128K) with bare contexts (128K)",
+                          "give every part a count to size a budget, or none to size max running requests")
+    opts = options_from_args(args)
+    opts.pop("memory_bytes")   # the budget is what is asked for
+    opts["weights_bytes"] = 0  # the KV budget alone; fit_line adds the weights to say what GPU share it is
+    opts.pop("max_running_requests")   # as many slots as requests in the mix
+    if opts["max_model_len"] is None:
+        opts.pop("max_model_len")      # the longest context of the mix
+    return budget_for_mix(args.model, fit, **opts)
+
+
+def fit_line(p, fit) -> str:
+    want = " + ".join(f"{n:,} × {ctx:,}" for n, ctx in fit)
+    o = p.options
+    line = (f"smallest budget for {want} tokens at once: {p.total_bytes:,} B ({fmt_bytes(p.total_bytes)}) per rank; "
+            f"start with --memory {p.total_bytes} --max-running-requests {o.max_running_requests} "
+            f"--max-model-len {o.max_model_len}")
+    if p.model.weights is not None:
+        from ..planning.options import GPU_MEMORY_BYTES
+        w = o.auto_weights(p.model, o).bytes
+        gpu = GPU_MEMORY_BYTES[o.gpu]
+        line += (f"\nwith the weights from the config ({w:,} B per rank at tp={o.tp} pp={o.pp}) that is "
+                 f"{w + p.total_bytes:,} B, {100 * (w + p.total_bytes) / gpu:.1f}% of one {o.gpu}")
+    return line
+
+
+def _running_for(p, fit) -> list[str]:
+    from ..planning.planner import max_concurrency
+    if any(n is not None for n, _ in fit):
+        raise ConfigError("--fit", "mixes counted parts (8x128K) with bare contexts (128K)",
+                          "give every part a count to size a budget, or none to size max running requests")
+    out = []
+    for _, ctx in fit:
+        n = max_concurrency(p, ctx)
+        out.append(f"for {ctx:,}-token contexts in {fmt_bytes(p.budget_bytes)} per rank: --max-running-requests {n:,} "
+                   f"(the most requests of that length this budget holds at once)" if n else
+                   f"for {ctx:,}-token contexts in {fmt_bytes(p.budget_bytes)} per rank: not one request fits "
+                   f"(max_model_len {p.options.max_model_len:,}); raise --memory or --max-model-len")
+    return out
+
+
+def _fit_dict(p, fit) -> dict:
+    from ..planning.planner import max_concurrency
+    if all(n is not None for n, _ in fit):
+        return {"kind": "smallest_budget", "mix": [{"requests": n, "context_tokens": c} for n, c in fit],
+                "budget_bytes": p.total_bytes, "max_running_requests": p.max_running_requests}
+    return {"kind": "max_running_requests", "budget_bytes": p.budget_bytes,
+            "contexts": [{"context_tokens": c, "max_running_requests": max_concurrency(p, c)} for _, c in fit]}

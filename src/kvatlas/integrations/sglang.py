@@ -416,13 +416,15 @@ class Offline:
 
 
 def build_offline(model, memory_bytes, *, max_running_requests: int = 256, chunked_prefill_tokens: int = 8192,
-                  swa_mode: str = "ratio", context_length: int | None = None) -> Offline:
+                  swa_mode: str = "ratio", context_length: int | None = None,
+                  swa_ratio: float | None = None) -> Offline:
     """SGLang's own pools for `model` (a preset name, a config.json or a model directory) and a
     KV budget, built the way its scheduler builds them: its argument pipeline, its configurator
     (`config_from_budget`, the request count, the DSV4 sizes) and its `_init_pools`, on the CPU.
     `swa_mode="cap"` marks the SWA ratio as not given by the operator, the case SGLang's release
     comment describes (its V4 model override sets the ratio first, so a real launch is in ratio
-    mode). Publishes SGLang's runtime context in this process, as its scheduler does. The
+    mode). `swa_ratio` passes `--swa-full-tokens-ratio` (ratio mode). Publishes SGLang's runtime
+    context in this process, as its scheduler does. The
     pools' tensors come from `torch.empty` instead of `torch.zeros` while they are built, so a
     budget larger than this machine's memory is only reserved, never touched; sizes are unchanged.
     """
@@ -441,6 +443,7 @@ def build_offline(model, memory_bytes, *, max_running_requests: int = 256, chunk
                 "--max-running-requests", str(max_running_requests), "--chunked-prefill-size",
                 str(chunked_prefill_tokens), "--kv-cache-dtype", "fp8_e4m3"]
         argv += ["--context-length", str(context_length)] if context_length else []
+        argv += ["--swa-full-tokens-ratio", repr(swa_ratio)] if swa_ratio is not None else []
         from sglang.srt import runtime_context
         from sglang.srt.server_args import prepare_server_args
         args = prepare_server_args(argv)

@@ -82,6 +82,7 @@ def plan_to_dict(p: Plan, contexts=CONTEXTS) -> dict:
         "layers": [{"index": l.index, "kind": l.kind.value, "draft": l.is_draft,
                     "stores_compressed": l.stores_compressed} for l in p.layers],
         "budget_bytes": p.budget_bytes, "total_bytes": p.total_bytes, "unused_bytes": p.unused_bytes,
+        "weights": _weights(p),
         "units": dict(p.units),
         "capacity": {
             "max_total_tokens": cap.max_total_tokens, "max_running_requests": p.max_running_requests,
@@ -98,3 +99,16 @@ def plan_to_dict(p: Plan, contexts=CONTEXTS) -> dict:
         },
         "buffers": [b.to_dict() for b in p.buffers],
     }
+
+
+def _weights(p: Plan) -> dict | None:
+    """The weights beside the budget: None when the budget was given (--memory)."""
+    o = p.options
+    if o.memory_bytes is not None:
+        return None
+    out = {"bytes": o.weights_bytes, "from_config": o.weights_from_config, "gpu": o.gpu,
+           "mem_fraction": o.mem_fraction}
+    if o.weights_from_config:
+        w = o.auto_weights(p.model, o)
+        out.update(by_part=dict(w.by_part), assumptions=list(w.assumptions))
+    return out

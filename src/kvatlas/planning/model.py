@@ -9,6 +9,7 @@ import os
 
 from ..checks import MAX_COUNT
 from ..errors import ConfigError
+from .weights import WeightArch, arch_from_config
 
 
 class LayerKind(str, enum.Enum):
@@ -65,6 +66,7 @@ class ModelSpec:
     num_nextn_predict_layers: int
     kv_source_layer_ids: tuple[int, ...] = ()
     index_source_layer_ids: tuple[int, ...] = ()
+    weights: WeightArch | None = None   # what the weights need (V4 configs with MoE fields); None: unknown
 
     @property
     def nope_head_dim(self) -> int:
@@ -168,6 +170,8 @@ def model_from_config(cfg: dict, name: str = "custom") -> ModelSpec:
         sliding_window=window, max_position_embeddings=_need(cfg, "max_position_embeddings", where, 1),
         num_nextn_predict_layers=_need(cfg, "num_nextn_predict_layers", where, 0, 0),
         kv_source_layer_ids=sources, index_source_layer_ids=_ints(cfg, "index_source_layer_ids", where),
+        # V4.1's weights (engrams, shared KV sources) are another structure: not derived
+        weights=None if v41 else arch_from_config(cfg, where),
     )
 
 

@@ -20,7 +20,9 @@ class ServeOptions:
     memory_bytes: int | None = None       # KV budget per rank; None: gpu × mem_fraction − weights
     gpu: str = "h200"
     mem_fraction: float = 0.9
-    weights_bytes: int = 0                # the weights' share of one rank's memory
+    weights_bytes: int | str = 0          # the weights' share of one rank's memory; "auto": from the config
+                                          # (planning.weights), filled in by resolve() when memory is None
+    weights_from_config: bool = False     # set by resolve(): weights_bytes came from the config
     page_tokens: int = 256
     swa_page_tokens: int = 64             # SWA pages are smaller: a 128-token window in 256-token
                                           # pages holds 2 pages (512 tokens) per request
@@ -47,7 +49,7 @@ class ServeOptions:
             raise ConfigError(unknown[0], "is not a serving option", f"use one of {', '.join(sorted(known))}")
         if isinstance(kwargs.get("memory_bytes"), str):
             kwargs["memory_bytes"] = parse_bytes(kwargs["memory_bytes"], "memory_bytes")
-        if isinstance(kwargs.get("weights_bytes"), str):
+        if isinstance(kwargs.get("weights_bytes"), str) and kwargs["weights_bytes"] != "auto":
             kwargs["weights_bytes"] = parse_bytes(kwargs["weights_bytes"], "weights_bytes")
         opts = cls(**kwargs).validated()
         if opts.memory_bytes is not None:
@@ -57,7 +59,8 @@ class ServeOptions:
     def validated(self) -> "ServeOptions":
         _positive_int(self, "page_tokens", "swa_page_tokens", "max_running_requests", "chunked_prefill_tokens", "tp", "pp", "dp")
         _non_negative_int(self, "draft_tokens", "pp_rank", "prefix_checkpoints")
-        whole("weights_bytes", self.weights_bytes, 0, MAX_BYTES)
+        if self.weights_bytes != "auto":
+            whole("weights_bytes", self.weights_bytes, 0, MAX_BYTES)
         if self.memory_bytes is not None:
             whole("memory_bytes", self.memory_bytes, 1, MAX_BYTES)
         if self.max_model_len is not None:
@@ -104,17 +107,52 @@ class ServeOptions:
         max_len = self.max_model_len or model.max_position_embeddings
         _deployable(self, model, max_len)
         draft_layers = self.draft_tokens > 0 if self.draft_layers is None else self.draft_layers
-        return replace(self, kv_layout=kv_layout, indexer=self.indexer or lay.default_indexer,
-                       max_model_len=max_len, draft_layers=draft_layers)
+        out = replace(self, kv_layout=kv_layout, indexer=self.indexer or lay.default_indexer,
+                      max_model_len=max_len, draft_layers=draft_layers)
+        if self.weights_bytes == "auto":
+            # with a KV budget given the weights do not enter it; else the config says what they take
+            auto = self.memory_bytes is None
+            out = replace(out, weights_bytes=self.auto_weights(model, out).bytes if auto else 0,
+                          weights_from_config=auto)
+            if auto:
+                out._fits_beside_weights(model)
+        return out
+
+    def _fits_beside_weights(self, model) -> None:
+        """Refuse, naming the smallest tp that fits, a GPU share the weights fill."""
+        share = int(GPU_MEMORY_BYTES[self.gpu] * self.mem_fraction)
+        if self.weights_bytes < share:
+            return
+        fits = None
+        for tp in (2, 4, 8, 16, 32, 64):
+            try:
+                if tp > self.tp and self.auto_weights(model, replace(self, tp=tp)).bytes < share:
+                    fits = tp
+                    break
+            except ConfigError:   # this tp does not divide the heads or experts
+                continue
+        hint = f"use tp={fits} or more" if fits else "raise pp"
+        raise ConfigError("weights_bytes", f"{model.name}'s weights take {self.weights_bytes:,} B per rank at "
+                          f"tp={self.tp} pp={self.pp}, all of the {share:,} B that mem_fraction={self.mem_fraction:g} "
+                          f"gives on one {self.gpu}", f"{hint}, or give the KV budget as memory_bytes")
+
+    def auto_weights(self, model, resolved: "ServeOptions"):
+        """What one rank of this deployment holds in weights (planning.weights)."""
+        from .planner import rank_layers
+        from .weights import weights_per_rank
+        return weights_per_rank(model, resolved.tp, resolved.pp, resolved.pp_rank, rank_layers(model, resolved))
 
     def budget_bytes(self) -> int:
         if self.memory_bytes is not None:
             return self.memory_bytes
+        if self.weights_bytes == "auto":
+            raise ConfigError("weights_bytes", "'auto' is filled in from the model", "resolve the options first")
         usable = int(GPU_MEMORY_BYTES[self.gpu] * self.mem_fraction) - self.weights_bytes
         if usable <= 0:
-            raise ConfigError("weights_bytes", f"weights ({self.weights_bytes:,} B) leave nothing of the {self.gpu}'s "
-                              f"{self.mem_fraction:g} share ({int(GPU_MEMORY_BYTES[self.gpu] * self.mem_fraction):,} B)",
-                              "raise tp or pp (fewer weights per rank), lower weights_bytes, or give memory_bytes")
+            have = int(GPU_MEMORY_BYTES[self.gpu] * self.mem_fraction)
+            raise ConfigError("weights_bytes", f"weights of {self.weights_bytes:,} B per rank (tp={self.tp}, pp={self.pp}) "
+                              f"leave nothing of the {have:,} B that mem_fraction={self.mem_fraction:g} gives on one "
+                              f"{self.gpu}", "raise tp or pp (fewer weights per rank), lower weights_bytes, or give memory_bytes")
         return usable
 
     @property

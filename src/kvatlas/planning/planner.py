@@ -300,12 +300,32 @@ def budget_for(model: ModelSpec | str, num_requests: int, context_tokens: int, *
     """The inverse: the smallest plan that holds `num_requests` requests of `context_tokens` each."""
     whole("num_requests", num_requests, 1)
     whole("context_tokens", context_tokens, 1)
-    options.setdefault("max_running_requests", num_requests)
-    options.setdefault("max_model_len", context_tokens)
+    return budget_for_mix(model, [(num_requests, context_tokens)], **options)
+
+
+def budget_for_mix(model: ModelSpec | str, mix, **options) -> Plan:
+    """The smallest plan that holds every (requests, context tokens) pair of `mix` at once: as
+    many request slots as requests in all, max_model_len the longest context (unless given), and
+    exactly the full pages those requests fill."""
+    mix = list(mix) if isinstance(mix, (list, tuple)) else mix
+    if not isinstance(mix, list) or not mix:
+        raise ConfigError("mix", f"{mix!r} is not a list of (requests, context tokens)", "give e.g. [(8, 131072)]")
+    for item in mix:
+        if not isinstance(item, (list, tuple)) or len(item) != 2:
+            raise ConfigError("mix", f"{item!r} is not a (requests, context tokens) pair", "give e.g. (8, 131072)")
+        whole("num_requests", item[0], 1)
+        whole("context_tokens", item[1], 1)
+    options.setdefault("max_running_requests", sum(n for n, _ in mix))
+    options.setdefault("max_model_len", max(ctx for _, ctx in mix))
     model, opts = _resolve(model, options)
+    longest = max(ctx for _, ctx in mix)
+    if longest > opts.max_model_len:
+        raise ConfigError("context_tokens", f"{longest:,} is above max_model_len={opts.max_model_len:,}",
+                          "raise max_model_len or ask for shorter contexts")
     sizer = _Sizer(model, opts)
     requests = opts.running_requests_per_rank
-    pages = requests * cdiv(context_tokens, opts.page_tokens) if sizer.page_price else 0
+    # dp ranks share the requests: each rank holds its share of every context, rounded up
+    pages = sum(cdiv(n, opts.dp) * cdiv(ctx, opts.page_tokens) for n, ctx in mix) if sizer.page_price else 0
     total = sizer.total(requests, pages)
     return _build(sizer, total, requests, pages)
 

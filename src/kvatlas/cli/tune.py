@@ -1,0 +1,111 @@
+"""`kvatlas tune`: the flags to start SGLang 0.5.23, vLLM 0.33 and kvatlas with for a workload,
+and what each setting holds against the engine's defaults (kvatlas.advice). With --simulate, the
+workload also runs through kvatlas's own cache under its default and its tuned flags (the
+bookkeeping backend: no pool memory) for the prefix-hit ratio and the queueing."""
+
+from __future__ import annotations
+
+import json
+
+from ..observing.table import render
+from ..units import fmt_bytes, parse_bytes
+from .common import count, number
+from .drive import add_workload_args, requests_from_args, time_model
+
+ENGINES = ("sglang", "vllm", "kvatlas")
+
+
+def add_parser(p) -> None:
+    p.add_argument("model", nargs="?", default="deepseek-v4-flash",
+                   help="preset name, config.json or model directory (default: deepseek-v4-flash)")
+    g = p.add_argument_group("deployment")
+    g.add_argument("--gpu", default="h200", help="h200 (default), h100, h20 or b200")
+    g.add_argument("--tp", type=count(1), default=1, help="tensor parallelism: the weights split over it")
+    g.add_argument("--mem-fraction", type=number(0.0, 1.0, open_low=True),
+                   help="share of the GPU for weights + KV: SGLang's --mem-fraction-static, vLLM's "
+                        "--gpu-memory-utilization (default 0.9); not with --memory")
+    g.add_argument("--weights", help="the weights' share of one rank, or auto (default: from the config); "
+                   "not with --memory")
+    g.add_argument("--memory", help="the KV budget per rank instead (then the weights are not asked)")
+    g.add_argument("--engines", default=",".join(ENGINES), help=f"comma list of {', '.join(ENGINES)} (default all)")
+    add_workload_args(p)
+    p.add_argument("--simulate", action="store_true", help="also run the workload through kvatlas's cache with its "
+                   "default and its tuned flags: prefix-hit ratio and queueing (bookkeeping backend, no memory)")
+    p.add_argument("--json", action="store_true", help="print the advice as JSON (schema kvatlas.tune v1)")
+
+
+def run(args) -> int:
+    from ..advice import Pace, profile, tune
+    from ..errors import ConfigError
+    engines = tuple(e.strip() for e in args.engines.split(",") if e.strip())
+    bad = [e for e in engines if e not in ENGINES]
+    if not engines or bad:
+        raise ConfigError("--engines", f"{args.engines!r} names {'no engine' if not engines else bad[0]!r}",
+                          f"give a comma list of {', '.join(ENGINES)}")
+    if args.simulate and "kvatlas" not in engines:
+        raise ConfigError("--simulate", "runs kvatlas's cache, and kvatlas is not in --engines", "add kvatlas")
+    tm = time_model(args)
+    pace = Pace(pass_s=tm.pass_s, prefill_s_per_token=tm.prefill_s_per_token, decode_s_per_token=tm.decode_s_per_token)
+    requests = requests_from_args(args)
+    prof = profile(requests, pace)
+    memory = parse_bytes(args.memory, "--memory") if args.memory is not None else None
+    kw = dict(pace=pace, memory_bytes=memory, engines=engines, gpu=args.gpu, tp=args.tp)
+    if args.weights is not None:   # typed: beside --memory it is refused, never ignored
+        kw["weights_bytes"] = "auto" if args.weights.strip() == "auto" else parse_bytes(args.weights, "--weights")
+    if args.mem_fraction is not None:
+        kw["mem_fraction"] = args.mem_fraction
+    t = tune(args.model, prof, **kw)
+    simulated = None
+    if args.simulate:
+        simulated = {w: run_setting(t, w, requests, tm) for w in ("default", "tuned")}
+    if args.json:
+        doc = t.to_dict()
+        doc["simulated"] = simulated
+        print(json.dumps(doc, indent=2))
+    else:
+        print(text_report(t, simulated))
+    return 0
+
+
+def run_setting(t, which: str, requests, tm) -> dict:
+    """The workload through kvatlas's cache planned with its `which` ("default"/"tuned") flags."""
+    from ..driving.measure import measure
+    return measure(t.kvatlas_plan(which), requests, tm).to_dict()
+
+
+def _ctx(c: int) -> str:
+    return f"{c:,}"
+
+
+def text_report(t, simulated=None) -> str:
+    o, prof = t.options, t.profile
+    head = (f"kvatlas tune — {t.model.name} on {o.gpu}, tp={o.tp}, KV budget {t.budget_bytes:,} B "
+            f"({fmt_bytes(t.budget_bytes)}) per rank"
+            + (f" = {o.gpu} × {o.mem_fraction:g} less weights {fmt_bytes(o.weights_bytes)}" if o.memory_bytes is None else "")
+            + f"\nworkload: {prof.requests:,} requests over {prof.span_s:,.0f} s; context p50 {prof.context_p50:,}, "
+              f"p90 {prof.context_p90:,}, max {prof.context_max:,} tokens; {prof.peak_in_flight:,} running at the peak, "
+              f"{prof.mean_in_flight:.1f} on average (prefilling or decoding; a fluid model under the time model)")
+    parts = [head]
+    ctxs = sorted(t.engines[0].tuned.requests_at)
+    for e in t.engines:
+        rows = [[k, _v(e.default.flags.get(k, "-")), _v(v)] for k, v in e.tuned.flags.items()]
+        rows.append(["token capacity", f"{e.default.token_capacity:,}", f"{e.tuned.token_capacity:,} "
+                     f"({e.capacity_ratio:.2f}×)"])
+        rows += [[f"requests @{_ctx(c)}", f"{e.default.requests_at[c]:,}", f"{e.tuned.requests_at[c]:,}"] for c in ctxs]
+        rows += [[f"it logs {k}", _v(e.default.reported[k]), _v(v)] for k, v in e.tuned.reported.items()]
+        table = render(["", "default", "tuned"], rows, title=f"{e.engine}: {e.command()}")
+        parts.append(table + "\n" + "\n".join(f"- {w}" for w in e.why))
+    if simulated:
+        rows = [[k.replace("_", " "), _v(simulated["default"][k]), _v(simulated["tuned"][k])] for k in simulated["tuned"]]
+        parts.append(render(["", "default", "tuned"], rows, title="kvatlas simulated on this workload (bookkeeping "
+                            "backend): prefix hits and queueing") + f"\ntime model: a pass = {t.pace.pass_s * 1e3:g} ms + {t.pace.prefill_s_per_token * 1e6:g} µs × prefill "
+                     f"tokens + {t.pace.decode_s_per_token * 1e6:g} µs × decode tokens (hit tokens are not prefilled)")
+    return "\n\n".join(parts)
+
+
+def _v(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}" if v < 1 else f"{v:,.2f}"
+    if isinstance(v, int) and not isinstance(v, bool):
+        return f"{v:,}"
+    return str(v)

@@ -1,0 +1,76 @@
+"""The offline builder: vLLM 0.33's own planner and engine core, stood up on the CPU from a kvatlas
+preset. Its figures are vLLM's; they must agree with kvatlas's pure-Python model of that planner."""
+
+import pytest
+
+from kvatlas import load_model
+from kvatlas.engines import run_engine
+from kvatlas.errors import ConfigError
+
+GIB = 2**30
+
+
+@pytest.fixture(scope="module")
+def kv():
+    from kvatlas.integrations import vllm
+    return vllm
+
+
+@pytest.mark.parametrize("model,blocks", [("deepseek-v4-flash", 128_561), ("deepseek-v4-pro", 89_729)])
+def test_planner_figures_match_the_model_of_it(kv, model, blocks):
+    cfg, config = kv.kv_cache_config(model, 120 * GIB, max_model_len=1_048_576)
+    ours = run_engine("vllm", model, 120 * GIB, max_model_len=1_048_576)
+    assert cfg.num_blocks == blocks == ours.figures["num_blocks"]
+    assert config.cache_config.kv_cache_size_tokens == ours.reported.capacity_tokens
+    assert len(cfg.kv_cache_groups) == 5 and config.cache_config.block_size == 4   # the smallest group's
+    assert {t.block_stride for t in cfg.kv_cache_tensors} == {ours.figures["bytes_per_block"]}
+    # a group's page: the pages of its layers' caches, as the layer views lay them out in a block
+    pages = sorted((len(t.layers), t.layer_stride) for t in cfg.kv_cache_tensors)
+    group_pages = sorted(sum(n * s for n, s in pages_of) for pages_of in _group_tensors(cfg))
+    assert group_pages == sorted(g["page_bytes"] for g in ours.figures["groups"])
+
+
+def _group_tensors(cfg):
+    for group in cfg.kv_cache_groups:
+        names = set(group.layer_names)
+        yield [(len(t.layers), t.layer_stride) for t in cfg.kv_cache_tensors if names & set(t.layers)]
+
+
+def test_flash_log_line_is_the_issue_figure(kv):
+    _, config = kv.kv_cache_config("deepseek-v4-flash", 120 * GIB, max_model_len=1_048_576)
+    assert config.cache_config.kv_cache_size_tokens == 12_507_513
+
+
+def test_engine_runs_admission_prefill_decode_and_prefix_hits(kv):
+    eng = kv.build_engine("deepseek-v4-flash", 8 * GIB, max_model_len=65_536, max_num_seqs=8,
+                          max_num_batched_tokens=2048)
+    assert type(eng.scheduler).__name__ == "AsyncScheduler"
+    prompt = [7] * 5000
+    eng.set_sampler(lambda rid, i: 100 + i)
+    eng.add_request("a", prompt, max_tokens=4)
+    eng.run()
+    eng.add_request("b", prompt, max_tokens=4)
+    eng.run()
+    hits = sum(o.scheduler_stats.prefix_cache_stats.hits for o in eng.outputs if o.scheduler_stats)
+    assert hits >= 4096                       # b found a's full 256-token blocks
+    tokens = {}
+    for out in eng.outputs:
+        for o in out.outputs:
+            tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+    assert tokens == {"a": [100, 101, 102, 103], "b": [100, 101, 102, 103]}
+    assert not eng.has_requests()
+    assert eng.block_pool.get_num_free_blocks() == eng.kv_cache_config.num_blocks - 1   # all but the null block
+
+
+def test_unknown_option_is_named(kv):
+    with pytest.raises(ConfigError, match="max_num_seq"):
+        kv.EngineOptions.of(None, {"max_num_seq": 4})
+
+
+def test_v3_model_refused(kv, tmp_path):
+    import json
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"model_type": "deepseek_v3"}))
+    with pytest.raises(ConfigError):
+        kv.vllm_config(str(cfg))
+    assert load_model("deepseek-v4-flash").family == "v4"
