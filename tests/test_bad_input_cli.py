@@ -155,8 +155,10 @@ ROUND_TWO = [
     (["plan", "tiny-v4", "--gpu", "h100", "--memory", "200GiB"], ("--memory", "h100")),
     (["compare", "--gpu", "h20", "--memory", "120GiB"], ("--memory", "h20")),
     (["plan", "--weights", "40GiB", "--memory", "100GiB"], ("--weights", "--memory", "--gpu")),
-    (["plan", "--draft-tokens", "100000"], ("--draft-tokens 100000 makes it too big", "lower --draft-tokens to")),
-    (["plan", "--draft-tokens", "100000", "--chunked-prefill-tokens", "2000000000"], ("--draft-tokens", "together")),
+    (["plan", "--memory", "120GiB", "--draft-tokens", "100000"],
+     ("--draft-tokens 100000 makes it too big", "lower --draft-tokens to")),
+    (["plan", "--memory", "120GiB", "--draft-tokens", "100000", "--chunked-prefill-tokens", "2000000000"],
+     ("--draft-tokens", "together")),
     (["plan", "--memory", "1GiB"], ("lower --max-running-requests to 1 and --max-model-len to", "--memory")),
     (["alloc", *TINY, "--backend", "vmm"], ("--backend", "--device cuda")),
     (["simulate", *TINY, *HOST, "4TiB"], ("--host-memory", "available")),
@@ -413,7 +415,7 @@ def test_stdout_that_cannot_be_written_is_one_line(how):
     if how == "/dev/full" and not os.path.exists("/dev/full"):
         pytest.skip("no /dev/full here")
     with open(os.devnull if how == "closed" else how, "w") as out:
-        r = subprocess.run([sys.executable, "-m", "kvatlas", "plan", "--json"], stdout=out, stderr=subprocess.PIPE,
+        r = subprocess.run([sys.executable, "-m", "kvatlas", "plan", "--tp", "4", "--json"], stdout=out, stderr=subprocess.PIPE,
                            text=True, timeout=120, preexec_fn=(lambda: os.close(1)) if how == "closed" else None)
     assert r.returncode == 2, r.stderr
     assert r.stderr.count("\n") == 1 and r.stderr.startswith("kvatlas plan: error: stdout: ") and "Traceback" not in r.stderr

@@ -137,13 +137,16 @@ def checked(n_ids: int, prompt: int) -> np.ndarray:
     return np.concatenate((np.arange(min(n_ids // P * P, full)), np.arange(full, min(prompt, n_ids))))
 
 
-def _slip(rng, truth, prompt):
+def _slip(rng, truth, prompt_ids):
     """Finish-time ids and whether they contradict the prompt where it is checked (None: either)."""
+    prompt = len(prompt_ids)
     kind = rng.integers(6)
     if kind == 0:
         return truth, False
-    if kind == 1:   # a BOS the prompt did not have: every id moves
-        return np.concatenate(([6], truth)), bool(len(checked(len(truth) + 1, prompt))) or None
+    if kind == 1:   # a BOS the prompt did not have: every id moves (with 7 ids, it may still agree)
+        x = np.concatenate(([6], truth))
+        at = checked(len(x), prompt)
+        return x, bool(np.any(x[at] != prompt_ids[at]))
     if kind == 2:
         at = checked(len(truth), prompt)
         if not len(at):
@@ -206,7 +209,7 @@ def drive(seed) -> int:
         elif running:
             rid = list(running)[rng.integers(len(running))]
             truth, prompt, written = running[rid]
-            ids, wrong = _slip(rng, truth[:written + 1], prompt)
+            ids, wrong = _slip(rng, truth[:written + 1], truth[:prompt])
             slot = a.slot_of[rid]
             mine = {int(a.full_table[slot, i]): truth[i * P:(i + 1) * P].tobytes()
                     for i in range(int(a.full_shared[slot]), written // P)}

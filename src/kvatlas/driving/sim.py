@@ -2,8 +2,12 @@
 
 Each `step(now_s)` is one forward pass, the way an engine's scheduler loop makes it:
 1. requests whose arrival time has come join the waiting queue (FIFO);
-2. admission by `cache.can_admit` (exact: slots and full pages), in order; a request longer than
-   max_model_len can never run and is rejected, not retried;
+2. admission by `cache.can_admit` (exact: slots and full pages), in order, of the requests this
+   pass can start prefilling, as engines admit (SGLang's prefill adder, vLLM's scheduler): while
+   the pass's token budget, after the decode batch and the prompts already prefilling, has room.
+   A request waiting in the queue holds no memory; one admitted early would hold its reserved
+   pages through passes that cannot reach it, evicting the prefix cache to get them. A request
+   longer than max_model_len can never run and is rejected, not retried;
 3. one forward pass (`allocator.forward()`): decode first — every decoding request writes
    1 + draft tokens (capped by what it still has to generate) — then chunked prefill with what
    is left of the `chunked_prefill_tokens` budget, which bounds ALL new tokens of the pass
@@ -170,7 +174,7 @@ class Simulator:
     def step(self, now_s: float) -> None:
         self._arrive(now_s)
         with self.lock:
-            self._admit(now_s)
+            self._admit(now_s, self._prefill_room(now_s))
             blocked = self._restoring_until(now_s)
             if self.running and blocked is None:
                 with self.cache.allocator.forward():
@@ -237,8 +241,21 @@ class Simulator:
         self._next_sample_s = now_s + self.sample_s
         return True
 
-    def _admit(self, now_s: float) -> None:
-        while self.waiting:
+    def _prefill_room(self, now_s: float) -> int:
+        """Prompt tokens this pass can still take for requests not yet admitted: the token budget
+        less the decode batch's tokens and the prompts already prefilling (those whose restores
+        land later cannot take tokens this pass)."""
+        room = self.chunk - min(self.chunk, sum(min(1 + self.draft_tokens, x.req.output_tokens - x.generated)
+                                                for x in self._decoding.values()))
+        for x in self._prefilling.values():
+            if room <= 0:
+                break
+            if x.ready_s <= now_s:
+                room -= x.req.prompt_tokens - x.prefilled
+        return room
+
+    def _admit(self, now_s: float, room: int) -> None:
+        while self.waiting and room > 0:
             r = self.waiting[0]
             if r.prompt_tokens + r.output_tokens > self.max_len:
                 self.waiting.popleft()
@@ -261,6 +278,8 @@ class Simulator:
             self.running[r.id] = self._prefilling[r.id] = live
             self.stats.admitted += 1
             self.latency.admitted(r, now_s, adm.cached_tokens)
+            if live.ready_s <= now_s:
+                room -= r.prompt_tokens - adm.cached_tokens
 
     def _decode(self, budget: int) -> int:
         live = list(self._decoding.values())

@@ -44,7 +44,8 @@ def resume_cost(plan) -> ResumeCost | None:
     rows = [b for b in plan.buffers if b.group == CHECKPOINTS]
     swa_page = sum(b.unit_bytes for b in plan.buffers if b.group == SWA_PAGES)
     tail = plan.sizing.checkpoint_swa_pages
-    opts = {f.name: getattr(plan.options, f.name) for f in fields(ServeOptions)}
+    budget_from = ("memory_bytes", "gpu", "mem_fraction", "weights_bytes", "weights_from_config")   # given: the budget
+    opts = {f.name: getattr(plan.options, f.name) for f in fields(ServeOptions) if f.name not in budget_from}
     bare = make_plan(plan.model, **{**opts, "memory_bytes": plan.budget_bytes, "prefix_checkpoints": 0})
     return ResumeCost(units=units, kept=plan.options.prefix_checkpoints,
                       unit_bytes=sum(b.unit_bytes for b in rows) + tail * swa_page,
