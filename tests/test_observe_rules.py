@@ -78,9 +78,10 @@ def test_every_dashboard_query_parses(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
 
 
+# arrivals over 8 s: Prometheus (1 s scrapes) must see the counters rise, not only their final values
 SERVE = ["tiny-v4", "--memory", "96MiB", "--max-model-len", "2048", "--max-running-requests", "8",
          "--prefix-checkpoints", "8", "--host-memory", "4MiB", "--system-prompts", "2", "--system-prompt-len", "600",
-         "--rate", "10", "--duration", "2", "--prompt-len", "uniform:32:300", "--output-len", "uniform:4:16",
+         "--rate", "4", "--duration", "8", "--prompt-len", "uniform:32:300", "--output-len", "uniform:4:16",
          "--linger", "-1", "--progress-s", "60"]
 
 
