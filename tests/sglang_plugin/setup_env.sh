@@ -28,12 +28,15 @@ $PIP install -q --upgrade pip >/dev/null
 # sglang.srt...` needs down to the memory pools and the plugin loader; then kvatlas's own needs
 NODEPS=("sglang==$SGLANG_VERSION" "compressed-tensors==0.18.0")
 DEPS=(numpy orjson psutil pybase64 requests triton packaging pillow starlette msgspec pydantic pyzmq tqdm
-      ipython aiohttp "apache-tvm-ffi==0.1.11" "transformers==5.19.0" dill sentencepiece loguru gguf)
+      ipython aiohttp "apache-tvm-ffi==0.1.11" "transformers==5.19.0" dill sentencepiece loguru gguf
+      openai partial-json-parser)   # the last two: the radix cache's import chain (the plugin's evictable tests)
 OWN=("setuptools>=68" "rich>=13" "matplotlib>=3.7" "prometheus_client>=0.19" "pytest>=7" "hypothesis>=6.80")
-if [ ! -f "$WH/.complete" ]; then
+# the stamp names what the wheelhouse was filled for: a changed list fills in what is missing
+WANT="$(echo "${NODEPS[@]}" "${DEPS[@]}" "${OWN[@]}")"
+if [ "$(cat "$WH/.complete" 2>/dev/null)" != "$WANT" ]; then
   mkdir -p "$WH"
   if $PIP download -q -d "$WH" --no-deps "${NODEPS[@]}" && $PIP download -q -d "$WH" "${DEPS[@]}" "${OWN[@]}"; then
-    touch "$WH/.complete"
+    echo "$WANT" > "$WH/.complete"
   else
     echo "setup_env: wheelhouse incomplete; installing from the registry" >&2
   fi

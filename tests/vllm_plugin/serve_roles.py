@@ -77,25 +77,31 @@ def serve(refused: dict) -> dict:
 
 
 def fake_version(version: str) -> dict:
-    """vLLM's loader under a faked version: the plugin must log one line and change nothing. The
-    loader's once-per-process flag is cleared afterwards, as a fresh process would have it."""
-    from kvatlas.integrations import vllm as kv
-    real, kv.vllm_version = kv.vllm_version, lambda: version
+    """vLLM's loader with another vLLM release's distribution record first on the path (what
+    importlib.metadata, and so the plugin, then reports as the installed vLLM): the plugin must log
+    one line and change nothing. The record and the loader's once-per-process flag are removed
+    afterwards, as a fresh process would have them."""
+    import vllm.plugins
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from kvatlas.integrations import vllm_plugin
+    root = tempfile.mkdtemp()
+    dist = os.path.join(root, f"vllm-{version}.dist-info")
+    os.mkdir(dist)
+    with open(os.path.join(dist, "METADATA"), "w") as f:
+        f.write(f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n")
     lines = []
     handler = logging.Handler()
     handler.emit = lambda record: lines.append(record.getMessage())
     logger = logging.getLogger("vllm.plugins.kvatlas")
     logger.addHandler(handler)
-    import vllm.plugins
-    from vllm.v1.core.sched.scheduler import Scheduler
-
-    from kvatlas.integrations import vllm_plugin
+    sys.path.insert(0, root)
     try:
         vllm.plugins.load_general_plugins()
         return {"registered": vllm_plugin._P.registered, "lines": lines,
                 "hooked": hasattr(Scheduler.make_stats, "__kvatlas_hook__"), "metrics_dir": bool(vllm_plugin._P.metrics_dir)}
     finally:
-        kv.vllm_version = real
+        sys.path.remove(root)
         logger.removeHandler(handler)
         vllm.plugins.plugins_loaded = False
 

@@ -35,11 +35,13 @@ OWN=("setuptools>=68" "rich>=13" "matplotlib>=3.7" "pytest>=7" "hypothesis>=6.80
 # nvidia wheels) out of the wheelhouse; the copy of the local torch wheel is then dropped from it
 PIN="$VENV/kvatlas-constraints.txt"
 echo "torch==2.13.0" > "$PIN"
-if [ ! -f "$WH/.complete" ]; then
+# the stamp names what the wheelhouse was filled for: a changed list fills in what is missing
+WANT="$(echo "${NODEPS[@]}" "${DEPS[@]}" "${OWN[@]}")"
+if [ "$(cat "$WH/.complete" 2>/dev/null)" != "$WANT" ]; then
   mkdir -p "$WH"
   if $PIP download -q -d "$WH" --no-deps "${NODEPS[@]}" && $PIP download -q -d "$WH" -c "$PIN" "${DEPS[@]}" "${OWN[@]}"; then
     rm -f "$WH"/torch-*.whl
-    touch "$WH/.complete"
+    echo "$WANT" > "$WH/.complete"
   else
     echo "setup_env: wheelhouse incomplete; installing from the registry" >&2
   fi

@@ -40,3 +40,13 @@ def check_snapshot(tracker, engine) -> None:
     assert snap.total.tensor_bytes == layout.allocation_bytes == layout.num_blocks * bpb
     for name, p in snap.pools.items():
         assert not p.measures.violations(name), p.measures.violations(name)
+    check_board(tracker)
+
+
+def check_board(tracker) -> None:
+    """The values the stats interval writes (the affine sample map) equal the slow snapshot's samples."""
+    from kvatlas.integrations.foreign import samples
+    rows = samples(tracker.snapshot())
+    fast = tracker.sample_map.values(tracker.census.counts())
+    assert [r[:3] for r in rows] == tracker.sample_map.keys
+    assert [r[3] for r in rows] == list(fast)

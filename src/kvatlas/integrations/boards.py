@@ -40,10 +40,14 @@ class Board:
         os.replace(tmp, self.paths[0])   # readers list .json files: a board appears whole
 
     def write(self, values) -> None:
+        """`values`: one float per key, a sequence or a float64 array (written as its bytes)."""
         m = self._map
         self._seq += 1
         _SEQ.pack_into(m, 0, self._seq)
-        self._pack.pack_into(m, _SEQ.size, *values)
+        if hasattr(values, "tobytes"):
+            m[_SEQ.size:_SEQ.size + self._pack.size] = values.astype("<f8", copy=False).tobytes()
+        else:
+            self._pack.pack_into(m, _SEQ.size, *values)
         self._seq += 1
         _SEQ.pack_into(m, 0, self._seq)
 

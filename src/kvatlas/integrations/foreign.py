@@ -109,6 +109,7 @@ class ForeignSnapshot:
     evictable_units: dict = field(default_factory=dict)   # index space -> units only a prefix cache holds
     occupancy: tuple = ()      # Occupancy rows an engine gives itself (else derived from the pools)
     notes: dict = field(default_factory=dict)             # engine figures beside the measures (in /state)
+    extra_samples: tuple = ()  # (metric name, {label: value}, value): an engine's own figures
 
     def to_dict(self) -> dict:
         return {"schema": "kvatlas.foreign_ledger", "schema_version": self.schema_version,
@@ -121,7 +122,8 @@ class ForeignSnapshot:
                 "layer_kinds": {k: m.as_dict() for k, m in self.layer_kinds.items()},
                 "occupancy": [{"pool": o.pool, "unit": o.unit, **dict(o.values())}
                               for o in (self.occupancy or occupancy_of(self))],
-                "notes": dict(self.notes)}
+                "notes": dict(self.notes),
+                "extra": [{"metric": n, **lb, "value": v} for n, lb, v in self.extra_samples]}
 
 
 class ForeignLedger:
@@ -132,12 +134,12 @@ class ForeignLedger:
     def __init__(self, *, engine: str, buffers: list[ForeignBuffer], used_units: Callable[[], dict],
                  units_total: dict[str, int], labels: dict, budget_bytes: int | None,
                  in_budget_pools: frozenset[str] = frozenset(), source=None, audit_report=None,
-                 evictable_units: Callable[[], dict] | None = None) -> None:
+                 evictable_units: Callable[[], dict] | None = None, extra: Callable[[], tuple] | None = None) -> None:
         self.engine, self.buffers, self.labels = engine, tuple(buffers), dict(labels)
         self.source, self.audit_report = source, audit_report   # the engine's pool object; what audit() found
         self.used_units, self.units_total = used_units, dict(units_total)
         self.budget_bytes, self.in_budget_pools = budget_bytes, in_budget_pools
-        self.evictable_units = evictable_units
+        self.evictable_units, self.extra = evictable_units, extra
 
     @property
     def kv_cache_tensor_bytes(self) -> int:
@@ -170,7 +172,7 @@ class ForeignLedger:
         return ForeignSnapshot(schema_version=SCHEMA_VERSION, engine=self.engine, labels=self.labels, pools=pools,
                                layer_kinds=kinds, kv_cache=kv, total=total, budget_bytes=self.budget_bytes,
                                over_budget_bytes=self.over_budget_bytes, unreachable_bytes=self.unreachable_bytes,
-                               evictable_units=evictable)
+                               evictable_units=evictable, extra_samples=self.extra() if self.extra else ())
 
 
 # ---- metrics: prometheus_client multiprocess mode -------------------------------------------
@@ -214,6 +216,8 @@ def samples(snap: ForeignSnapshot) -> list[Sample]:
     for row in snap.occupancy or occupancy_of(snap):
         for what, v in row.values():
             out.append((f"kvatlas_pool_{what}_{row.unit}", labels, (row.pool, row.layer_kind, snap.engine) + ranks, v))
+    for name, own, v in snap.extra_samples:
+        out.append((name, tuple(own) + ("engine",) + RANK_LABELS, tuple(own.values()) + (snap.engine,) + ranks, v))
     return out
 
 

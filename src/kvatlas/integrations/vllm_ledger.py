@@ -229,6 +229,34 @@ def snapshot(layout: PoolLayout, counts) -> ForeignSnapshot:
                                   "logged_tokens": layout.logged_tokens, "full_tokens": layout.full_tokens})
 
 
+class SampleMap:
+    """Every metric sample of a snapshot is affine in the census's counts (blocks times fixed bytes),
+    so the map from counts to sample values is taken once, from the snapshot code itself evaluated
+    at the zero counts and at each unit count, and a stats interval is one small matrix product."""
+
+    def __init__(self, layout: PoolLayout) -> None:
+        import numpy as np
+
+        from .foreign import samples
+        from .vllm_census import Counts
+        g = len(layout.groups)
+
+        def counts(i: int = -1) -> Counts:
+            unit = [1 if j == i else 0 for j in range(2 * g + 2)]
+            return Counts(held=tuple(unit[:g]), cached=tuple(unit[g:2 * g]), unattributed=unit[2 * g],
+                          free=unit[2 * g + 1], usable=layout.usable_blocks)
+        rows = samples(snapshot(layout, counts()))
+        self.keys = [r[:3] for r in rows]
+        self.offset = np.array([r[3] for r in rows], dtype=np.float64)
+        cols = [np.array([r[3] for r in samples(snapshot(layout, counts(i)))]) - self.offset for i in range(2 * g + 2)]
+        self.matrix = np.stack(cols, axis=1)
+
+    def values(self, counts):
+        import numpy as np
+        state = np.array(counts.held + counts.cached + (counts.unattributed, counts.free), dtype=np.float64)
+        return self.offset + self.matrix @ state
+
+
 def _state(name, role, kind, space, measures, layout, used) -> PoolState:
     return PoolState(name=name, role=role, layer_kind=kind, index_space=space, measures=measures,
                      units_total=layout.usable_blocks if space else 0, units_used=used)

@@ -151,27 +151,27 @@ def _on_stats(scheduler, stats, *args, **kwargs) -> None:
 
 
 class Tracker:
-    """One scheduler's layout, census and board."""
+    """One scheduler's layout, census, sample map and board."""
 
-    def __init__(self, scheduler, layout, census, board) -> None:
-        self.layout, self.census, self.board = layout, census, board
+    def __init__(self, layout, census, board, sample_map) -> None:
+        self.layout, self.census, self.board, self.sample_map = layout, census, board, sample_map
         self.last = None
         self.writes = 0
 
     def snapshot(self):
+        """The full snapshot (pools, measures, occupancy), built from the census now."""
         from .vllm_ledger import snapshot
         return snapshot(self.layout, self.census.counts())
 
     def refresh(self) -> bool:
-        """Read the census; when it moved, write this engine's board. Returns whether it wrote."""
+        """Read the census; when it moved, write this engine's board. Returns whether it wrote.
+        O(groups + samples), whatever the number of running requests."""
         counts = self.census.counts()
         if counts == self.last:
             return False
-        from .foreign import samples
-        from .vllm_ledger import snapshot
         self.last = counts
         if self.board is not None:
-            self.board.write([s[3] for s in samples(snapshot(self.layout, counts))])
+            self.board.write(self.sample_map.values(counts))
         self.writes += 1
         return True
 
@@ -181,9 +181,8 @@ def track(scheduler, budget_bytes: int | None = None) -> Tracker | None:
     model whose caches are not DeepSeek-V4's."""
     if scheduler in _P.trackers:
         return _P.trackers[scheduler]
-    from .foreign import samples
     from .vllm_census import BlockCensus
-    from .vllm_ledger import layout_of, snapshot, startup_line
+    from .vllm_ledger import SampleMap, layout_of, startup_line
     config = scheduler.vllm_config
     if getattr(config.model_config.hf_config, "model_type", "") not in ("deepseek_v4", "deepseek_v41"):
         return None
@@ -191,13 +190,13 @@ def track(scheduler, budget_bytes: int | None = None) -> Tracker | None:
     layout = layout_of(scheduler.kv_cache_config, config, budget)
     coordinator = scheduler.kv_cache_manager.coordinator
     census = BlockCensus(coordinator.block_pool, coordinator.single_type_managers)
-    keys = [s[:3] for s in samples(snapshot(layout, census.counts()))]
+    sample_map = SampleMap(layout)
     board = None
     if _P.metrics_dir and os.path.isdir(_P.metrics_dir):
         from .boards import Board
-        board = Board(_P.metrics_dir, f"vllm-dp{layout.labels['dp_rank']}", keys)
-        atexit.register(board.close)
-    tracker = Tracker(scheduler, layout, census, board)
+        board = Board(_P.metrics_dir, f"vllm-dp{layout.labels['dp_rank']}", sample_map.keys)
+        weakref.finalize(scheduler, board.close)   # also at exit
+    tracker = Tracker(layout, census, board, sample_map)
     _P.trackers[scheduler] = tracker
     log.info(startup_line(layout))
     tracker.refresh()

@@ -53,8 +53,8 @@ HELP = {
                                      "(vllm:kv_cache_usage_perc counts them free)",
     "kvatlas_pool_free_blocks": "Blocks of vLLM's shared KV block pool free and holding no prefix-cache entry",
     "kvatlas_pool_total_blocks": "Blocks of vLLM's shared KV block pool (the null block excluded)",
-    "kvatlas_prefix_tail_quota_tails": "SWA prefix tails (one window plus one page of SWA KV each) an SGLang radix "
-                                       "cache holds (state=used) and its SWA pool was sized for (state=total)",
+    "kvatlas_prefix_tail_quota_tokens": "SGLang's SWA prefix-tail quota in SWA tokens: what its radix cache holds "
+                                        "(state=used) and what its SWA pool keeps for prefix tails (state=total)",
     "kvatlas_running_requests": "Requests admitted and not yet finished",
     "kvatlas_admission_refusals": "Admissions refused because a pool was exhausted (counter)",
     "kvatlas_bytes_per_token": "Capacity slope: page-padded bytes one more cached token costs",
