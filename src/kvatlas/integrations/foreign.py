@@ -245,6 +245,26 @@ def occupancy_of(snap: ForeignSnapshot) -> tuple["Occupancy", ...]:
     return tuple(out)
 
 
+# ---- the model, as an engine reads it ----------------------------------------------------------
+
+def model_dir(model, tmp: str) -> str:
+    """Engines read a directory holding config.json: a directory is used as it is, a preset or a
+    bare config file is copied into `tmp`. Anything that is not a V4 config is a clear ConfigError."""
+    import os
+    import shutil
+
+    from ..planning.model import PRESET_DIR, load_model, preset_names
+    load_model(model)
+    text = os.fspath(model)
+    if os.path.isdir(text):
+        return text
+    src = os.path.join(PRESET_DIR, f"{text}.json") if text in preset_names() else text
+    with open(src) as f:
+        json.load(f)
+    shutil.copy(src, os.path.join(tmp, "config.json"))
+    return tmp
+
+
 # ---- an optional /state endpoint on a port of kvatlas's own ---------------------------------
 
 def serve_state(snapshot_fn: Callable[[], list], host: str = "127.0.0.1", port: int = 0):

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from importlib import metadata
 
 from . import sglang_prefix
+from .foreign import model_dir as _model_dir   # SGLang reads a directory holding config.json
 
 SUPPORTED_VERSION = "0.5.23"
 ENGINE = "sglang"
@@ -462,22 +463,6 @@ def build_offline(model, memory_bytes, *, max_running_requests: int = 256, chunk
         runtime_context.publish(args, role="scheduler", ranks=runtime_context.SpawnRanks(world_rank=0))
         kvc = _configurator(args)
     return _size_and_build(args, kvc, budget)
-
-
-def _model_dir(model, tmp: str) -> str:
-    """SGLang reads a directory holding config.json; a preset or a bare file is copied into one."""
-    import json
-    import shutil
-    from ..planning.model import PRESET_DIR, load_model, preset_names
-    load_model(model)   # a clear ConfigError for anything that is not a V4 config
-    text = os.fspath(model)
-    if os.path.isdir(text):
-        return text
-    src = os.path.join(PRESET_DIR, f"{text}.json") if text in preset_names() else text
-    with open(src) as f:
-        json.load(f)
-    shutil.copy(src, os.path.join(tmp, "config.json"))
-    return tmp
 
 
 def _configurator(args):
