@@ -113,3 +113,29 @@ def test_reset_prefix_cache_recounts(engine):
     held, cached = held_and_cached(eng)
     assert sum(cached) == 0
     check_snapshot(tracker, eng)
+
+
+def test_a_census_failure_never_reaches_vllm_and_heals(engine, monkeypatch):
+    import logging
+
+    from kvatlas.integrations import vllm_plugin
+    eng, tracker = engine
+    failed = []
+
+    def broken(block):
+        failed.append(block.block_id)
+        raise RuntimeError("injected")
+    monkeypatch.setattr(tracker.census, "_released", broken)
+    lines = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    vllm_plugin.log.addHandler(handler)
+    try:
+        eng.add_request("broken", prompt(1, 2000, 77), max_tokens=3)
+        eng.run()                                    # its blocks freed through the failing bookkeeping
+    finally:
+        vllm_plugin.log.removeHandler(handler)
+        monkeypatch.undo()
+    assert failed and not eng.has_requests()
+    assert [m for m in lines if "census lost track" in m] == [lines[0]] and "RuntimeError" in lines[0]
+    check_snapshot(tracker, eng)                     # the next read counted again from vLLM's state

@@ -59,6 +59,7 @@ class BlockCensus:
         self.held = [0] * len(self.managers)
         self.cached = [0] * len(self.managers)
         self.unattributed = 0
+        self.stale = self.warned = False
         self._orig: dict = {}
         self.recount()
         self._install()
@@ -67,6 +68,9 @@ class BlockCensus:
 
     def counts(self) -> Counts:
         pool = self.pool
+        if self.stale:
+            self.stale = False
+            self._guard(self.recount)
         return Counts(held=tuple(self.held), cached=tuple(self.cached), unattributed=self.unattributed,
                       free=pool.get_num_free_blocks(), usable=pool.num_gpu_blocks - 1)
 
@@ -123,23 +127,32 @@ class BlockCensus:
         if b.block_hash is not None:
             self.cached[g] += 1
 
+    # vLLM's own call runs exactly once in each wrapper, outside any bookkeeping; bookkeeping that
+    # fails (`_guard`) never reaches vLLM: it marks the census stale, and the next read counts again
+
     def get_new_blocks(self, num_blocks: int, group: int = NONE):
         blocks = self._orig["get_new_blocks"](num_blocks)   # evictions pass through _remove_hashes
+        self._guard(self._handed, blocks, group)
+        return blocks
+
+    def _handed(self, blocks, group: int) -> None:
         for b in blocks:
             self.owner[b.block_id] = group
             if group == NONE:
                 self.unattributed += 1
             else:
                 self.held[group] += 1
-        return blocks
 
     def touch(self, blocks, group: int = NONE) -> None:
+        self._guard(self._touching, blocks, group)
+        self._orig["touch"](blocks)
+
+    def _touching(self, blocks, group: int) -> None:
         taken: set[int] = set()
         for b in blocks:
             if not b.is_null and b.ref_cnt == 0 and b.block_id not in taken:
                 taken.add(b.block_id)
                 self._took(b, group)
-        self._orig["touch"](blocks)
 
     def _releases(self, blocks) -> None:
         pool, left = self.pool, {}
@@ -153,34 +166,53 @@ class BlockCensus:
 
     def free_blocks(self, ordered_blocks) -> None:
         blocks = list(ordered_blocks)
-        self._releases(blocks)
+        self._guard(self._releases, blocks)
         self._orig["free_blocks"](blocks)
 
     def unpin_blocks(self, blocks, on_reuse) -> None:
         blocks = list(blocks)
-        self._releases(blocks)
+        self._guard(self._releases, blocks)
         self._orig["unpin_blocks"](blocks, on_reuse)
 
     def _insert_block_hash(self, key, block, num_tokens) -> None:
         had = block.block_hash is not None
         self._orig["_insert_block_hash"](key, block, num_tokens)
-        if not had and block.block_hash is not None and block.ref_cnt == 0 and not block.is_null:
+        if not had:
+            self._guard(self._hashed, block)
+
+    def _hashed(self, block) -> None:
+        if block.block_hash is not None and block.ref_cnt == 0 and not block.is_null:
             g = self._group(block)
             if g != NONE:
                 self.cached[g] += 1
 
     def _remove_cached_block_hashes(self, block):
-        g = self._group(block) if block.block_hash is not None and block.ref_cnt == 0 else NONE
+        g = self._guard(self._cached_group, block)
         removed = self._orig["_remove_cached_block_hashes"](block)
-        if g != NONE and block.block_hash is None and not block.is_null:
+        if g is not None and g != NONE and block.block_hash is None and not block.is_null:
             self.cached[g] -= 1
         return removed
+
+    def _cached_group(self, block) -> int:
+        return self._group(block) if block.block_hash is not None and block.ref_cnt == 0 else NONE
 
     def reset_prefix_cache(self) -> bool:
         ok = self._orig["reset_prefix_cache"]()
         if ok:
-            self.recount()
+            self._guard(self.recount)
         return ok
+
+    def _guard(self, fn, *args):
+        try:
+            return fn(*args)
+        except Exception as exc:
+            if not self.warned:   # one line per census, however often it happens
+                self.warned = True
+                import logging
+                logging.getLogger("vllm.plugins.kvatlas").warning(
+                    "kvatlas: block census lost track (%s: %s); counting again from vLLM's state", type(exc).__name__, exc)
+            self.stale = True
+            return None
 
     # ---- installing ---------------------------------------------------------------------
 
