@@ -184,7 +184,9 @@ def track(scheduler, budget_bytes: int | None = None) -> Tracker | None:
     from .vllm_census import BlockCensus
     from .vllm_ledger import SampleMap, layout_of, startup_line
     config = scheduler.vllm_config
-    if getattr(config.model_config.hf_config, "model_type", "") not in ("deepseek_v4", "deepseek_v41"):
+    model_type = getattr(config.model_config.hf_config, "model_type", "")
+    if model_type != "deepseek_v4":   # V4 / V4-Pro only: V4.1's caches (bounded SWA replay) are not mapped
+        log.info("kvatlas: model type %r is not DeepSeek-V4 (V4 / V4-Pro); its KV cache is not reported", model_type)
         return None
     budget = budget_bytes if budget_bytes is not None else _P.budgets.get(id(config))
     layout = layout_of(scheduler.kv_cache_config, config, budget)
