@@ -122,7 +122,7 @@ def test_names_follow_the_convention_and_have_help():
     for name, text in HELP.items():
         assert name == "kvatlas" or name.rsplit("_", 1)[1] in {"bytes", "rows", "tokens", "pages", "slots",
                                                              "requests", "refusals", "token", "request",
-                                                             "entries", "seconds", "checkpoints"}
+                                                             "entries", "seconds", "checkpoints", "blocks"}
         assert text and not text.endswith(".")
 
 

@@ -9,8 +9,8 @@ KVATLAS_SLOW_TESTS=1: it installs torch and the dependencies, which takes minute
 `.ci/run` runs that same command on every push. `<!-- readme-test: sketch -->` marks a fragment
 that shows a call shape with an engine's tensors it does not define (write_layer's): not run, and
 kept to one (test_readme_has_examples_of_every_kind) so runnable examples stay the rule.
-`<!-- readme-test: sglang -->` marks the SGLang launch (it needs SGLang, a GPU and the model's
-weights); the plugin's own tests cover what it does.
+`<!-- readme-test: sglang -->` and `<!-- readme-test: vllm -->` mark the engines' launches (each
+needs the engine, a GPU and the model's weights); the plugins' own tests cover what they do.
 """
 
 import os
@@ -49,7 +49,7 @@ def test_readme_has_examples_of_every_kind():
     assert len(blocks("python")) >= 5 and len(blocks("bash")) >= 2 and len(blocks("bash", "setup")) == 2
     assert len(blocks("python", "sketch")) <= 1
     tags = set(t for t, _, _ in FENCE.findall((ROOT / "README.md").read_text()) if t)
-    assert tags <= {"setup", "cuda", "sketch", "sglang"}, tags   # each tag is explained in this file
+    assert tags <= {"setup", "cuda", "sketch", "sglang", "vllm"}, tags   # each tag is explained in this file
     shell = "\n".join(blocks("bash"))
     for cmd in ("kvatlas alloc", "kvatlas simulate", "kvatlas serve"):
         assert cmd in shell

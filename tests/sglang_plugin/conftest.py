@@ -1,5 +1,5 @@
 """SGLang integration tests: they run in the venv tests/sglang_plugin/setup_env.sh builds (SGLang 0.5.23 on
-the CPU) and are skipped where SGLang is not installed, e.g. in the main test environment.
+the CPU) and are skipped where SGLang is not installed (tests/conftest.py), e.g. in the main test run.
 
 SGLang's metrics run prometheus_client in multiprocess mode; the directory must be set before
 prometheus_client is first imported, so it is set here, as SGLang's launcher does for its processes.
@@ -14,16 +14,6 @@ import pytest
 HAVE_SGLANG = importlib.util.find_spec("sglang") is not None
 if HAVE_SGLANG and "PROMETHEUS_MULTIPROC_DIR" not in os.environ:
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="kvatlas-sglang-metrics-")
-
-
-def pytest_collection_modifyitems(config, items):
-    if HAVE_SGLANG:
-        return
-    skip = pytest.mark.skip(reason="SGLang 0.5.23 not installed: run tests/sglang_plugin/setup_env.sh, then "
-                                   ".venv-sglang/bin/python -m pytest tests/sglang_plugin")
-    for item in items:
-        if "tests/sglang_plugin/" in str(item.fspath).replace(os.sep, "/"):
-            item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")

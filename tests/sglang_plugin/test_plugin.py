@@ -9,7 +9,8 @@ import pytest
 GIB = 2**30
 TARGETS = ("sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._init_pools",
            "sglang.srt.model_executor.pool_configurator.DSV4PoolConfigurator.calculate_pool_sizes",
-           "sglang.srt.observability.metrics_collector.SchedulerMetricsCollector.log_stats")
+           "sglang.srt.observability.metrics_collector.SchedulerMetricsCollector.log_stats",
+           "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.__init__")
 
 
 class Lines(logging.Handler):
@@ -54,7 +55,7 @@ def test_the_entry_point_names_the_plugin():
     assert ep.value == "kvatlas.integrations.sglang:register" and ep.dist.name == "kvatlas"
 
 
-def test_load_plugins_applies_exactly_our_three_hooks(plugins_loaded):
+def test_load_plugins_applies_exactly_our_four_hooks(plugins_loaded):
     registry = plugins_loaded
     for target in TARGETS:
         assert target in registry._patched

@@ -183,19 +183,25 @@ def configure(model: ModelSpec, opts: ServeOptions, eng: dict, budget: int) -> S
     max_len, step = opts.max_model_len, 1 + opts.draft_tokens
     cap, peak, held = {}, {}, {}
     for g in gs:
-        b = g.block_tokens
         if g.window is None:
-            cap[g.name] = cdiv(max_len, b)
+            cap[g.name] = cdiv(max_len, g.block_tokens)
         else:
-            cap[g.name] = cdiv(min(g.window - 1 + in_flight, max_len), b) + 1
-            # the reserve's "+ 1" covers a span starting inside a block; a chunked prefill starts
-            # on a chunk boundary, a multiple of every block, so it spans the window's blocks
-            # before it and its own in-flight tokens' blocks: one fewer whenever those fill blocks
-            peak[g.name] = min(cdiv(g.window - 1, b) + cdiv(in_flight, b), cdiv(max_len, b))
-            held[g.name] = swa_pages_per_step(g.window, step, b)
+            cap[g.name], peak[g.name], held[g.name] = sliding_blocks_per_request(
+                g.window, g.block_tokens, in_flight, max_len, step)
     return Sizing(groups=gs, bytes_per_block=bpb, num_blocks=budget // bpb, max_blocks_per_request=cap,
                   prefill_peak_blocks=peak, held_blocks_per_request=held, page_tokens=opts.page_tokens, max_model_len=max_len,
                   requests=opts.max_running_requests, batched_tokens=batched, step_tokens=step)
+
+
+def sliding_blocks_per_request(window: int, block: int, in_flight: int, max_len: int, step: int) -> tuple[int, int, int]:
+    """One sliding group's blocks per request: (admission reserve, chunked-prefill peak, held while
+    decoding), for a window of `window` tokens in blocks of `block` tokens."""
+    reserve = cdiv(min(window - 1 + in_flight, max_len), block) + 1
+    # the reserve's "+ 1" covers a span starting inside a block; a chunked prefill starts on a
+    # chunk boundary, a multiple of every block, so it spans the window's blocks before it and its
+    # own in-flight tokens' blocks: one fewer whenever those fill blocks
+    peak = min(cdiv(window - 1, block) + cdiv(in_flight, block), cdiv(max_len, block))
+    return reserve, peak, swa_pages_per_step(window, step, block)
 
 
 def _admitted_blocks(z: Sizing, context_tokens: int) -> int:
@@ -241,11 +247,14 @@ def concurrency_filling(z: Sizing, context_tokens: int) -> int:
 
 
 def sliding_blocks(z: Sizing) -> dict:
-    """Blocks per sliding group while max_num_seqs requests run: all but one decoding (a few
+    return serving_sliding_blocks(z.held_blocks_per_request, z.prefill_peak_blocks, z.requests)
+
+
+def serving_sliding_blocks(held: dict, peak: dict, requests: int) -> dict:
+    """Blocks per sliding group while `requests` requests run: all but one decoding (a few
     blocks each) and one in chunked prefill at its peak: the window plus every in-flight token
     (per token for the state groups), one block under the admission reserve."""
-    peak = z.prefill_peak_blocks
-    return {name: (z.requests - 1) * held + peak[name] for name, held in z.held_blocks_per_request.items()}
+    return {name: (requests - 1) * h + peak[name] for name, h in held.items()}
 
 
 def pool_tokens(z: Sizing) -> int:

@@ -32,6 +32,9 @@ import re
 from dataclasses import dataclass
 from importlib import metadata
 
+from . import sglang_prefix
+from .foreign import model_dir as _model_dir   # SGLang reads a directory holding config.json
+
 SUPPORTED_VERSION = "0.5.23"
 ENGINE = "sglang"
 GIB = 2**30
@@ -95,6 +98,8 @@ def register() -> bool:
         HookRegistry.register(TARGET_PRICES, _on_priced, HookType.AFTER)
         HookRegistry.register(TARGET_POOLS, _on_pools_built, HookType.AFTER)
         HookRegistry.register(TARGET_STATS, _on_stats, HookType.AFTER)
+        HookRegistry.register(sglang_prefix.TARGET_TREE, _guarded("noting the radix cache")(sglang_prefix.on_tree),
+                              HookType.AFTER)
         return True
     except Exception as exc:  # a plugin must never stop the server
         log.warning("kvatlas: plugin not registered (%s: %s); SGLang runs unchanged", type(exc).__name__, exc)
@@ -129,6 +134,7 @@ class Pricing:
     c4_ring_rows: int
     c128_state_bytes: int
     page_tokens: int
+    tails: "sglang_prefix.TailPricing | None" = None   # the SWA prefix-tail quota's figures
 
     def planned(self, pool: str, full_tokens: int, layers: int, row_bytes: int = 0) -> int:
         """Bytes the configurator charged for one pool, given the full tokens it settled on."""
@@ -154,7 +160,8 @@ def pricing_of(cfgr, budget_bytes: int) -> Pricing:
                    kv_bytes_per_entry={r: cfgr._get_paged_kv_bytes_per_token(r) for r in (0, 4, 128)},
                    indexer_bytes_per_entry=float(cfgr.indexer_bytes_per_token), swa_ratio=float(cfgr.swa_ratio),
                    swa_cap_tokens=cfgr.swa_cap_tokens, c4_ring_rows=cfgr.ring_sizes.get(4, 0),
-                   c128_state_bytes=int(cfgr._get_c128_state_fixed_bytes(requests)), page_tokens=cfgr.page_size)
+                   c128_state_bytes=int(cfgr._get_c128_state_fixed_bytes(requests)), page_tokens=cfgr.page_size,
+                   tails=sglang_prefix.tail_pricing_of(cfgr))
 
 
 # ---- at pool construction ----------------------------------------------------------------------
@@ -202,9 +209,12 @@ def build_ledger(req_pool, kv, alloc, pricing: Pricing | None):
                 "swa_pages": (alloc.size_swa - alloc.swa_available_size()) // page,
                 "request_slots": _used_slots(req_pool)}
 
+    prefix = sglang_prefix.PrefixView(alloc, pricing.tails if pricing else None)
     ledger = ForeignLedger(engine=ENGINE, buffers=buffers, used_units=used_units, units_total=units_total,
                            labels=rank_labels(), budget_bytes=pricing.budget_bytes if pricing else None,
-                           in_budget_pools=PRICED_POOLS, source=kv, audit_report=report)
+                           in_budget_pools=PRICED_POOLS, source=kv, audit_report=report,
+                           evictable_units=prefix.evictable_units, extra=prefix.extra_samples)
+    ledger.prefix = prefix   # the radix cache's view, read each stats interval
     return ledger
 
 
@@ -393,7 +403,10 @@ def _on_stats(result, collector, *args, **kwargs) -> None:
 
 
 def refresh() -> int:
-    """Write every tracked ledger's snapshot into the gauges; returns the samples written."""
+    """Check each tracked ledger's prefix-tail quota (one warning line when hits are bounded by it)
+    and write every snapshot into the gauges; returns the samples written."""
+    for lg in _P.ledgers:
+        lg.prefix.check(lg.labels)
     if not _P.ledgers or not _multiprocess_metrics():
         return 0
     from .foreign import write_gauges
@@ -453,22 +466,6 @@ def build_offline(model, memory_bytes, *, max_running_requests: int = 256, chunk
         runtime_context.publish(args, role="scheduler", ranks=runtime_context.SpawnRanks(world_rank=0))
         kvc = _configurator(args)
     return _size_and_build(args, kvc, budget)
-
-
-def _model_dir(model, tmp: str) -> str:
-    """SGLang reads a directory holding config.json; a preset or a bare file is copied into one."""
-    import json
-    import shutil
-    from ..planning.model import PRESET_DIR, load_model, preset_names
-    load_model(model)   # a clear ConfigError for anything that is not a V4 config
-    text = os.fspath(model)
-    if os.path.isdir(text):
-        return text
-    src = os.path.join(PRESET_DIR, f"{text}.json") if text in preset_names() else text
-    with open(src) as f:
-        json.load(f)
-    shutil.copy(src, os.path.join(tmp, "config.json"))
-    return tmp
 
 
 def _configurator(args):

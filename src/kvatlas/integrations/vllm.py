@@ -114,26 +114,16 @@ def _require_supported() -> None:
 
 
 def _model_dir(model, tmp: str) -> str:
-    """vLLM reads a directory holding config.json; a preset or a bare file is copied into one."""
-    import json
-    from ..planning.model import PRESET_DIR, load_model, preset_names
-    spec = load_model(model)   # a clear ConfigError for anything that is not a V4 config
+    from ..errors import ConfigError
+    from ..planning.model import load_model
+    from .foreign import model_dir
+    spec = load_model(model)
     if spec.family != "v4":
-        from ..errors import ConfigError
         raise ConfigError("model", f"{spec.name} is a {spec.family} model; vLLM 0.33 builds V4 / V4-Pro here",
                           "use a deepseek-v4-flash or deepseek-v4-pro config")
-    text = os.fspath(model)
-    if os.path.isdir(text):
-        return text
-    src = os.path.join(PRESET_DIR, f"{text}.json") if text in preset_names() else text
-    with open(src) as f:
-        cfg = json.load(f)
     # the weights' quantization (fp8 blocks, fp4 experts) sets up vLLM's weight kernels, which the KV
     # planner never reads and whose imports a CPU install lacks; the KV cache dtype is separate
-    cfg.pop("quantization_config", None)
-    with open(os.path.join(tmp, "config.json"), "w") as f:
-        json.dump(cfg, f)
-    return tmp
+    return model_dir(model, tmp, without=("quantization_config",))
 
 
 # ---- the model's KV cache layers, as vLLM's DeepSeek-V4 modules register them -----------------

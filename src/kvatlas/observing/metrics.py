@@ -46,6 +46,16 @@ HELP = {
     "kvatlas_pool_used_slots": "Request slots in use, per per-request pool",
     "kvatlas_pool_free_slots": "Request slots free, per per-request pool",
     "kvatlas_pool_total_slots": "Addressable request slots (the null slot excluded)",
+    "kvatlas_pool_evictable_pages": "Pages an engine's prefix cache holds that no running request uses, per "
+                                    "paged pool (SGLang: its radix cache's unlocked pages)",
+    "kvatlas_pool_used_blocks": "Blocks of vLLM's shared KV block pool held by running requests, per KV cache "
+                                "group (pool=blocks: every group)",
+    "kvatlas_pool_evictable_blocks": "Blocks of a vLLM KV cache group its prefix cache keeps and no request holds "
+                                     "(vllm:kv_cache_usage_perc counts them free)",
+    "kvatlas_pool_free_blocks": "Blocks of vLLM's shared KV block pool free and holding no prefix-cache entry",
+    "kvatlas_pool_total_blocks": "Blocks of vLLM's shared KV block pool (the null block excluded)",
+    "kvatlas_prefix_tail_quota_tokens": "SGLang's SWA prefix-tail quota in SWA tokens: what its radix cache holds "
+                                        "(state=used) and what its SWA pool keeps for prefix tails (state=total)",
     "kvatlas_running_requests": "Requests admitted and not yet finished",
     "kvatlas_admission_refusals": "Admissions refused because a pool was exhausted (counter)",
     "kvatlas_bytes_per_token": "Capacity slope: page-padded bytes one more cached token costs",
