@@ -18,7 +18,7 @@ from kvatlas.driving.sim import Simulator
 from kvatlas.driving.timemodel import TimeModel
 from kvatlas.driving.workload import Request
 from kvatlas.planning.buffers import CHECKPOINTS, SWA_PAGES
-from kvatlas.planning.resume_cost import resume_cost
+from kvatlas.planning.capacity import resume_points
 
 TM = TimeModel(pass_s=0.010, prefill_s_per_token=1e-4, decode_s_per_token=0.0)
 
@@ -135,18 +135,20 @@ def test_chunk_bound_verdict():
     assert v.limit == "chunk" and v.flag == "--chunked-prefill-tokens"
 
 
-def test_resume_cost_is_the_checkpoint_bytes_and_the_capacity_they_take():
+def test_resume_points_cost_the_capacity_a_plan_without_them_holds():
+    """The plan's resume-point figures (what the run report prints) against a second plan made
+    without them: the tokens given up are measured, not estimated."""
     p = kvatlas.plan("deepseek-v4-flash", "8GiB", max_running_requests=64, max_model_len=65536, prefix_checkpoints=200)
     bare = kvatlas.plan("deepseek-v4-flash", "8GiB", max_running_requests=64, max_model_len=65536)
-    c = resume_cost(p)
-    assert c.units == 200 + 64 + 8192 // 256 + 1 and c.kept == 200
-    rows = sum(b.bytes for b in p.buffers if b.group == CHECKPOINTS)
+    c = resume_points(p)
+    assert c.count == 200 + 64 + 8192 // 256 + 1 and c.kept == 200
+    unit = sum(b.unit_bytes for b in p.buffers if b.group == CHECKPOINTS)
     swa_page = sum(b.unit_bytes for b in p.buffers if b.group == SWA_PAGES)
-    assert c.row_bytes == rows and c.swa_tail_bytes == c.units * 2 * swa_page   # 127 tokens: 2 pages of 64
-    assert c.tokens == bare.max_total_tokens - p.max_total_tokens > 0
+    assert c.bytes_each == unit + 2 * swa_page                    # 127 tokens of window: 2 SWA pages of 64
+    assert c.tokens_without == bare.max_total_tokens and c.token_capacity_cost == bare.max_total_tokens - p.max_total_tokens > 0
     # the pages lost are what the resume points' bytes (plus alignment) would have bought
-    assert abs(c.tokens / p.page_tokens - c.bytes / (p.bytes_per_token * p.page_tokens)) < 2
-    assert resume_cost(bare) is None
+    assert abs(c.token_capacity_cost / p.page_tokens - c.total_bytes / (p.bytes_per_token * p.page_tokens)) < 2
+    assert resume_points(bare) is None
 
 
 def test_simulate_writes_the_requests_csv_and_prints_the_figures(tmp_path, capsys):

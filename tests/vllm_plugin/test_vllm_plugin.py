@@ -61,6 +61,10 @@ def test_tensor_bytes_are_the_one_allocation(kv, model, budget):
     # nothing running: every block but the null block is free
     assert snap.pools["free_blocks"].measures.tensor_bytes == (cfg.num_blocks - 1) * layout.bytes_per_block
     assert snap.pools["null_block"].measures.tensor_bytes == layout.bytes_per_block
+    from kvatlas.observing import shipped   # what /state serves for it validates against the shipped schema
+    doc = json.loads(json.dumps(snap.to_dict()))
+    assert (doc["schema"], doc["schema_version"]) == ("kvatlas.foreign_ledger", 1) and doc["notes"]["num_blocks"]
+    shipped.validator(doc).validate(doc)
 
 
 def test_startup_line_beside_vllms_figure(kv):

@@ -38,10 +38,9 @@ def fmt_s(v: float | None) -> str:
 
 
 def resume_line(plan) -> str:
-    from ..planning.resume_cost import resume_cost
-    c = resume_cost(plan)
-    return (f"{c.units:,} ({c.kept:,} kept + {c.units - c.kept:,} for requests and the chunk in flight), "
-            f"{fmt_bytes(c.unit_bytes)} each: {c.bytes:,} B ({fmt_bytes(c.bytes)}, {100 * c.budget_share:.2f}% of the "
-            f"budget; rows {fmt_bytes(c.row_bytes)}, SWA tails {fmt_bytes(c.swa_tail_bytes)}); "
-            f"{c.tokens:,} tokens of capacity ({plan.max_total_tokens:,} held, {plan.max_total_tokens + c.tokens:,} "
-            "without them)")
+    from ..planning.capacity import resume_points
+    c = resume_points(plan)
+    return (f"{c.count:,} ({c.kept:,} kept + {c.count - c.kept:,} for requests and the chunk in flight), "
+            f"{fmt_bytes(c.bytes_each)} each: {c.total_bytes:,} B ({fmt_bytes(c.total_bytes)}, "
+            f"{100 * c.total_bytes / plan.budget_bytes:.2f}% of the budget); {c.token_capacity_cost:,} tokens of "
+            f"capacity ({plan.max_total_tokens:,} held, {c.tokens_without:,} without them)")
