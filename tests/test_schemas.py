@@ -46,6 +46,8 @@ def documents():
     cli("compare", "deepseek-v4-flash", "--memory", "120GiB", "--json")
     cli("alloc", "tiny-v4", "--memory", "64MiB", "--max-running-requests", "4", "--max-model-len", "2048", "--json")
     cli("models", "--json")
+    cli("tune", "--tp", "4", "--duration", "2", "--simulate", "--json")
+    cli("tune", "deepseek-v4-pro", "--memory", "60GiB", "--duration", "2", "--json")
     state, host_plan = _served_state()
     entry = state["caches"][0]
     assert entry["requests"] and entry["host_tier"] is not None and "prefix_cache" in entry
@@ -137,5 +139,6 @@ def test_observe_prints_and_writes_the_files(tmp_path, capsys):
     assert {p.rsplit("/", 2)[-2] for p in written} == {"grafana", "prometheus", "schemas"}
     assert (tmp_path / "out" / "schemas" / "kvatlas.state.v1.schema.json").read_text() == \
         open(shipped.schema_path("kvatlas.state", 1)).read()
-    assert main(["observe", "kvatlas.tune"]) == 2
-    assert "kvatlas.tune" in capsys.readouterr().err
+    assert main(["observe", "kvatlas.tune"]) == 0 and '"const": "kvatlas.tune"' in capsys.readouterr().out
+    assert main(["observe", "kvatlas.tunes"]) == 2
+    assert "kvatlas.tunes" in capsys.readouterr().err

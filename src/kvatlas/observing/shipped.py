@@ -27,7 +27,7 @@ FILES = {
 }
 
 # (schema, version) -> file under schemas/, or None for a document whose schema is not shipped
-# in this build yet (`kvatlas tune`'s, written with that command)
+# in this build yet (none today)
 SCHEMAS = {
     ("kvatlas.plan", 1): "kvatlas.plan.v1.schema.json",
     ("kvatlas.compare", 1): "kvatlas.compare.v1.schema.json",
@@ -39,7 +39,7 @@ SCHEMAS = {
     ("kvatlas.models", 1): "kvatlas.models.v1.schema.json",
     ("kvatlas.foreign_ledger", 1): "kvatlas.foreign_ledger.v1.schema.json",
     ("kvatlas.foreign_state", 1): "kvatlas.foreign_state.v1.schema.json",
-    ("kvatlas.tune", 1): None,
+    ("kvatlas.tune", 1): "kvatlas.tune.v1.schema.json",
 }
 
 
