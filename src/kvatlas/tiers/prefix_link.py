@@ -174,6 +174,10 @@ class HostLink:
     def snapshot(self):
         return self.tier.snapshot(hits=self.hits.as_dict())
 
+    def shared_snapshot(self):
+        """The shared tier's snapshot (kvatlas.tiers.shared); None: there is none below."""
+        return None
+
     def close(self) -> None:
         self.prefix.evictor = None
         self.tier.close()
