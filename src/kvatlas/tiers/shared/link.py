@@ -150,6 +150,8 @@ class SharedLink(HostLink):
         if have is None:
             return host
         run = host + next((i for i, h in enumerate(have[:len(pages)]) if not h), len(pages))
+        if run < cap:
+            self.shared.miss("page", "absent")   # the chain stops here (one lookup, one miss)
         in_store = {e.page_key for e, h in zip(cks, have[len(pages):]) if h}
         j = next((j for j in range(run, best, -1) if int(keys[j - 1]) in in_store
                   or self._has_checkpoint(keys, path, j)), None)

@@ -109,6 +109,15 @@ class MemoryStore(Store):
                 if blob is not None:
                     self.used_bytes -= len(blob)
 
+    def raw_get(self, key: str) -> bytes | None:
+        """Tests: the value's bytes as stored (None: absent)."""
+        with self._lock:
+            return self.values.get(key)
+
+    def raw_remove(self, key: str) -> None:
+        """Tests: remove a key whatever holds it."""
+        self.remove_many([key])
+
     def raw_put(self, key: str, blob: bytes) -> None:
         """Tests: store any bytes under a key, replacing what is there (a damaged or foreign value)."""
         with self._lock:

@@ -53,7 +53,7 @@ class MooncakeStore(Store):
             raise ConfigError(field, "mooncake:// needs the metadata server",
                               "add ?metadata=http://HOST:PORT/metadata (the master's --enable_http_metadata_server)")
         self.master = f"{host}:{port}"
-        segment = parse_bytes(opts.get("segment", "0"), f"{field} segment")
+        segment = 0 if opts.get("segment", "0") == "0" else parse_bytes(opts["segment"], f"{field} segment")
         buffer = parse_bytes(opts.get("buffer", "64MiB"), f"{field} buffer")
         self.s = _store_class()()
         rc = self.s.setup(opts.get("local", "127.0.0.1"), opts["metadata"], segment, buffer,
@@ -109,7 +109,17 @@ class MooncakeStore(Store):
         if keys:
             self.s.batch_remove(keys)   # a key read in the last seconds is leased: it stays, as a value may
 
+    def raw_get(self, key: str) -> bytes | None:
+        """Tests: the value's bytes as stored (None: absent)."""
+        n = self.s.get_size(key)
+        return None if n < 0 else bytes(self.s.get(key))
+
+    def raw_remove(self, key: str) -> None:
+        """Tests: remove a key whatever holds it."""
+        self.s.remove(key, True)
+
     def raw_put(self, key: str, blob: bytes) -> None:
+        """Tests: store any bytes under a key, replacing what is there (a forced remove first)."""
         self.s.remove(key, True)
         self.s.put(key, blob)
 

@@ -25,7 +25,7 @@ def _client(host, port, db, timeout):
     except ImportError:
         raise ConfigError("shared_tier", "redis:// needs the redis client", "pip install 'kvatlas[redis]'") from None
     return redis.Redis(host=host, port=port, db=db, socket_timeout=timeout, socket_connect_timeout=timeout,
-                       retry=Retry(NoBackoff(), 0), retry_on_timeout=False, health_check_interval=0), redis
+                       retry=Retry(NoBackoff(), 0), health_check_interval=0), redis
 
 
 class RedisStore(Store):
@@ -101,7 +101,16 @@ class RedisStore(Store):
         if keys:
             self._call(lambda: self.r.delete(*keys))
 
+    def raw_get(self, key: str) -> bytes | None:
+        """Tests: the value's bytes as stored (None: absent)."""
+        return self._call(lambda: self.r.get(key))
+
+    def raw_remove(self, key: str) -> None:
+        """Tests: remove a key whatever holds it."""
+        self.remove_many([key])
+
     def raw_put(self, key: str, blob: bytes) -> None:
+        """Tests: store any bytes under a key, replacing what is there."""
         self._call(lambda: self.r.set(key, blob))
 
     def close(self) -> None:

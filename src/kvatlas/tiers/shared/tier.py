@@ -144,15 +144,21 @@ class SharedTier:
         self.c.op_seconds[op] += secs
         return result, None
 
+    def miss(self, kind: str, reason: str) -> None:
+        self.c.misses[kind][reason] += 1
+
     def exists(self, entries) -> list[bool] | None:
-        """Which entries the store says it holds (a hint); None when it was not asked or failed."""
+        """Which entries the store says it holds (a hint); None when it was not asked or failed
+        (one lookup, one miss: counted on the first entry, with the reason)."""
         if not entries:
             return []
         if not self.breaker.allow() or self._reader_stuck():
+            self.miss(entries[0].kind, "tier_unavailable")
             return None
         keys = [self.layout.key(e.kind, e.page_key) for e in entries]
         result, why = self._call("exists", self._reads, self.store.exists_many, keys)
         if why is not None:
+            self.miss(entries[0].kind, why)
             if why == "deadline":
                 self._late_reads.append((result, []))
             return None
