@@ -30,6 +30,8 @@ from kvatlas.tiers.shared import Breaker, open_store  # noqa: E402
 from kvatlas.tiers.shared.values import HEADER_BYTES  # noqa: E402
 
 BACKENDS = ("redis", "mooncake")
+if ss.only_loopback_here():
+    ss.loopback_up()
 
 
 def start(kind, tmp, **kw):
@@ -85,8 +87,7 @@ def key(s, kind, seq, page):
 def test_every_server_listens_on_loopback_only(servers):
     ss.check_loopback_only(servers.servers)
     if servers.kind == "mooncake":   # the daemon binds every interface: only a namespace keeps it in
-        assert os.listdir("/sys/class/net") == ["lo"] or os.environ.get("KVATLAS_NO_NETNS"), \
-            "Mooncake's tests must run in a network namespace with only lo (tests/test_shared_live.py)"
+        assert ss.only_loopback_here(), "Mooncake's tests run in a network namespace with only lo"
 
 
 def test_another_process_restores_a_prefix_and_reads_what_a_cold_run_reads(servers):
@@ -159,10 +160,11 @@ def test_eviction_under_a_small_store(servers, tmp_path):
     call fails, and every value still there reads back exactly."""
     from kvatlas.tiers.shared import Entry, SharedTier
     from kvatlas.tiers.shared.values import Layout
-    srv = start(servers.kind, tmp_path, **({"segment": "8MB"} if servers.kind == "mooncake" else {"maxmemory": "8mb"}))
+    # (16 MB: the smallest segment Mooncake's memory daemon takes)
+    srv = start(servers.kind, tmp_path, **({"segment": "16MB"} if servers.kind == "mooncake" else {"maxmemory": "16mb"}))
     try:
         store = open_store(srv.url)
-        n, size = 128, 128 << 10          # 128 values of 128 KiB: 16 MiB into 8 MB
+        n, size = 256, 128 << 10          # 256 values of 128 KiB: 32 MiB into 16 MB
         src = np.random.default_rng(0).integers(0, 256, (n, size), dtype=np.uint8)
         dst = np.zeros_like(src)
         store.register(src)
@@ -174,49 +176,49 @@ def test_eviction_under_a_small_store(servers, tmp_path):
         got = tier.get([Entry("page", k, 0, (dst[k],)) for k in range(n)]).reasons
         snap = tier.snapshot()
         assert sum(snap.errors.values()) == 0 and snap.puts["page"]["failed"] == 0
-        # (Redis' LRU samples: most of the oldest go, not all)
-        assert set(got) <= {None, "absent"} and got[:32].count("absent") >= 24 and got[-8:].count(None) >= 6, got
+        # what no longer fits was evicted (Redis: LRU by sampling) or refused (Mooncake evicts in the
+        # background, so a burst meets "no room": counted as `full`, not as a failure)
         hit = [k for k, r in enumerate(got) if r is None]
+        assert set(got) <= {None, "absent"} and n // 8 <= len(hit) <= (16 << 20) // size, got
+        assert snap.puts["page"]["stored"] + snap.puts["page"]["full"] == n
         assert np.array_equal(dst[hit], src[hit]) and snap.misses["page"]["absent"] == got.count("absent")
         tier.close()
     finally:
         srv.stop()
 
 
-def _timed_run(s, seq):
-    t = time.monotonic()
-    n = s.run(seq)
-    return n, time.monotonic() - t
-
-
 def test_a_store_killed_mid_run_means_misses_then_recovery(servers, tmp_path):
+    """Kill the store (redis-server; Mooncake's memory daemon, then its master) under a reader:
+    every prefetch returns within the deadline with a miss, the breaker opens; after a restart
+    the tiers recover by themselves (a write, then a hit in another cache)."""
     srv = start(servers.kind, tmp_path)
     deadline = 0.3
     try:
         victims = [srv.server] if servers.kind == "redis" else [srv.daemon, srv.master]
-        for victim in victims:
+        for n, victim in enumerate(victims):
+            seqs = [prompts(300 + 10 * n + x)[0] for x in range(2)]
+            write_through(srv.url, seqs)                 # in the store: existence says yes
             s = reader(srv.url, deadline_s=deadline, breaker=Breaker(cooloff_s=0.5))
             victim.kill()
-            for x in range(300, 303):                    # serving goes on: every prefetch bounded
+            for seq in seqs * 2:                         # serving goes on: every prefetch bounded
                 t = time.monotonic()
-                s.link.prefetch(520, token_ids=prompts(x)[0])
+                assert s.link.prefetch(len(seq), token_ids=seq) is None
                 assert time.monotonic() - t < 2 * deadline + 0.5
             snap = s.link.shared_snapshot()
             assert snap.breaker_opened >= 1
             assert sum(m["tier_unavailable"] + m["deadline"] for m in snap.misses.values()) >= 1
-            assert sum(snap.errors.values()) >= 1
+            assert sum(snap.errors.values()) >= 1 and snap.hit_tokens == 0
             victim.start()
-            ok, end, seed = False, time.monotonic() + 40, 400 + victims.index(victim) * 50
+            ok, end, seed = False, time.monotonic() + 40, 400 + 50 * n
             while not ok and time.monotonic() < end:    # recovery by itself: a write, then a hit elsewhere
                 seed += 1
-                _, snap = write_through(srv.url, [prompts(seed)[0]])
-                if snap.puts["page"]["stored"] == 2:
-                    r = reader(srv.url)
-                    ok = r.run(prompts(seed)[0]) == 512
-                    r.close()
+                _, w = write_through(srv.url, [prompts(seed)[0]])
+                if w.puts["page"]["stored"] == 2:
+                    ok = admit_only(s, prompts(seed)[0]) == 512   # the same reader, its breaker closed again
                 else:
                     time.sleep(0.5)
             assert ok, f"no recovery within 40 s after {victim.args[0]} restarted"
+            assert not s.link.shared_snapshot().breaker_open
             s.close()
     finally:
         srv.stop()

@@ -25,7 +25,8 @@ class MemoryStore(Store):
         self.values: OrderedDict = OrderedDict()   # key -> bytes, least recently used first
         self.used_bytes = 0
         self.down = False          # every call raises StoreUnavailable
-        self.delay_s = 0.0         # every call takes this long first (a slow store)
+        self.delay_s = 0.0         # every call of the operations in `slow` takes this long first
+        self.slow = {"put", "get", "exists", "remove"}
         self.evicted = 0
         self._lock = threading.Lock()
 
@@ -44,14 +45,14 @@ class MemoryStore(Store):
     def describe(self) -> str:
         return f"memory ({len(self.values)} values, {self.used_bytes} B)"
 
-    def _enter(self) -> None:
-        if self.delay_s:
+    def _enter(self, op: str) -> None:
+        if self.delay_s and op in self.slow:
             time.sleep(self.delay_s)
         if self.down:
             raise StoreUnavailable("memory store switched off")
 
     def put_many(self, keys, values) -> list[str]:
-        self._enter()
+        self._enter("put")
         out = []
         with self._lock:
             for k, parts in zip(keys, values):
@@ -77,7 +78,7 @@ class MemoryStore(Store):
         return True
 
     def get_many(self, keys, dests) -> list[int]:
-        self._enter()
+        self._enter("get")
         out = []
         with self._lock:
             for k, parts in zip(keys, dests):
@@ -97,12 +98,12 @@ class MemoryStore(Store):
         return out
 
     def exists_many(self, keys) -> list[bool]:
-        self._enter()
+        self._enter("exists")
         with self._lock:
             return [k in self.values for k in keys]
 
     def remove_many(self, keys) -> None:
-        self._enter()
+        self._enter("remove")
         with self._lock:
             for k in keys:
                 blob = self.values.pop(k, None)

@@ -83,7 +83,10 @@ def checksum(parts) -> int:
         if len(w):
             total += int(w.sum(dtype=np.uint64)) * (2 * i + 1)
             xor ^= int(np.bitwise_xor.reduce(w))
-    return ((total & _MASK) ^ (xor * 0x9E3779B97F4A7C15)) & _MASK
+    # added, not XORed, and the XOR rotated first: a flipped bit b moves the sum by an odd multiple
+    # of 2^b and the XOR term by one of 2^(b+17 mod 64), so a single flip never cancels out
+    rot = ((xor << 17) | (xor >> 47)) & _MASK
+    return (total + rot * 0x9E3779B97F4A7C15) & _MASK
 
 
 def header(layout: Layout, kind: str, page_key: int, boundary_tokens: int, payload_bytes: int, digest: int,
