@@ -37,6 +37,25 @@ from .store import ABSENT, EXISTS, GET_FAILED, STORED, WRONG_SIZE, StoreUnavaila
 from .values import HEADER_BYTES, check, checksum, header
 
 MAX_PUTS_IN_FLIGHT = 256
+READ_CHUNK = 64     # values per store call of a read (a later chunk is read while one is checked)
+
+
+class _Landing:
+    """Reads that went past their deadline (cancelled ones never start)."""
+
+    def __init__(self, futures) -> None:
+        self.futures = futures
+
+    def done(self) -> bool:
+        return all(f.done() for f in self.futures)
+
+    def result(self, timeout=None) -> None:
+        for f in self.futures:
+            if not f.cancelled():
+                try:
+                    f.result(timeout)
+                except StoreUnavailable:
+                    pass
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,33 +186,55 @@ class SharedTier:
 
     def get(self, entries) -> Got:
         """Read entries into their parts; a hit is a value of the expected size whose header
-        and checksum hold. Waits at most the deadline."""
+        and checksum hold. Waits at most the deadline. The batch is read in chunks, one after
+        another on the read thread, so that checking one chunk overlaps reading the next."""
         entries = list(entries)
         if not entries:
             return Got([])
         ids = None if self._unavailable(entries, "get") else self._take_headers(len(entries))
         if ids is None:
-            if not self._reader_stuck() and self.breaker.allow():   # no header slot: count it unavailable
+            if len(entries) > len(self._free_headers):    # (not counted yet: no header slot free)
                 for e in entries:
                     self.c.misses[e.kind]["tier_unavailable"] += 1
             return Got(["tier_unavailable"] * len(entries))
         keys = [self.layout.key(e.kind, e.page_key) for e in entries]
         dests = [[self._headers[i]] + self._parts(e) for i, e in zip(ids, entries)]
-        result, why = self._call("get", self._reads, self.store.get_many, keys, dests)
-        if why is not None:
-            for e in entries:
+        spans = [(a, min(a + READ_CHUNK, len(entries))) for a in range(0, len(entries), READ_CHUNK)]
+        futs = [self._reads.submit(_timed, self.store.get_many, keys[a:b], dests[a:b]) for a, b in spans]
+        end, reasons, why = time.monotonic() + self.deadline_s, [], None
+        for (a, b), fut in zip(spans, futs):
+            if why is None:
+                try:
+                    result, secs = fut.result(timeout=max(end - time.monotonic(), 0.0))
+                except FutureTimeout:
+                    why = "deadline"
+                    self.breaker.failure(at_once=True)
+                    self.c.errors["get"] += 1
+                except StoreUnavailable:
+                    why = "tier_unavailable"
+                    self.breaker.failure()
+                    self.c.errors["get"] += 1
+                else:
+                    self.c.op_count["get"] += 1
+                    self.c.op_seconds["get"] += secs
+                    reasons += [self._judge(e, code, self._headers[i], d[1:])
+                                for e, code, i, d in zip(entries[a:b], result, ids[a:b], dests[a:b])]
+                    continue
+            fut.cancel()
+            for e in entries[a:b]:
                 self.c.misses[e.kind][why] += 1
-            if why == "deadline":
-                self._late_reads.append((result, ids))
-                return Got([why] * len(entries), landing=result)
-            self._give_headers(ids)
-            return Got([why] * len(entries))
-        reasons = [self._judge(e, code, self._headers[i], d[1:]) for e, code, i, d in zip(entries, result, ids, dests)]
+            reasons += [why] * (b - a)
+        late = [f for f in futs if not f.done()]
+        if late:     # reads still writing into the parts: the caller keeps them until these land
+            landing = _Landing(late)
+            self._late_reads.append((landing, ids))
+            return Got(reasons, landing=landing)
         self._give_headers(ids)
-        if any(r == "tier_unavailable" for r in reasons):
-            self.breaker.failure()
-        else:
-            self.breaker.success()
+        if why is None:
+            if any(r == "tier_unavailable" for r in reasons):
+                self.breaker.failure()
+            else:
+                self.breaker.success()
         return Got(reasons)
 
     def _judge(self, e: Entry, code: int, raw_header, parts) -> str | None:
