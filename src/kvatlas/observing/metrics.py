@@ -89,7 +89,7 @@ HELP = {
     "kvatlas_shared_tier_breaker_open": "1 while the shared store's circuit breaker is open (or trying one call), "
                                         "else 0",
     "kvatlas_shared_tier_op_seconds": "Shared-store calls that completed (summary): seconds per operation",
-    "kvatlas_shared_tier_puts": "Entries offered to the shared store, per kind and outcome: stored, exists (another "
+    "kvatlas_shared_tier_offered_entries": "Entries offered to the shared store, per kind and outcome: stored, exists (another "
                                 "writer was first), full, failed, skipped (breaker open or outbox full) (counter)",
 }
 
@@ -267,7 +267,7 @@ def shared_samples(f: _Families, s, rv: list[str]) -> None:
         for reason, v in s.misses[kind].items():   # every reason, zeros too
             f.add("kvatlas_shared_tier_misses", ["kind", "reason"], [kind, reason] + rv, v, kind=C)
         for outcome, v in s.puts[kind].items():
-            f.add("kvatlas_shared_tier_puts", ["kind", "outcome"], [kind, outcome] + rv, v, kind=C)
+            f.add("kvatlas_shared_tier_offered_entries", ["kind", "outcome"], [kind, outcome] + rv, v, kind=C)
     for op, v in s.errors.items():
         f.add("kvatlas_shared_tier_errors", ["op"], [op] + rv, v, kind=C)
     f.add("kvatlas_shared_tier_breaker_open", [], rv, 1 if s.breaker_open else 0)
