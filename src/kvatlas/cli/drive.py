@@ -69,6 +69,7 @@ def add_workload_args(p) -> None:
                    help="deadline of every store call (default 500 ms); a call past it opens the breaker")
     g.add_argument("--shared-namespace", default="default", help="namespace of this deployment's keys (default 'default')")
     g.add_argument("--rank", type=count(0, 1 << 20), default=0, help=argparse.SUPPRESS)   # set by simulate --ranks
+    g.add_argument("--ranks-of", type=count(1, 64), default=1, help=argparse.SUPPRESS)
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
     p.add_argument("--backend", default="plain", help="arena backend: plain (default), vmm (CUDA), or none: "
                    "allocator and ledger only, no pool tensors (any plan size; no KV writes)")
@@ -136,6 +137,9 @@ def build(args, plan_from_args, *, lock=None, record=True):
         raise ConfigError("--write-layers", f"{args.write_layers!r} with --backend none",
                           "drop --write-layers: the bookkeeping backend holds no rows to write")
     requests = requests_from_args(args)
+    if args.ranks_of > 1:   # one rank of simulate --ranks: every ranks_of-th request, from this rank's
+        from .ranks import deal
+        requests = deal(requests, args.rank, args.ranks_of)
     p = plan_from_args(args)
     host_bytes = host_memory(args, p)
     if args.shared_tier is not None:
