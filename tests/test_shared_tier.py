@@ -7,7 +7,6 @@ import time
 import numpy as np
 import pytest
 
-from kvatlas import allocate, plan
 from kvatlas.errors import ConfigError
 from kvatlas.tiers.shared import Breaker, Entry, SharedTier, open_store, parse_url
 from kvatlas.tiers.shared.memory_store import MemoryStore

@@ -23,7 +23,7 @@ def deal(requests, rank: int, n: int) -> list:
 
 
 def _child_argv(args, rank: int) -> list[str]:
-    argv, out, skip = [], [], False
+    argv, skip = [], False
     for a in args.argv[1:]:
         if skip:
             skip = False

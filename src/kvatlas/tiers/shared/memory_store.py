@@ -12,7 +12,7 @@ import numpy as np
 
 from ...errors import ConfigError
 from ...units import parse_bytes
-from .store import ABSENT, EXISTS, FULL, STORED, WRONG_SIZE, Store, StoreUnavailable
+from .store import EXISTS, FULL, STORED, Store, StoreUnavailable, scatter
 
 _NAMED: dict = {}
 
@@ -82,19 +82,9 @@ class MemoryStore(Store):
         out = []
         with self._lock:
             for k, parts in zip(keys, dests):
-                blob = self.values.get(k)
-                if blob is None:
-                    out.append(ABSENT)
-                    continue
-                self.values.move_to_end(k)
-                if len(blob) != sum(p.nbytes for p in parts):
-                    out.append(WRONG_SIZE)
-                    continue
-                at = 0
-                for p in parts:
-                    p[:] = np.frombuffer(blob, np.uint8, p.nbytes, at)
-                    at += p.nbytes
-                out.append(len(blob))
+                if k in self.values:
+                    self.values.move_to_end(k)
+                out.append(scatter(self.values.get(k), parts))
         return out
 
     def exists_many(self, keys) -> list[bool]:

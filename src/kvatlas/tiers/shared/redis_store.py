@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from ...errors import ConfigError
-from .store import ABSENT, EXISTS, FAILED, FULL, STORED, WRONG_SIZE, Store, StoreUnavailable
+from .store import EXISTS, FAILED, FULL, STORED, Store, StoreUnavailable, scatter
 
 
 def _client(host, port, db, timeout):
@@ -74,20 +74,7 @@ class RedisStore(Store):
 
     def get_many(self, keys, dests) -> list[int]:
         blobs = self._call(lambda: self.r.mget(keys))
-        out = []
-        for blob, parts in zip(blobs, dests):
-            if blob is None:
-                out.append(ABSENT)
-                continue
-            if len(blob) != sum(p.nbytes for p in parts):
-                out.append(WRONG_SIZE)
-                continue
-            at = 0
-            for p in parts:
-                p[:] = np.frombuffer(blob, np.uint8, p.nbytes, at)
-                at += p.nbytes
-            out.append(len(blob))
-        return out
+        return [scatter(blob, parts) for blob, parts in zip(blobs, dests)]
 
     def exists_many(self, keys) -> list[bool]:
         def run():

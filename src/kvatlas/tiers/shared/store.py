@@ -32,6 +32,20 @@ class StoreUnavailable(ConnectionError):
     tier counts it and serves misses; never an error of the caller's input."""
 
 
+def scatter(blob, parts) -> int:
+    """Copy one value read whole (`blob`, None when absent) into its parts: the get status."""
+    if blob is None:
+        return ABSENT
+    if len(blob) != sum(p.nbytes for p in parts):
+        return WRONG_SIZE
+    import numpy as np
+    at = 0
+    for p in parts:
+        p[:] = np.frombuffer(blob, np.uint8, p.nbytes, at)
+        at += p.nbytes
+    return len(blob)
+
+
 class Store:
     """Base of the backends; see the module doc for the contract."""
 

@@ -33,6 +33,7 @@ import numpy as np
 from ...errors import ConfigError
 from .breaker import Breaker
 from .counters import SHARED_SCHEMA_VERSION, SharedCounters, SharedSnapshot
+from .inbox import Inbox, _timed, read_chunks
 from .store import ABSENT, EXISTS, GET_FAILED, STORED, WRONG_SIZE, StoreUnavailable
 from .values import HEADER_BYTES, check, checksum, header
 
@@ -80,11 +81,6 @@ class _PutJob:
         self.headers, self.release, self.late = headers, release, False
 
 
-def _timed(fn, *args):
-    t = time.perf_counter()
-    return fn(*args), time.perf_counter() - t
-
-
 class SharedTier:
     def __init__(self, store, layout, *, deadline_s: float = 0.5, breaker: Breaker | None = None,
                  modeled_scale: int = 0, writer: int = 0, policy: str = "finish", header_slots: int = 1024) -> None:
@@ -103,6 +99,8 @@ class SharedTier:
         self._writes = ThreadPoolExecutor(1, thread_name_prefix="kvatlas-shared-write")
         self._puts: list[_PutJob] = []
         self._late_reads: list = []   # (future, header ids)
+        zero_copy = store.zero_copy and not modeled_scale
+        self._inbox = Inbox(store, max(self.value_bytes(k) for k in layout.payload_bytes)) if zero_copy else None
         self.hit_tokens = self.hit_requests = 0
 
     def _pad_bytes(self, kind: str) -> int:
@@ -186,56 +184,62 @@ class SharedTier:
 
     def get(self, entries) -> Got:
         """Read entries into their parts; a hit is a value of the expected size whose header
-        and checksum hold. Waits at most the deadline. The batch is read in chunks, one after
-        another on the read thread, so that checking one chunk overlaps reading the next."""
+        and checksum hold. Waits at most the deadline (kvatlas.tiers.shared.inbox: how)."""
         entries = list(entries)
         if not entries:
             return Got([])
-        ids = None if self._unavailable(entries, "get") else self._take_headers(len(entries))
+        staged = self._inbox is not None
+        ids = None if self._unavailable(entries, "get") else ([] if staged else self._take_headers(len(entries)))
         if ids is None:
             if len(entries) > len(self._free_headers):    # (not counted yet: no header slot free)
                 for e in entries:
                     self.c.misses[e.kind]["tier_unavailable"] += 1
             return Got(["tier_unavailable"] * len(entries))
         keys = [self.layout.key(e.kind, e.page_key) for e in entries]
-        dests = [[self._headers[i]] + self._parts(e) for i, e in zip(ids, entries)]
-        spans = [(a, min(a + READ_CHUNK, len(entries))) for a in range(0, len(entries), READ_CHUNK)]
-        futs = [self._reads.submit(_timed, self.store.get_many, keys[a:b], dests[a:b]) for a, b in spans]
-        end, reasons, why = time.monotonic() + self.deadline_s, [], None
-        for (a, b), fut in zip(spans, futs):
-            if why is None:
-                try:
-                    result, secs = fut.result(timeout=max(end - time.monotonic(), 0.0))
-                except FutureTimeout:
-                    why = "deadline"
-                    self.breaker.failure(at_once=True)
-                    self.c.errors["get"] += 1
-                except StoreUnavailable:
-                    why = "tier_unavailable"
-                    self.breaker.failure()
-                    self.c.errors["get"] += 1
-                else:
-                    self.c.op_count["get"] += 1
-                    self.c.op_seconds["get"] += secs
-                    reasons += [self._judge(e, code, self._headers[i], d[1:])
-                                for e, code, i, d in zip(entries[a:b], result, ids[a:b], dests[a:b])]
-                    continue
-            fut.cancel()
-            for e in entries[a:b]:
+        sizes = [self.value_bytes(e.kind) for e in entries]
+        if staged:
+            dests_of = lambda k, a, b: [[self._inbox.view(k, j, sizes[a + j])] for j in range(b - a)]  # noqa: E731
+        else:
+            dests_of = lambda k, a, b: [[self._headers[ids[i]]] + self._parts(entries[i]) for i in range(a, b)]  # noqa: E731
+        reasons = []
+
+        def judged(a, b, codes, secs):
+            self.c.op_count["get"] += 1
+            self.c.op_seconds["get"] += secs
+            for i, code in zip(range(a, b), codes):
+                reasons.append(self._staged(entries[i], code, self._inbox.view(i // self._inbox.chunk, i - a,
+                                                                               sizes[i])) if staged
+                               else self._judge(entries[i], code, self._headers[ids[i]], dests_of(0, i, i + 1)[0][1:]))
+
+        why, upto, late = read_chunks(self._reads, self.store.get_many, keys, dests_of, len(entries),
+                                      self._inbox.chunk if staged else READ_CHUNK, time.monotonic() + self.deadline_s,
+                                      judged)
+        if why is not None:
+            self.breaker.failure(at_once=why == "deadline")
+            self.c.errors["get"] += 1
+            for e in entries[upto:]:
                 self.c.misses[e.kind][why] += 1
-            reasons += [why] * (b - a)
-        late = [f for f in futs if not f.done()]
-        if late:     # reads still writing into the parts: the caller keeps them until these land
+            reasons += [why] * (len(entries) - upto)
+        elif any(r == "tier_unavailable" for r in reasons):
+            self.breaker.failure()
+        else:
+            self.breaker.success()
+        if late:     # reads still writing: into the inbox (then nothing of the caller's), or into the parts
             landing = _Landing(late)
             self._late_reads.append((landing, ids))
-            return Got(reasons, landing=landing)
+            return Got(reasons, landing=None if staged else landing)
         self._give_headers(ids)
-        if why is None:
-            if any(r == "tier_unavailable" for r in reasons):
-                self.breaker.failure()
-            else:
-                self.breaker.success()
         return Got(reasons)
+
+    def _staged(self, e: Entry, code: int, value) -> str | None:
+        """Judge a value read whole into the inbox; a hit's payload is copied into its parts."""
+        cut = np.cumsum([HEADER_BYTES] + [p.nbytes for p in e.parts])
+        parts = [value[a:b] for a, b in zip(cut[:-1], cut[1:])]
+        why = self._judge(e, code, value[:HEADER_BYTES], parts)
+        if why is None:
+            for dst, src in zip(e.parts, parts):
+                np.copyto(dst, src)
+        return why
 
     def _judge(self, e: Entry, code: int, raw_header, parts) -> str | None:
         if code == ABSENT:
