@@ -24,7 +24,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import store_servers as ss  # noqa: E402
-from shared_session import SharedSession, prompts, write_through  # noqa: E402
+from shared_session import SharedSession, admit_only, prompts, write_through  # noqa: E402
 
 from kvatlas.tiers.shared import Breaker, open_store  # noqa: E402
 from kvatlas.tiers.shared.values import HEADER_BYTES  # noqa: E402
@@ -69,14 +69,6 @@ def finish(p):
 
 def reader(url, **kw):
     return SharedSession(url, **kw)
-
-
-def admit_only(s, seq) -> int:
-    """Prefetch and admit one prompt (no writes): the tokens it resumes from."""
-    ready = s.link.prefetch(len(seq), token_ids=seq)
-    if ready is not None:
-        ready.wait()
-    return s.hot.admit(f"a{s.next_id}", len(seq), 2, token_ids=seq).cached_tokens
 
 
 def key(s, kind, seq, page):

@@ -73,6 +73,15 @@ class SharedSession(Session):
         return snap
 
 
+def admit_only(s, seq) -> int:
+    """Prefetch and admit one prompt on a SharedSession's hot cache (no writes): its cached tokens."""
+    ready = s.link.prefetch(len(seq), token_ids=seq)
+    if ready is not None:
+        ready.wait()
+    s.next_id += 1
+    return s.hot.admit(f"a{s.next_id}", len(seq), 2, token_ids=seq).cached_tokens
+
+
 def write_through(store, seqs, max_new: int = 2, **link_options):
     """The writing process: the hot cache alone (no cold twin, no read checks), each request's
     rows written from its token ids (prefix_model), finished, and written through to the store."""

@@ -12,7 +12,7 @@ from kvatlas.tiers.shared import Breaker, Entry, SharedTier, open_store, parse_u
 from kvatlas.tiers.shared.memory_store import MemoryStore
 from kvatlas.tiers.shared.values import HEADER_BYTES, Layout, checksum, header, parse
 
-from shared_session import SharedSession, prompts
+from shared_session import SharedSession, admit_only, prompts, write_through
 
 LAYOUT = Layout(namespace="t", layout_hash=0x1234, payload_bytes={"page": 4096, "checkpoint": 1024})
 
@@ -128,9 +128,7 @@ def test_a_slow_store_costs_one_deadline_then_misses_at_once():
 
 def test_a_read_past_its_deadline_keeps_its_host_slots_until_it_lands():
     store = MemoryStore()
-    a = SharedSession(store)
-    a.run(prompts(1)[0])
-    a.link.shared.flush()
+    write_through(store, [prompts(1)[0]])
     b = SharedSession(store, deadline_s=0.05, breaker=Breaker(cooloff_s=0.2))
     store.delay_s, store.slow = 0.5, {"get"}
     seq = prompts(1)[0]
@@ -141,19 +139,19 @@ def test_a_read_past_its_deadline_keeps_its_host_slots_until_it_lands():
     b.link.shared.poll()
     store.delay_s = 0.0
     time.sleep(0.25)
-    assert b.run(seq) == 512                          # landed, released, the breaker closed again
+    assert admit_only(b, seq) == 512                  # landed, released, the breaker closed again
     assert host.slots["host_pages"].claimed == 0
-    b.check("after")
+    b.hot.check_integrity()
+    host.check_integrity()
 
 
 def test_metrics_and_state_show_the_shared_tier_apart():
     from kvatlas.observing.metrics import KvatlasCollector, exposition
     from kvatlas.observing.server import state_document
     store = MemoryStore()
-    a, b = SharedSession(store), SharedSession(store)
-    a.run(prompts(2)[0])
-    a.link.shared.flush()
-    assert b.run(prompts(2)[0]) == 512
+    write_through(store, [prompts(2)[0]])
+    b = SharedSession(store)
+    assert admit_only(b, prompts(2)[0]) == 512
     text = exposition(KvatlasCollector(b.hot)).decode()
     for reason in ("absent", "stale", "foreign", "corrupt", "size_mismatch", "deadline", "tier_unavailable"):
         assert f'kvatlas_shared_tier_misses_total{{kind="page",pp_rank="0",reason="{reason}"}}' in text
