@@ -33,7 +33,7 @@ import numpy as np
 from ...errors import ConfigError
 from .breaker import Breaker
 from .counters import SHARED_SCHEMA_VERSION, SharedCounters, SharedSnapshot
-from .inbox import Inbox, _timed, read_chunks
+from .inbox import Inbox, _timed, read_chunks, spans_of
 from .store import ABSENT, EXISTS, GET_FAILED, STORED, WRONG_SIZE, StoreUnavailable
 from .values import HEADER_BYTES, check, checksum, header
 
@@ -198,22 +198,23 @@ class SharedTier:
         keys = [self.layout.key(e.kind, e.page_key) for e in entries]
         sizes = [self.value_bytes(e.kind) for e in entries]
         if staged:
-            dests_of = lambda k, a, b: [[self._inbox.view(k, j, sizes[a + j])] for j in range(b - a)]  # noqa: E731
+            spans = spans_of(sizes, self._inbox.chunk_bytes)
+            dests_of = lambda k, a, b: [[v] for v in self._inbox.views(k, sizes[a:b])]  # noqa: E731
         else:
+            spans = [(a, min(a + READ_CHUNK, len(entries))) for a in range(0, len(entries), READ_CHUNK)]
             dests_of = lambda k, a, b: [[self._headers[ids[i]]] + self._parts(entries[i]) for i in range(a, b)]  # noqa: E731
         reasons = []
 
-        def judged(a, b, codes, secs):
+        def judged(k, a, b, codes, secs):
             self.c.op_count["get"] += 1
             self.c.op_seconds["get"] += secs
-            for i, code in zip(range(a, b), codes):
-                reasons.append(self._staged(entries[i], code, self._inbox.view(i // self._inbox.chunk, i - a,
-                                                                               sizes[i])) if staged
+            got = self._inbox.views(k, sizes[a:b]) if staged else None
+            for j, (i, code) in enumerate(zip(range(a, b), codes)):
+                reasons.append(self._staged(entries[i], code, got[j]) if staged
                                else self._judge(entries[i], code, self._headers[ids[i]], dests_of(0, i, i + 1)[0][1:]))
 
-        why, upto, late = read_chunks(self._reads, self.store.get_many, keys, dests_of, len(entries),
-                                      self._inbox.chunk if staged else READ_CHUNK, time.monotonic() + self.deadline_s,
-                                      judged)
+        why, upto, late = read_chunks(self._reads, self.store.get_many, keys, dests_of, spans,
+                                      time.monotonic() + self.deadline_s, judged)
         if why is not None:
             self.breaker.failure(at_once=why == "deadline")
             self.c.errors["get"] += 1
