@@ -82,7 +82,7 @@ def admit_only(s, seq) -> int:
     return s.hot.admit(f"a{s.next_id}", len(seq), 2, token_ids=seq).cached_tokens
 
 
-def write_through(store, seqs, max_new: int = 2, **link_options):
+def write_through(store, seqs, max_new: int = 2, prefetch: bool = True, **link_options):
     """The writing process: the hot cache alone (no cold twin, no read checks), each request's
     rows written from its token ids (prefix_model), finished, and written through to the store."""
     from prefix_model import Model, prefix_hashes
@@ -94,7 +94,7 @@ def write_through(store, seqs, max_new: int = 2, **link_options):
     for i, prompt in enumerate(seqs):
         seq = np.concatenate((prompt, np.arange(max_new) + 7))
         h, rid = prefix_hashes(seq), f"w{i}"
-        ready = link.prefetch(len(prompt), token_ids=prompt)
+        ready = link.prefetch(len(prompt), token_ids=prompt) if prefetch else None
         if ready is not None:
             ready.wait()
         done = cache.admit(rid, len(prompt), max_new, token_ids=prompt).cached_tokens
@@ -119,9 +119,10 @@ def main(argv) -> None:
     ap.add_argument("--prompts", type=int, default=1)
     ap.add_argument("--policy", default="finish")
     ap.add_argument("--writer", type=int, default=1)
+    ap.add_argument("--no-prefetch", action="store_true", help="compute every prompt, even what the store holds")
     a = ap.parse_args(argv)
     seqs = [p for seed in a.seeds.split(",") for p in prompts(int(seed), a.prompts)]
-    cached, snap = write_through(a.url, seqs, policy=a.policy, writer=a.writer)
+    cached, snap = write_through(a.url, seqs, policy=a.policy, writer=a.writer, prefetch=not a.no_prefetch)
     print(json.dumps({"cached": cached, "puts": snap.puts, "errors": snap.errors}))
 
 
