@@ -70,7 +70,9 @@ def _parse(argv: list[str]):
         mod = importlib.import_module(COMMANDS[argv[0]][0])
         mod.add_parser(parser)
         parser.add_argument("--debug", action="store_true", help="on an unexpected error, print the traceback")
-        return mod, parser.parse_args(argv[1:])
+        args = parser.parse_args(argv[1:])
+        args.argv = list(argv)   # (simulate --ranks starts itself again, once per rank)
+        return mod, args
     parser = build_parser()
     args = parser.parse_args(argv)
     if not args.command:

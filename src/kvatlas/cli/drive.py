@@ -3,6 +3,7 @@ simulator and its writer, and the end-of-run summary."""
 
 from __future__ import annotations
 
+import argparse
 import math
 import sys
 
@@ -60,6 +61,18 @@ def add_workload_args(p) -> None:
                    help="share of the host tier's bytes for resume points, in [0, 1) (default 1/3)")
     p.add_argument("--check-integrity", action="store_true", help="debug: recount every book (allocator, ledger, "
                    "prefix cache, host tier) after every forward pass; a broken one stops the run as a bug (exit 1)")
+    g = p.add_argument_group("shared tier (under the host tier; every cache process of a deployment shares it)")
+    g.add_argument("--shared-tier", default=None, metavar="URL",
+                   help="a shared store below the host tier: mooncake://MASTER:PORT?metadata=http://HOST:PORT/metadata "
+                        "or redis://HOST:PORT (or memory://NAME, in-process). Needs --host-memory. With --backend none "
+                        "the store holds the real keys and headers, each payload zeros of 1/1024 of its bytes")
+    g.add_argument("--shared-policy", default="finish", choices=("finish", "evict"),
+                   help="finish (default): write through what a finish caches; evict: only what the host tier drops")
+    g.add_argument("--shared-deadline-ms", type=number(0.0, 60_000.0, open_low=True), default=500.0,
+                   help="deadline of every store call (default 500 ms); a call past it opens the breaker")
+    g.add_argument("--shared-namespace", default="default", help="namespace of this deployment's keys (default 'default')")
+    g.add_argument("--rank", type=count(0, 1 << 20), default=0, help=argparse.SUPPRESS)   # set by simulate --ranks
+    g.add_argument("--ranks-of", type=count(1, 64), default=1, help=argparse.SUPPRESS)
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
     p.add_argument("--backend", default="plain", help="arena backend: plain (default), vmm (CUDA), or none: "
                    "allocator and ledger only, no pool tensors (any plan size; no KV writes)")
@@ -127,8 +140,17 @@ def build(args, plan_from_args, *, lock=None, record=True):
         raise ConfigError("--write-layers", f"{args.write_layers!r} with --backend none",
                           "drop --write-layers: the bookkeeping backend holds no rows to write")
     requests = requests_from_args(args)
+    if args.ranks_of > 1:   # one rank of simulate --ranks: every ranks_of-th request, from this rank's
+        from .ranks import deal
+        requests = deal(requests, args.rank, args.ranks_of)
     p = plan_from_args(args)
     host_bytes = host_memory(args, p)
+    if args.shared_tier is not None:
+        if host_bytes is None:
+            raise ConfigError("--shared-tier", "the shared tier sits below the host tier, and there is none",
+                              "add --host-memory BYTES (and --prefix-checkpoints N)")
+        from ..tiers.shared import parse_url
+        parse_url(args.shared_tier, "--shared-tier")   # a bad URL is refused before anything is allocated
     require_torch("allocating a cache")
     import kvatlas
     from ..cache.arena import parse_device
@@ -177,13 +199,34 @@ def host_memory(args, plan) -> int | None:
 
 
 def attach_host(cache, host_bytes: int, args):
-    """The real pinned tier when the pools hold memory; the modeled one (no memory) with backend none."""
+    """The real pinned tier when the pools hold memory; the modeled one (no memory) with backend
+    none; with --shared-tier, the shared store below it."""
     from ..tiers import HostLink, attach_host_tier
     from ..tiers.modeled import ModeledHost
     share = args.host_checkpoint_share
+    opts = {} if share is None else {"checkpoint_share": share}
+    if args.shared_tier is not None:
+        return _attach_shared(cache, host_bytes, args, args.shared_tier, opts)
     if cache.arena.backend.holds_memory:
-        return attach_host_tier(cache, host_bytes, **({} if share is None else {"checkpoint_share": share}))
+        return attach_host_tier(cache, host_bytes, **opts)
     link = HostLink(cache.prefix, ModeledHost(cache.plan, host_bytes, share))
+    cache.host = link
+    return link
+
+
+def _attach_shared(cache, host_bytes: int, args, url: str, opts: dict):
+    from ..tiers.modeled import ModeledHost
+    from ..tiers.shared import StoreUnavailable, attach_shared_tier, modeled_shared_link, open_store
+    try:
+        store = open_store(url, "--shared-tier")
+    except StoreUnavailable as exc:
+        raise ConfigError("--shared-tier", f"{url!r} cannot be reached ({exc})",
+                          "start the store first, or drop --shared-tier") from None
+    kw = dict(namespace=args.shared_namespace, policy=args.shared_policy, deadline_s=args.shared_deadline_ms / 1e3,
+              writer=args.rank)
+    if cache.arena.backend.holds_memory:
+        return attach_shared_tier(cache, host_bytes, store, **kw, **opts)
+    link = modeled_shared_link(cache.prefix, ModeledHost(cache.plan, host_bytes, args.host_checkpoint_share), store, **kw)
     cache.host = link
     return link
 
@@ -228,6 +271,7 @@ def summary(cache, sim, writer, wall_s: float, how: str) -> str:
         ["cache", _cache_line(cache, snap)],
         ["prefix cache", _prefix_line(cache)],
         ["host tier", _host_line(sim)],
+        ["shared tier", _shared_line(sim)],
         ["KV writes", _writes(writer)],
         *run_rows(cache, sim),
         ["time model", sim.time_model.describe() + _host_model(sim)],
@@ -259,13 +303,31 @@ def _host_line(sim) -> str:
         return "off (--host-memory BYTES with the prefix cache to keep evicted pages in host memory)"
     snap, hc, pc = sim.host.snapshot(), sim.host_clock, sim.cache.prefix.stats
     host_tokens = snap.hits["host_hit_tokens"]
+    shared = sim.host.shared_snapshot()
+    shared_tokens = shared.hit_tokens if shared is not None else 0
     return (f"{fmt_bytes(sim.host.tier.plan.budget_bytes)} ({'pinned' if sim.host.tier.memory_backed else 'modeled, no memory'}); "
-            f"hit tokens by tier: device {pc.hit_tokens - host_tokens:,}, host {host_tokens:,} "
+            f"hit tokens by tier: device {pc.hit_tokens - host_tokens - shared_tokens:,}, host {host_tokens:,}"
+            + (f", shared {shared_tokens:,}" if shared is not None else "") + " "
             f"({snap.hits['host_hit_requests']:,} requests); moved to host {snap.bytes_to_host:,} B "
             f"({fmt_bytes(snap.bytes_to_host)}), to device {snap.bytes_to_device:,} B "
             f"({fmt_bytes(snap.bytes_to_device)}); modeled restore {hc.restore_s:.4f} s, offload "
             f"{sim.host.tier.modeled_seconds['host']:.4f} s; {hc.restoring:,} requests waited "
             f"{hc.wait_s:.4f} s in all from admission to first pass")
+
+
+def _shared_line(sim) -> str:
+    shared = sim.host.shared_snapshot() if sim.host is not None else None
+    if shared is None:
+        return "off (--shared-tier URL with --host-memory to share cached prefixes between processes)"
+    hits, misses = shared.hits, shared.misses
+    missed = {r: sum(m[r] for m in misses.values()) for r in next(iter(misses.values()))}
+    why = ", ".join(f"{r} {n:,}" for r, n in missed.items() if n) or "none"
+    return (f"{shared.store} ({'keys and headers; payloads modeled at 1/1024' if shared.modeled_payload else 'bytes'}, "
+            f"policy {shared.policy}); hit tokens {shared.hit_tokens:,} ({shared.hit_requests:,} requests); "
+            f"hits {hits['page']:,} pages, {hits['checkpoint']:,} resume points; misses: {why}; "
+            f"to store {shared.moved_bytes['to_store']:,} B, from store {shared.moved_bytes['from_store']:,} B; "
+            f"errors {sum(shared.errors.values()):,}; breaker {shared.breaker_state} "
+            f"(opened {shared.breaker_opened:,} times)")
 
 
 def _cache_line(cache, snap) -> str:

@@ -20,12 +20,17 @@ def add_parser(p) -> None:
                    "per pass) and PREFIX.requests.csv (latency per request) (default kvatlas-sim)")
     g.add_argument("--no-plot", action="store_true", help="write the CSV only")
     g.add_argument("--max-steps", type=count(1), default=None, help="stop after this many forward passes")
+    p.add_argument("--ranks", type=count(1, 64), default=1, help="run N rank processes, requests dealt round-robin, "
+                   "each writing PREFIX.rankR.*, sharing --shared-tier (mooncake:// or redis://) (default 1)")
 
 
 def run(args) -> int:
     if not args.out or args.out.endswith(os.sep) or os.path.isdir(args.out):
         raise ConfigError("--out", f"{args.out!r} is not a file prefix", "give a prefix such as runs/sim1")
     check_output_file("--out", f"{args.out}.csv", extensions=None)
+    if args.ranks > 1:
+        from .ranks import run_ranks
+        return run_ranks(args)
     cache, sim, writer = build(args, plan_from_args)
     t0 = time.perf_counter()
     total = len(sim.pending)
@@ -44,6 +49,9 @@ def run(args) -> int:
         written.append(png_path)
     virtual = sim.timeline[-1].t_s if sim.timeline else 0.0
     print(summary(cache, sim, writer, wall, f"offline; {virtual:.1f} s of virtual time"))
+    if args.ranks_of > 1:
+        from .ranks import write_rank_result
+        written.append(write_rank_result(args, cache, sim))
     print("\nwritten: " + ", ".join(written))
     return 0
 

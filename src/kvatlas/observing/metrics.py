@@ -89,8 +89,23 @@ HELP = {
                                           "claimed by a restore under way: the entry is lost, per kind (counter)",
     "kvatlas_host_tier_restore_seconds": "Restores from the host tier (summary): seconds from issue to the "
                                          "last copy landing",
-    "kvatlas_prefix_tier_hit_tokens": "Prompt tokens served by the prefix cache per tier (device, host) "
+    "kvatlas_prefix_tier_hit_tokens": "Prompt tokens served by the prefix cache per tier (device, host, shared) "
                                          "(counter)",
+    "kvatlas_shared_tier_moved_bytes": "Bytes moved between this cache and the shared store, per direction "
+                                       "(to_store, from_store; header included): store traffic, never summed with "
+                                       "device or host bytes (counter)",
+    "kvatlas_shared_tier_moved_entries": "Entries written to (first writer) or read as hits from the shared store, "
+                                         "per kind and direction (counter)",
+    "kvatlas_shared_tier_hits": "Shared-store reads that were hits (expected size, header and checksum hold), "
+                                "per kind (counter)",
+    "kvatlas_shared_tier_misses": "Shared-store lookups that were not hits, per kind and reason: absent, stale, "
+                                  "foreign, corrupt, size_mismatch, deadline, tier_unavailable (counter)",
+    "kvatlas_shared_tier_errors": "Shared-store calls that failed or missed their deadline, per operation (counter)",
+    "kvatlas_shared_tier_breaker_open": "1 while the shared store's circuit breaker is open (or trying one call), "
+                                        "else 0",
+    "kvatlas_shared_tier_op_seconds": "Shared-store calls that completed (summary): seconds per operation",
+    "kvatlas_shared_tier_offered_entries": "Entries offered to the shared store, per kind and outcome: stored, exists (another "
+                                "writer was first), full, failed, skipped (breaker open or outbox full) (counter)",
 }
 
 
@@ -147,9 +162,10 @@ class KvatlasCollector:
             return [s.cache.ledger.snapshot() for s in self.sources]
 
     def host_snapshots(self) -> list:
-        """Per cache its host tier's snapshot, or None without one."""
+        """Per cache (its host tier's snapshot, its shared tier's snapshot), None where absent."""
         with self.lock:
-            return [s.cache.host.snapshot() if s.cache.host is not None else None for s in self.sources]
+            return [(s.cache.host.snapshot(), s.cache.host.shared_snapshot()) if s.cache.host is not None
+                    else (None, None) for s in self.sources]
 
     def collect(self):
         if not self.sources:
@@ -157,12 +173,14 @@ class KvatlasCollector:
         snaps, hosts = self.snapshots(), self.host_snapshots()
         rank_names = sorted(self.sources[0].ranks, key=RANK_LABELS.index)
         fams = _Families(rank_names)
-        for src, snap, host in zip(self.sources, snaps, hosts):
+        for src, snap, (host, shared) in zip(self.sources, snaps, hosts):
             rv = [src.ranks[k] for k in rank_names]
             _pool_samples(fams, src.cache.plan, snap, rv)
             _cache_samples(fams, src.cache, snap, rv, self.version)
             if host is not None:
-                host_samples(fams, src.cache, host, rv)
+                host_samples(fams, src.cache, host, rv, shared)
+            if shared is not None:
+                shared_samples(fams, shared, rv)
         yield from fams.all()
 
 
@@ -229,7 +247,7 @@ def _cache_samples(f: _Families, cache, snap, rv: list[str], version: str) -> No
     fam.add_metric(rv, info)
 
 
-def host_samples(f: _Families, cache, host, rv: list[str]) -> None:
+def host_samples(f: _Families, cache, host, rv: list[str], shared=None) -> None:
     """The host tier's own families: a host byte never lands in a device family."""
     for kind, g in host.groups.items():
         for m in MEASURES:
@@ -250,9 +268,33 @@ def host_samples(f: _Families, cache, host, rv: list[str]) -> None:
         f.fams[name] = SummaryMetricFamily(name, HELP[name], labels=f.rank_names)
     f.fams[name].add_metric(rv, count_value=host.restores_completed, sum_value=host.restore_latency_sum_s)
     if host.hits and cache.prefix is not None:
-        served = cache.prefix.stats.hit_tokens
-        for tier, v in (("device", served - host.hits["host_hit_tokens"]), ("host", host.hits["host_hit_tokens"])):
+        served, from_host = cache.prefix.stats.hit_tokens, host.hits["host_hit_tokens"]
+        tiers = [("device", served - from_host - (shared.hit_tokens if shared else 0)), ("host", from_host)]
+        for tier, v in tiers + ([("shared", shared.hit_tokens)] if shared is not None else []):
             f.add("kvatlas_prefix_tier_hit_tokens", ["tier"], [tier] + rv, v, kind=CounterMetricFamily)
+
+
+def shared_samples(f: _Families, s, rv: list[str]) -> None:
+    """The shared tier's own families (store bytes: never in a device or host family)."""
+    C = CounterMetricFamily
+    for d, v in s.moved_bytes.items():
+        f.add("kvatlas_shared_tier_moved_bytes", ["direction"], [d] + rv, v, kind=C)
+    for kind in s.hits:
+        for d, v in s.moved_entries[kind].items():
+            f.add("kvatlas_shared_tier_moved_entries", ["kind", "direction"], [kind, d] + rv, v, kind=C)
+        f.add("kvatlas_shared_tier_hits", ["kind"], [kind] + rv, s.hits[kind], kind=C)
+        for reason, v in s.misses[kind].items():   # every reason, zeros too
+            f.add("kvatlas_shared_tier_misses", ["kind", "reason"], [kind, reason] + rv, v, kind=C)
+        for outcome, v in s.puts[kind].items():
+            f.add("kvatlas_shared_tier_offered_entries", ["kind", "outcome"], [kind, outcome] + rv, v, kind=C)
+    for op, v in s.errors.items():
+        f.add("kvatlas_shared_tier_errors", ["op"], [op] + rv, v, kind=C)
+    f.add("kvatlas_shared_tier_breaker_open", [], rv, 1 if s.breaker_open else 0)
+    name = "kvatlas_shared_tier_op_seconds"
+    if name not in f.fams:
+        f.fams[name] = SummaryMetricFamily(name, HELP[name], labels=["op"] + f.rank_names)
+    for op in s.op_count:
+        f.fams[name].add_metric([op] + rv, count_value=s.op_count[op], sum_value=s.op_seconds[op])
 
 
 def _prefix_samples(f: _Families, prefix, rv: list[str]) -> None:

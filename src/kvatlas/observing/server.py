@@ -101,6 +101,7 @@ def state_document(collector: KvatlasCollector, extra=None, requests=None, plans
         counters = [s.cache.usage_counters() for s in collector.sources]
         prefixes = [s.cache.prefix.summary() if s.cache.prefix is not None else None for s in collector.sources]
         hosts = [s.cache.host.snapshot() if s.cache.host is not None else None for s in collector.sources]
+        shared = [s.cache.host.shared_snapshot() if s.cache.host is not None else None for s in collector.sources]
         progress = requests() if requests is not None else None
         workload = extra() if extra is not None else None
     caches = []
@@ -114,7 +115,8 @@ def state_document(collector: KvatlasCollector, extra=None, requests=None, plans
         entry = {"labels": dict(src.ranks), "ledger": snap.to_dict(), "plan": plan,
                  "requests": {str(k): v for k, v in usage.items()},
                  # the tiers side by side: "ledger" is the device, "host_tier" pinned host memory
-                 "host_tier": hosts[i].to_dict() if hosts[i] is not None else None}
+                 "host_tier": hosts[i].to_dict() if hosts[i] is not None else None,
+                 "shared_tier": shared[i].to_dict() if shared[i] is not None else None}
         if prefixes[i] is not None:
             entry["prefix_cache"] = prefixes[i]
         caches.append(entry)

@@ -71,6 +71,7 @@ class PrefixCache:
         self._tent_b, self._tent_u = np.zeros(n, np.int64), np.zeros(n, np.int64)
         self._tent_pages, self._tent_div = np.zeros((tail, n), np.int64), np.zeros(n, bool)
         self._mine, self._divergence = np.zeros(n, bool), np.full(n, -1, np.int64)
+        self.publisher = None   # a tier below that writes through what a finish caches (tiers.shared)
         allocator.on_capture = self._on_capture
         allocator.on_need_checkpoint = self._need_checkpoint
         allocator.on_slot_end = self._slot_end
@@ -273,8 +274,9 @@ class PrefixCache:
         self.clock += 1
         keep_cols, nodes = self._publish(slot, keys[: min(L // self.P, len(keys))])
         a.finish(request_id, keep_pages=keep_cols)
-        for ck in req.kept:
-            self._place(ck, nodes)
+        placed = [ck for ck in req.kept if self._place(ck, nodes)]
+        if self.publisher is not None:   # before unref: no eviction can take these pages yet
+            self.publisher.on_publish(nodes, placed)
         self.tree.unref(req.path, self.clock)
 
     def _publish(self, slot, keys) -> tuple[list, list]:
@@ -295,14 +297,15 @@ class PrefixCache:
             parent = node
         return keep, nodes
 
-    def _place(self, ck, nodes) -> None:
+    def _place(self, ck, nodes) -> bool:
         i = ck.boundary_tokens // self.P - 1
         if i >= len(nodes) or nodes[i].checkpoint is not None:
             self._drop(ck)   # no key for that page, or another request saved this point first
-            return
+            return False
         self.alloc.unpin_checkpoint(ck.swa_pages)
         self.tree.attach(nodes[i], ck, self.clock)
         self.stats.checkpoints_saved += 1
+        return True
 
     # ---------------------------------------------------------------- restored from a lower tier
     def _chain(self, key) -> list:

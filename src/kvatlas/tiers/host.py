@@ -74,29 +74,40 @@ class HostTier(HostIndex):
     def span_bytes(self) -> dict:
         return self.memory.span_bytes
 
-    def _copy(self, direction: str, group: str, slots: np.ndarray, where) -> Transfer:
-        moves = self._page_moves(slots, where) if group == HOST_PAGES else self._checkpoint_moves(slots, where)
+    def _copy(self, direction: str, group: str, slots: np.ndarray, where, memory=None) -> Transfer:
+        raw = (memory or self.memory).raw
+        moves = self._page_moves(slots, where, raw) if group == HOST_PAGES else self._checkpoint_moves(slots, where, raw)
         return self.engine.run(direction, moves)
 
-    def _page_moves(self, slots: np.ndarray, pages: np.ndarray) -> list:
-        return [UnitMove(self.memory.raw[b.name], _raw(self._device[b.name], 1), slots, pages)
+    def copy_out(self, group: str, memory, units: np.ndarray, where) -> Transfer:
+        """Copy device entries into units of another host memory of the same host plan's layout
+        (the shared tier's outbox), through the same copy engine; counted in no host measure."""
+        return self._copy("host", group, np.asarray(units, np.int64), where, memory)
+
+    def entry_parts(self, group: str, slot: int, memory=None) -> tuple:
+        """The bytes of one host entry, one uint8 array per host buffer (a view, in plan order)."""
+        raw = (memory or self.memory).raw
+        return tuple(raw[b.name][slot].numpy() for b in self.plan.group_buffers(group))
+
+    def _page_moves(self, slots: np.ndarray, pages: np.ndarray, raw) -> list:
+        return [UnitMove(raw[b.name], _raw(self._device[b.name], 1), slots, pages)
                 for b in self.plan.group_buffers(HOST_PAGES)]
 
-    def _checkpoint_moves(self, slots: np.ndarray, at: list[CheckpointAt]) -> list:
+    def _checkpoint_moves(self, slots: np.ndarray, at: list[CheckpointAt], raw) -> list:
         out = []
         units = np.array([a.unit for a in at], dtype=np.int64)
         for b in self.plan.group_buffers(HOST_CHECKPOINTS):
-            src, dev, host = self.plan.sources[b.name], self._device[b.name], self.memory.raw[b.name]
+            src, dev, host = self.plan.sources[b.name], self._device[b.name], raw[b.name]
             if src.rows:
                 row_bytes = b.entry_bytes
                 firsts = np.array([a.first_row for a in at], dtype=np.int64) * row_bytes
-                out.append(RowMove(host.view(b.units, len(b.layers), src.rows * row_bytes), _raw(dev, 2),
+                out.append(RowMove(host.view(host.shape[0], len(b.layers), src.rows * row_bytes), _raw(dev, 2),
                                    slots, units, firsts))
             elif self._source_group[b.name] == SWA_PAGES:
                 m = src.device_units
                 rows = (slots[:, None] * m + np.arange(m)).reshape(-1)
                 pages = np.array([p for a in at for p in a.swa_pages], dtype=np.int64)
-                out.append(UnitMove(host.view(b.units * m, -1), _raw(dev, 1), rows, pages))
+                out.append(UnitMove(host.view(host.shape[0] * m, -1), _raw(dev, 1), rows, pages))
             else:   # a V4.1 request window: one whole unit of the request slot
                 out.append(UnitMove(host, _raw(dev, 1), slots, units))
         return out

@@ -65,6 +65,9 @@ class HostIndex:
         spec = {s.buffer: device_plan.buffer(s.buffer) for s in self.plan.sources.values()}
         self._source_group = {b.name: spec[self.plan.sources[b.name].buffer].group for b in self.plan.buffers}
         self._ring_rows = {name: s.entries_per_unit for name, s in spec.items()}
+        # a tier below (kvatlas.tiers.shared): told of the entries the host LRU is about to drop,
+        # (group, keys, host slots), while their bytes are still in those slots
+        self.on_victims = None
 
     @property
     def tensor_bytes(self) -> int:
@@ -152,9 +155,31 @@ class HostIndex:
         self._track(t)
         return t
 
+    def _make_room(self, group: str, keys: list) -> tuple[np.ndarray, list]:
+        s = self.slots[group]
+        s.check_new(keys)
+        victims = s.victims(len(keys))
+        if victims and self.on_victims is not None:
+            self.on_victims(group, victims, np.array([s.slot(k) for k in victims], np.int64))
+        return s.put(keys)
+
+    def reserve(self, kind: str, keys) -> tuple[Claim, tuple]:
+        """Host slots for entries arriving from a tier below, set aside (claimed) until the bytes
+        are in: then adopt() (resident, in the LRU) or release_claim(). Returns (claim, keys the
+        host LRU dropped to make room)."""
+        g, keys = _group(kind), list(keys)
+        _, evicted = self._make_room(g, keys)
+        self.moves.evicted[g] += len(evicted)
+        return Claim(kind=kind, keys=tuple(keys), slots=self.slots[g].claim(keys)), tuple(evicted)
+
+    def adopt(self, claim: Claim) -> None:
+        self.slots[_group(claim.kind)].unclaim(claim.keys, claim.slots)
+
+    def release_claim(self, claim: Claim) -> None:
+        self.slots[_group(claim.kind)].free_claimed(claim.slots)
+
     def _offload(self, group: str, keys: list, where) -> Offload:
-        self.slots[group].check_new(keys)
-        slots, evicted = self.slots[group].put(keys)
+        slots, evicted = self._make_room(group, keys)
         t = self._modeled(self._copy("host", group, slots, where), group, slots)
         m = self.moves
         m.bytes_to_host += t.nbytes

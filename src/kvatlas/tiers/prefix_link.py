@@ -108,14 +108,24 @@ class HostLink:
         cap = min(len(keys), (prompt_tokens - 1) // self.P)
         path = self.prefix.tree.match(keys[:cap])
         device = len(path)
-        host = device
-        while host < cap and self.tier.contains("page", int(keys[host])) \
-                and self.parent.get(int(keys[host])) == (int(keys[host - 1]) if host else 0):
-            host += 1
+        host = self._below(keys, path, self._host_depth(keys, device, cap), cap)
         j = self._resume_depth(keys, path, host)
         if j is None:
             return None
         return self._bring_back(keys, device, j)
+
+    def _host_depth(self, keys, device: int, cap: int) -> int:
+        """How far host pages extend the device match, linked page to page."""
+        host = device
+        while host < cap and self.tier.contains("page", int(keys[host])) \
+                and self.parent.get(int(keys[host])) == (int(keys[host - 1]) if host else 0):
+            host += 1
+        return host
+
+    def _below(self, keys, path, host: int, cap: int) -> int:
+        """A tier below the host tier may bring more into host memory first (SharedLink);
+        returns the host depth then."""
+        return host
 
     def _resume_depth(self, keys, path, host: int) -> int | None:
         """The deepest boundary with a resume point on either tier, when it lies deeper than the
@@ -154,9 +164,12 @@ class HostLink:
                 if c is not None:
                     self.tier.unclaim(c)
         self.hits.restored_pages += len(ks)
-        self.hits.host_hit_tokens += (j - device) * self.P
-        self.hits.host_hit_requests += 1
+        self._count_hit(ks, j - device)
         return Ready(transfers)
+
+    def _count_hit(self, keys, pages: int) -> None:
+        self.hits.host_hit_tokens += pages * self.P
+        self.hits.host_hit_requests += 1
 
     def _unlink(self, key) -> None:
         parent = self.parent.pop(key, None)
@@ -166,6 +179,10 @@ class HostLink:
 
     def snapshot(self):
         return self.tier.snapshot(hits=self.hits.as_dict())
+
+    def shared_snapshot(self):
+        """The shared tier's snapshot (kvatlas.tiers.shared); None: there is none below."""
+        return None
 
     def close(self) -> None:
         self.prefix.evictor = None

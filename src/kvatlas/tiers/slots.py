@@ -62,14 +62,19 @@ class HostSlots:
             raise RequestStateError(f"{self.name}: {missing[0]!r} is not in host memory; "
                                     "ask contains() before restoring")
 
+    def victims(self, n: int) -> list:
+        """The `n` least recently used keys: the ones put() evicts to make room for n more."""
+        short = n - self._free.free
+        if short <= 0:
+            return []
+        lru = iter(self._lru)
+        return [next(lru) for _ in range(min(short, len(self._lru)))]
+
     def put(self, keys) -> tuple[np.ndarray, list]:
         """Slots for new keys (most recently used), evicting least recently used keys first
         when there is no room. Returns (slots, evicted keys). Call check_new first."""
-        evicted = []
-        short = len(keys) - self._free.free
-        if short > 0:
-            lru = iter(self._lru)            # the first `short`, not a list of every key
-            evicted = [next(lru) for _ in range(short)]
+        evicted = self.victims(len(keys))
+        if evicted:
             self.take(evicted)
         slots = self._free.pop(len(keys), 0) - 1
         for k, s in zip(keys, slots.tolist()):

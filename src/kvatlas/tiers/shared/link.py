@@ -1,0 +1,241 @@
+"""The tiers as one: device → host → shared. A SharedLink is a HostLink whose host tier has a
+shared store below it:
+
+    link = attach_shared_tier(cache, "32GiB", "mooncake://127.0.0.1:50051?metadata=...")
+    ready = link.prefetch(prompt_tokens, token_ids=ids)   # as with the host tier alone
+    cache.admit(...); ready.wait()
+
+- Down. With policy "finish" (the default) the pages and resume points a finished request
+  leaves cached are written through to the store at once (copied from the device into the
+  outbox, then put by the store's write thread), so another process finds them while this one
+  still has them. Whatever the policy, an entry the host LRU drops and the store is not known to
+  hold goes down first ("evict": only then).
+- Up. `prefetch` walks device → host → store along the prompt's page keys: when the store can
+  extend the match to a deeper resume point than the two tiers above have, the pages (and the
+  resume point) come into claimed host slots — zero-copy from Mooncake — and the host tier's
+  own restore brings them to the device, so a restore reads exactly what the host path reads.
+  An existence check is only a hint: an entry is used only when its read is a hit (size,
+  header, checksum), and the chain stops at the first miss.
+- Off the serving path. Puts never wait; a read waits at most the tier's deadline, and a store
+  that is down or slow opens the breaker: misses (`tier_unavailable`) until it is back. A read
+  that missed its deadline keeps its host slots claimed until it lands (never reused under it).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import numpy as np
+
+from ...errors import ConfigError, PoolExhaustedError
+from ...planning.hostplan import HOST_CHECKPOINTS, HOST_PAGES
+from ..index import CheckpointAt, Claim
+from ..prefix_link import HostLink
+from .tier import Entry
+
+POLICIES = ("finish", "evict")
+_KNOWN_MEMORY = 1 << 20      # keys remembered as in the store (a hint: puts of them are skipped)
+_GROUP = {"page": HOST_PAGES, "checkpoint": HOST_CHECKPOINTS}
+_KIND = {HOST_PAGES: "page", HOST_CHECKPOINTS: "checkpoint"}
+
+
+def _split(claim: Claim, n: int) -> tuple[Claim, Claim]:
+    return (Claim(kind=claim.kind, keys=claim.keys[:n], slots=claim.slots[:n]),
+            Claim(kind=claim.kind, keys=claim.keys[n:], slots=claim.slots[n:]))
+
+
+class SharedLink(HostLink):
+    def __init__(self, prefix, tier, shared, *, policy: str = "finish", outbox=None) -> None:
+        if policy not in POLICIES:
+            raise ConfigError("policy", f"{policy!r} is not a shared-tier policy", f"use one of {', '.join(POLICIES)}")
+        super().__init__(prefix, tier)
+        self.shared, self.policy, self.outbox = shared, policy, outbox
+        self.bytes = tier.memory_backed
+        if self.bytes and outbox is None:
+            raise ConfigError("outbox", "a host tier with memory needs an outbox", "give outbox_bytes")
+        self.known: OrderedDict = OrderedDict()
+        self._quarantine: list = []      # (read still landing, claims it writes into)
+        self._fetched: set = set()       # page keys the last prefetch brought from the store
+        self.shared_hit_tokens = self.shared_hit_requests = 0
+        tier.on_victims = self._on_victims
+        if policy == "finish":
+            prefix.publisher = self
+
+    # ---------------------------------------------------------------- down
+    def _remember(self, keys) -> None:
+        for k in keys:
+            self.known[k] = None
+            self.known.move_to_end(k)
+        while len(self.known) > _KNOWN_MEMORY:
+            self.known.popitem(last=False)
+
+    def _put(self, group: str, keys: list, boundaries: list, stage) -> None:
+        """Put entries; `stage(units)` fills outbox units with their bytes (returns a Transfer
+        to wait for, or None). Entries with no outbox unit free are skipped."""
+        kind = _KIND[group]
+        if not self.bytes:
+            if self.shared.put([Entry(kind, k, b) for k, b in zip(keys, boundaries)]):
+                self._remember((kind, k) for k in keys)
+            return
+        units = self.outbox.take(group, len(keys))
+        for _ in keys[len(units):]:
+            self.shared.c.puts[kind]["skipped"] += 1
+        if not units:
+            return
+        keys, boundaries = keys[:len(units)], boundaries[:len(units)]
+        t = stage(np.array(units, np.int64))
+        if t is not None:
+            t.synchronize()   # (a device-to-host copy on the copy stream: the store reads after it)
+        entries = [Entry(kind, k, b, self.outbox.parts(group, u)) for k, b, u in zip(keys, boundaries, units)]
+        if self.shared.put(entries, release=lambda: self.outbox.give(group, units)):
+            self._remember((kind, k) for k in keys)
+
+    def _on_victims(self, group: str, keys, slots) -> None:
+        """The host LRU is about to drop these (their bytes still in `slots`)."""
+        kind = _KIND[group]
+        pick = [i for i, k in enumerate(keys) if (kind, k) not in self.known
+                and (kind == "page" or k in self.boundary)]
+        if not pick:
+            return
+        ks = [keys[i] for i in pick]
+        bs = [self.boundary[k] if kind == "checkpoint" else 0 for k in ks]
+        host = self.tier
+
+        def stage(units):
+            for u, i in zip(units.tolist(), pick):
+                for dst, src in zip(self.outbox.parts(group, u), host.entry_parts(group, int(slots[i]))):
+                    dst[:] = src
+            return None
+        self._put(group, ks, bs, stage)
+
+    def on_publish(self, nodes, placed) -> None:
+        """A finish cached these pages and resume points: write them through."""
+        pages = [n for n in nodes if ("page", n.key) not in self.known and n.page > 0]
+        if pages:
+            dev = np.array([n.page for n in pages], np.int64)
+            self._put(HOST_PAGES, [n.key for n in pages], [0] * len(pages),
+                      lambda units: self.tier.copy_out(HOST_PAGES, self.outbox.memory, units, dev[:len(units)]))
+        cks = [ck for ck in placed if ck.node is not None and ("checkpoint", ck.node.key) not in self.known]
+        if cks:
+            at = [CheckpointAt(swa_pages=tuple(np.asarray(ck.swa_pages).tolist()), unit=ck.unit) for ck in cks]
+            self._put(HOST_CHECKPOINTS, [ck.node.key for ck in cks], [ck.boundary_tokens for ck in cks],
+                      lambda units: self.tier.copy_out(HOST_CHECKPOINTS, self.outbox.memory, units, at[:len(units)]))
+
+    # ---------------------------------------------------------------- up
+    def _retire_quarantine(self) -> None:
+        left = []
+        for fut, claims in self._quarantine:
+            if fut.done():
+                for c in claims:
+                    self.tier.release_claim(c)
+            else:
+                left.append((fut, claims))
+        self._quarantine = left
+
+    def _has_checkpoint(self, keys, path, j: int) -> bool:
+        key = int(keys[j - 1])
+        return (j <= len(path) and path[j - 1].checkpoint is not None) or self.tier.contains("checkpoint", key)
+
+    def _below(self, keys, path, host: int, cap: int) -> int:
+        self.shared.poll()
+        self._retire_quarantine()
+        self._fetched = set()
+        best = next((j for j in range(host, 0, -1) if self._has_checkpoint(keys, path, j)), 0)
+        if host >= cap and best == host:
+            return host
+        pages = [Entry("page", int(k), 0) for k in keys[host:cap]]
+        cks = [Entry("checkpoint", int(keys[j - 1]), j * self.P) for j in range(best + 1, cap + 1)
+               if not self._has_checkpoint(keys, path, j)]
+        have = self.shared.exists(pages + cks)
+        if have is None:
+            return host
+        run = host + next((i for i, h in enumerate(have[:len(pages)]) if not h), len(pages))
+        if run < cap:
+            self.shared.miss("page", "absent")   # the chain stops here (one lookup, one miss)
+        in_store = {e.page_key for e, h in zip(cks, have[len(pages):]) if h}
+        j = next((j for j in range(run, best, -1) if int(keys[j - 1]) in in_store
+                  or self._has_checkpoint(keys, path, j)), None)
+        if j is None:
+            return host
+        ck = next((e for e in cks if e.boundary_tokens == j * self.P and e.page_key in in_store), None)
+        return self._fetch(keys, len(path), host, j, ck)
+
+    def _reserve(self, kind: str, keys: list):
+        if not keys:
+            return None
+        claim, evicted = self.tier.reserve(kind, keys)
+        for k in evicted:
+            if kind == "page":
+                self._forget_page(k)
+            else:
+                self.boundary.pop(k, None)
+        return claim
+
+    def _fetch(self, keys, device: int, host: int, j: int, ck) -> int:
+        """Read pages keys[host:j] (and resume point `ck`) into host slots; the new host depth."""
+        ks = [int(k) for k in keys[host:j]]
+        self.tier.touch("page", [int(k) for k in keys[device:host]])   # the reservation must not drop them
+        try:
+            pc = self._reserve("page", ks)
+            cc = self._reserve("checkpoint", [ck.page_key] if ck is not None else [])
+        except PoolExhaustedError:
+            return host
+        entries = [Entry("page", k, 0, self.tier.entry_parts(HOST_PAGES, int(s)) if self.bytes else ())
+                   for k, s in zip(ks, pc.slots if pc is not None else [])]
+        if cc is not None:
+            entries.append(Entry("checkpoint", ck.page_key, ck.boundary_tokens,
+                                 self.tier.entry_parts(HOST_CHECKPOINTS, int(cc.slots[0])) if self.bytes else ()))
+        got = self.shared.get(entries)
+        claims = [c for c in (pc, cc) if c is not None]
+        if got.landing is not None:
+            self._quarantine.append((got.landing, claims))
+            return host
+        m = next((i for i, r in enumerate(got.reasons[:len(ks)]) if r is not None), len(ks))
+        parent = int(keys[host - 1]) if host else 0
+        if host and not (self.tier.contains("page", parent) or parent in self.prefix.tree.nodes):
+            m = 0                                 # its parent left host memory meanwhile
+        if pc is not None:
+            use, drop = _split(pc, m)
+            self.tier.adopt(use)
+            self.tier.release_claim(drop)
+            for k in ks[:m]:
+                self.parent[k] = parent
+                self.children.setdefault(parent, set()).add(k)
+                parent = k
+            self._fetched = set(ks[:m])
+            self._remember(("page", k) for k in ks[:m])
+        if cc is not None:
+            if got.reasons[-1] is None and host + m >= j:
+                self.tier.adopt(cc)
+                self.boundary[ck.page_key] = ck.boundary_tokens
+                self._remember([("checkpoint", ck.page_key)])
+                self._fetched.add(("checkpoint", ck.page_key))
+            else:
+                self.tier.release_claim(cc)
+        return host + m
+
+    def _count_hit(self, keys, pages: int) -> None:
+        shared = sum(1 for k in keys if k in self._fetched)
+        if shared or any(isinstance(k, tuple) for k in self._fetched):
+            self.shared_hit_tokens += shared * self.P
+            self.shared_hit_requests += 1
+            self.shared.hit_tokens, self.shared.hit_requests = self.shared_hit_tokens, self.shared_hit_requests
+        if pages > shared:
+            super()._count_hit(keys, pages - shared)
+        self._fetched = set()
+
+    # ---------------------------------------------------------------- reports
+    def shared_snapshot(self):
+        snap = self.shared.snapshot()
+        if self.outbox is not None:
+            from dataclasses import replace
+            snap = replace(snap, outbox_bytes=self.outbox.nbytes)
+        return snap
+
+    def close(self) -> None:
+        self.prefix.publisher = None
+        self.tier.on_victims = None
+        self.shared.close()
+        super().close()
+        if self.outbox is not None:
+            self.outbox.close()

@@ -1,0 +1,372 @@
+"""SharedTier: one cache process's client of a shared store, off the serving path.
+
+    tier = SharedTier(store, layout, deadline_s=0.5)
+    tier.put([Entry(kind, page_key, boundary, parts)], release)   # returns at once
+    got = tier.get([Entry(...)])        # waits at most the deadline; got.reasons: None = hit
+    tier.exists([...])                  # a hint; None when the store is not asked
+    tier.poll()                         # retire finished puts (release their parts)
+
+Store calls run on two threads of the tier's own, one for reads and one for writes (so a backlog
+of puts never delays a read); the serving thread only waits for a read, and never longer than
+the deadline. A call that fails, or is not back by its deadline, opens the breaker (a missed
+deadline at once: the store's thread is still stuck in the call), and while it is open every
+read is a miss with reason `tier_unavailable` and every put is skipped; it closes by itself
+when a trial call succeeds after the cool-off. A read that missed its deadline may still land
+later: `Got.landing` is its future, and the caller keeps the destination memory untouched until
+it is done.
+
+A value is [64-byte header | payload parts] (kvatlas.tiers.shared.values). With
+`modeled_scale` > 0 the payload is not the bytes but zeros of 1/modeled_scale of their length
+(at least 8 B): bookkeeping-only runs keep the real keys, headers, first-writer-wins and, scaled,
+the store's memory pressure, and count the real payload sizes as moved.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+
+import numpy as np
+
+from ...errors import ConfigError
+from .breaker import Breaker
+from .counters import SHARED_SCHEMA_VERSION, SharedCounters, SharedSnapshot
+from .inbox import Inbox, _timed, read_chunks, spans_of
+from .store import ABSENT, EXISTS, GET_FAILED, STORED, WRONG_SIZE, StoreUnavailable
+from .values import HEADER_BYTES, check, checksum, header
+
+MAX_PUTS_IN_FLIGHT = 256
+READ_CHUNK = 64     # values per store call of a read (a later chunk is read while one is checked)
+
+
+class _Landing:
+    """Reads that went past their deadline (cancelled ones never start)."""
+
+    def __init__(self, futures) -> None:
+        self.futures = futures
+
+    def done(self) -> bool:
+        return all(f.done() for f in self.futures)
+
+    def result(self, timeout=None) -> None:
+        for f in self.futures:
+            if not f.cancelled():
+                try:
+                    f.result(timeout)
+                except StoreUnavailable:
+                    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    kind: str               # "page" | "checkpoint"
+    page_key: int
+    boundary_tokens: int    # the resume point's boundary; a page's depth × page tokens
+    parts: tuple = ()       # payload parts (uint8 arrays) in value order; () with a modeled payload
+
+
+@dataclass(frozen=True, slots=True)
+class Got:
+    reasons: list           # per entry: None (a hit) or the miss reason
+    landing: object = None  # a read past its deadline still in flight: keep its destinations
+
+
+class _PutJob:
+    __slots__ = ("future", "issued", "entries", "headers", "release", "late")
+
+    def __init__(self, future, entries, headers, release) -> None:
+        self.future, self.issued, self.entries = future, time.monotonic(), entries
+        self.headers, self.release, self.late = headers, release, False
+
+
+class SharedTier:
+    def __init__(self, store, layout, *, deadline_s: float = 0.5, breaker: Breaker | None = None,
+                 modeled_scale: int = 0, writer: int = 0, policy: str = "finish", header_slots: int = 1024) -> None:
+        if not (isinstance(deadline_s, (int, float)) and 0 < deadline_s <= 60):
+            raise ConfigError("deadline_s", f"{deadline_s!r}", "give seconds in (0, 60], e.g. 0.5")
+        self.store, self.layout, self.deadline_s = store, layout, float(deadline_s)
+        self.breaker = breaker if breaker is not None else Breaker()
+        self.modeled_scale, self.writer, self.policy = int(modeled_scale), writer, policy
+        self.c = SharedCounters()
+        self._headers = np.zeros((header_slots, HEADER_BYTES), np.uint8)
+        self._free_headers = list(range(header_slots - 1, -1, -1))
+        self._pads = {k: np.zeros(self._pad_bytes(k), np.uint8) for k in layout.payload_bytes} if modeled_scale else {}
+        for a in (self._headers, *self._pads.values()):
+            store.register(a)
+        self._reads = ThreadPoolExecutor(1, thread_name_prefix="kvatlas-shared-read")
+        self._writes = ThreadPoolExecutor(1, thread_name_prefix="kvatlas-shared-write")
+        self._puts: list[_PutJob] = []
+        self._late_reads: list = []   # (future, header ids)
+        zero_copy = store.zero_copy and not modeled_scale
+        self._inbox = Inbox(store, max(self.value_bytes(k) for k in layout.payload_bytes)) if zero_copy else None
+        self.hit_tokens = self.hit_requests = 0
+
+    def _pad_bytes(self, kind: str) -> int:
+        return max(8, -(-self.layout.payload_bytes[kind] // self.modeled_scale + 7) // 8 * 8)
+
+    def value_bytes(self, kind: str) -> int:
+        """Bytes one value takes in the store (header + payload, scaled when modeled)."""
+        return HEADER_BYTES + (self._pad_bytes(kind) if self.modeled_scale else self.layout.payload_bytes[kind])
+
+    def _parts(self, e: Entry) -> list:
+        return [self._pads[e.kind]] if self.modeled_scale else list(e.parts)
+
+    # ------------------------------------------------------------------ headers
+    def _take_headers(self, n: int) -> list | None:
+        if n > len(self._free_headers):
+            return None
+        return [self._free_headers.pop() for _ in range(n)]
+
+    def _give_headers(self, ids) -> None:
+        self._free_headers.extend(ids)
+
+    # ------------------------------------------------------------------ reads
+    def _reader_stuck(self) -> bool:
+        self._retire_late_reads()
+        return bool(self._late_reads)
+
+    def _retire_late_reads(self) -> None:
+        left = []
+        for fut, ids in self._late_reads:
+            if fut.done():
+                self._give_headers(ids)
+            else:
+                left.append((fut, ids))
+        self._late_reads = left
+
+    def _unavailable(self, entries, op: str) -> bool:
+        """True (and the misses counted) when the store is not to be asked now."""
+        if self.breaker.allow() and not self._reader_stuck():
+            return False
+        for e in entries:
+            self.c.misses[e.kind]["tier_unavailable"] += 1
+        return True
+
+    def _call(self, op: str, pool, fn, *args):
+        """(result, None) or (None, miss reason); the breaker and the counters see the outcome."""
+        fut = pool.submit(_timed, fn, *args)
+        try:
+            result, secs = fut.result(timeout=self.deadline_s)
+        except FutureTimeout:
+            self.breaker.failure(at_once=True)
+            self.c.errors[op] += 1
+            return fut, "deadline"
+        except StoreUnavailable:
+            self.breaker.failure()
+            self.c.errors[op] += 1
+            return None, "tier_unavailable"
+        self.c.op_count[op] += 1
+        self.c.op_seconds[op] += secs
+        return result, None
+
+    def miss(self, kind: str, reason: str) -> None:
+        self.c.misses[kind][reason] += 1
+
+    def exists(self, entries) -> list[bool] | None:
+        """Which entries the store says it holds (a hint); None when it was not asked or failed
+        (one lookup, one miss: counted on the first entry, with the reason)."""
+        if not entries:
+            return []
+        if not self.breaker.allow() or self._reader_stuck():
+            self.miss(entries[0].kind, "tier_unavailable")
+            return None
+        keys = [self.layout.key(e.kind, e.page_key) for e in entries]
+        result, why = self._call("exists", self._reads, self.store.exists_many, keys)
+        if why is not None:
+            self.miss(entries[0].kind, why)
+            if why == "deadline":
+                self._late_reads.append((result, []))
+            return None
+        self.breaker.success()
+        return result
+
+    def get(self, entries) -> Got:
+        """Read entries into their parts; a hit is a value of the expected size whose header
+        and checksum hold. Waits at most the deadline (kvatlas.tiers.shared.inbox: how)."""
+        entries = list(entries)
+        if not entries:
+            return Got([])
+        staged = self._inbox is not None
+        ids = None if self._unavailable(entries, "get") else ([] if staged else self._take_headers(len(entries)))
+        if ids is None:
+            if len(entries) > len(self._free_headers):    # (not counted yet: no header slot free)
+                for e in entries:
+                    self.c.misses[e.kind]["tier_unavailable"] += 1
+            return Got(["tier_unavailable"] * len(entries))
+        keys = [self.layout.key(e.kind, e.page_key) for e in entries]
+        sizes = [self.value_bytes(e.kind) for e in entries]
+        if staged:
+            spans = spans_of(sizes, self._inbox.chunk_bytes)
+            dests_of = lambda k, a, b: [[v] for v in self._inbox.views(k, sizes[a:b])]  # noqa: E731
+        else:
+            spans = [(a, min(a + READ_CHUNK, len(entries))) for a in range(0, len(entries), READ_CHUNK)]
+            dests_of = lambda k, a, b: [[self._headers[ids[i]]] + self._parts(entries[i]) for i in range(a, b)]  # noqa: E731
+        reasons = []
+
+        def judged(k, a, b, codes, secs):
+            self.c.op_count["get"] += 1
+            self.c.op_seconds["get"] += secs
+            got = self._inbox.views(k, sizes[a:b]) if staged else None
+            for j, (i, code) in enumerate(zip(range(a, b), codes)):
+                reasons.append(self._staged(entries[i], code, got[j]) if staged
+                               else self._judge(entries[i], code, self._headers[ids[i]], dests_of(0, i, i + 1)[0][1:]))
+
+        why, upto, late = read_chunks(self._reads, self.store.get_many, keys, dests_of, spans,
+                                      time.monotonic() + self.deadline_s, judged)
+        if why is not None:
+            self.breaker.failure(at_once=why == "deadline")
+            self.c.errors["get"] += 1
+            for e in entries[upto:]:
+                self.c.misses[e.kind][why] += 1
+            reasons += [why] * (len(entries) - upto)
+        elif any(r == "tier_unavailable" for r in reasons):
+            self.breaker.failure()
+        else:
+            self.breaker.success()
+        if late:     # reads still writing: into the inbox (then nothing of the caller's), or into the parts
+            landing = _Landing(late)
+            self._late_reads.append((landing, ids))
+            return Got(reasons, landing=None if staged else landing)
+        self._give_headers(ids)
+        return Got(reasons)
+
+    def _staged(self, e: Entry, code: int, value) -> str | None:
+        """Judge a value read whole into the inbox; a hit's payload is copied into its parts."""
+        cut = np.cumsum([HEADER_BYTES] + [p.nbytes for p in e.parts])
+        parts = [value[a:b] for a, b in zip(cut[:-1], cut[1:])]
+        why = self._judge(e, code, value[:HEADER_BYTES], parts)
+        if why is None:
+            for dst, src in zip(e.parts, parts):
+                np.copyto(dst, src)
+        return why
+
+    def _judge(self, e: Entry, code: int, raw_header, parts) -> str | None:
+        if code == ABSENT:
+            why = "absent"
+        elif code == WRONG_SIZE:
+            why = "size_mismatch"
+        elif code == GET_FAILED or code < 0:
+            self.c.errors["get"] += 1
+            why = "tier_unavailable"
+        else:
+            self.c.moved_bytes["from_store"] += HEADER_BYTES + self.layout.payload_bytes[e.kind]
+            why = check(self.layout, e.kind, e.page_key, e.boundary_tokens, code, raw_header,
+                        None if self.modeled_scale else parts, self.value_bytes(e.kind))
+        if why is None:
+            self.c.hits[e.kind] += 1
+            self.c.moved_entries[e.kind]["from_store"] += 1
+        else:
+            self.c.misses[e.kind][why] += 1
+        return why
+
+    # ------------------------------------------------------------------ writes
+    def put(self, entries, release=None) -> bool:
+        """Queue entries for the store (first writer wins); `release()` is called (by poll) once
+        the store no longer reads their parts. False (released at once) when skipped."""
+        entries = list(entries)
+        self.poll()
+        ids = None
+        if entries and self.breaker.allow() and len(self._puts) < MAX_PUTS_IN_FLIGHT:
+            ids = self._take_headers(len(entries))
+        if ids is None:
+            for e in entries:
+                self.c.puts[e.kind]["skipped"] += 1
+            if release is not None:
+                release()
+            return False
+        fut = self._writes.submit(_timed, self._put_now, entries, ids)
+        self._puts.append(_PutJob(fut, entries, ids, release))
+        return True
+
+    def _put_now(self, entries, ids) -> list[str]:
+        """On the write thread: skip what the store holds already, then put the rest."""
+        keys = [self.layout.key(e.kind, e.page_key) for e in entries]
+        have = self.store.exists_many(keys)
+        todo = [i for i, h in enumerate(have) if not h]
+        out = [EXISTS] * len(entries)
+        if not todo:
+            return out
+        values = []
+        for i in todo:
+            e, h = entries[i], self._headers[ids[i]]
+            parts = self._parts(e)
+            digest = 0 if self.modeled_scale else checksum(parts)
+            h[:] = np.frombuffer(header(self.layout, e.kind, e.page_key, e.boundary_tokens,
+                                        self.layout.payload_bytes[e.kind], digest, self.writer), np.uint8)
+            values.append([h] + parts)
+        for i, o in zip(todo, self.store.put_many([keys[i] for i in todo], values)):
+            out[i] = o
+        return out
+
+    def poll(self) -> int:
+        """Retire finished puts; a put past its deadline counts once as an error and opens the
+        breaker. Returns the puts still in flight."""
+        left, now = [], time.monotonic()
+        for job in self._puts:
+            if not job.future.done():
+                if not job.late and now - job.issued > self.deadline_s * max(1, len(job.entries) / 16):
+                    job.late = True
+                    self.c.errors["put"] += 1
+                    self.breaker.failure(at_once=True)
+                left.append(job)
+                continue
+            self._retire_put(job)
+        self._puts = left
+        self._retire_late_reads()
+        return len(left)
+
+    def _retire_put(self, job: _PutJob) -> None:
+        try:
+            outcomes, secs = job.future.result()
+        except StoreUnavailable:
+            outcomes, secs = None, 0.0
+        if outcomes is None:
+            if not job.late:
+                self.c.errors["put"] += 1
+                self.breaker.failure()
+            for e in job.entries:
+                self.c.puts[e.kind]["failed"] += 1
+        else:
+            self.c.op_count["put"] += 1
+            self.c.op_seconds["put"] += secs
+            if not job.late:
+                self.breaker.success()
+            for e, o in zip(job.entries, outcomes):
+                self.c.puts[e.kind][o] += 1
+                if o == STORED:
+                    self.c.moved_entries[e.kind]["to_store"] += 1
+                    self.c.moved_bytes["to_store"] += HEADER_BYTES + self.layout.payload_bytes[e.kind]
+        self._give_headers(job.headers)
+        if job.release is not None:
+            job.release()
+
+    def flush(self, timeout_s: float | None = None) -> None:
+        """Wait for the queued puts (benchmarks and tests; never on the serving path)."""
+        for job in list(self._puts):
+            try:
+                job.future.result(timeout=timeout_s)
+            except (FutureTimeout, StoreUnavailable):
+                pass
+        self.poll()
+
+    # ------------------------------------------------------------------ reports
+    def snapshot(self) -> SharedSnapshot:
+        in_flight = self.poll() + len(self._late_reads)
+        c = self.c
+        copy = lambda d: {k: dict(v) if isinstance(v, dict) else v for k, v in d.items()}  # noqa: E731
+        return SharedSnapshot(
+            schema_version=SHARED_SCHEMA_VERSION, store=self.store.describe(), layout_tag=self.layout.tag,
+            policy=self.policy, modeled_payload=bool(self.modeled_scale), deadline_s=self.deadline_s,
+            breaker_open=self.breaker.is_open, breaker_state=self.breaker.state,
+            breaker_opened=self.breaker.times_opened, moved_bytes=copy(c.moved_bytes),
+            moved_entries=copy(c.moved_entries), hits=copy(c.hits), misses=copy(c.misses), errors=copy(c.errors),
+            op_count=copy(c.op_count), op_seconds=copy(c.op_seconds), puts=copy(c.puts),
+            outbox_bytes=0, in_flight=in_flight, hit_tokens=self.hit_tokens, hit_requests=self.hit_requests)
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        self.flush(timeout_s)
+        self._reads.shutdown(wait=False, cancel_futures=True)
+        self._writes.shutdown(wait=False, cancel_futures=True)
+        self.store.close()

@@ -1,0 +1,217 @@
+"""Live shared-store tests: real servers (Mooncake's metadata server, master and memory daemon;
+redis-server) on loopback, started and stopped here by PID. Run by tests/test_shared_live.py
+inside a network namespace that has only `lo` (so nothing here can reach or be reached from any
+other address), or directly: python -m pytest -q tests/shared_live.py.
+
+One process stores a prefix and another restores it and reads exactly what its cold twin
+reads; a partial prefix; two processes writing the same key; stale, foreign, corrupt and
+truncated values read as misses with their reason; eviction under a small store; the memory
+daemon, the master and redis-server killed mid-run."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import store_servers as ss  # noqa: E402
+from shared_session import SharedSession, admit_only, prompts, write_through  # noqa: E402
+
+from kvatlas.tiers.shared import Breaker, open_store  # noqa: E402
+from kvatlas.tiers.shared.values import HEADER_BYTES  # noqa: E402
+
+BACKENDS = ("redis", "mooncake")
+if ss.only_loopback_here():
+    ss.loopback_up()
+
+
+def start(kind, tmp, **kw):
+    return (ss.Redis(tmp, **kw) if kind == "redis" else ss.Mooncake(tmp, **kw)).start()
+
+
+SEEDS = {"restore": 101, "partial": 102, "stale": 110, "foreign": 111, "corrupt": 112, "size_mismatch": 113}
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def servers(request, tmp_path_factory):
+    srv = start(request.param, tmp_path_factory.mktemp(request.param))
+    srv.kind = request.param
+    # one other process writes the prefixes the tests below read (one start-up, not one per test)
+    srv.written = writer(srv.url, *SEEDS.values(), prompts_each=2)   # each: a turn and its follow-up
+    yield srv
+    srv.stop()
+
+
+def writer(url, *seeds, prompts_each=1, writer_id=1, wait=True, prefetch=True):
+    """Another process that runs the prompts of `seeds` and writes them through to the store."""
+    args = [sys.executable, os.path.join(HERE, "shared_session.py"), url, ",".join(map(str, seeds)),
+            "--prompts", str(prompts_each), "--writer", str(writer_id)] + ([] if prefetch else ["--no-prefetch"])
+    p = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if not wait:
+        return p
+    return finish(p)
+
+
+def finish(p):
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 0, err[-3000:]
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def reader(url, **kw):
+    return SharedSession(url, **kw)
+
+
+def key(s, kind, seq, page):
+    from kvatlas.prefix import page_keys
+    return s.link.shared.layout.key(kind, int(page_keys(seq, 256)[page]))
+
+
+def test_every_server_listens_on_loopback_only(servers):
+    ss.check_loopback_only(servers.servers)
+    if servers.kind == "mooncake":   # the daemon binds every interface: only a namespace keeps it in
+        assert ss.only_loopback_here(), "Mooncake's tests run in a network namespace with only lo"
+
+
+def test_another_process_restores_a_prefix_and_reads_what_a_cold_run_reads(servers):
+    got = servers.written
+    assert got["cached"] == [0, 512] * len(SEEDS)   # (the writer's follow-ups hit its own device)
+    assert got["puts"]["page"]["stored"] == 3 * len(SEEDS) and got["puts"]["checkpoint"]["stored"] == 2 * len(SEEDS)
+    s = reader(servers.url)
+    first, follow = prompts(SEEDS["restore"], 2)
+    assert s.run(first) == 512            # its 2 full pages and resume point, from the other process
+    assert s.run(follow) == 768           # its follow-up: 2 pages from this device, 1 + resume point from the store
+    snap = s.close()
+    assert snap.hits["page"] == 3 and snap.hits["checkpoint"] == 2 and snap.hit_tokens == 512 + 256
+    assert sum(snap.errors.values()) == 0 and sum(sum(m.values()) for m in snap.misses.values()) == 0
+
+
+def test_a_partial_prefix_resumes_at_the_deepest_point_before_the_gap(servers):
+    # written by another process: a turn (2 pages, a resume point at 512), then its follow-up
+    s = reader(servers.url)
+    follow = prompts(SEEDS["partial"], 2)[1]
+    store = s.link.shared.store
+    assert store.raw_get(key(s, "checkpoint", follow, 2)) is not None   # the follow-up's own, at 768
+    store.raw_remove(key(s, "page", follow, 2))   # the follow-up's third page is gone
+    assert s.run(follow) == 512                   # resumes before the gap (reads checked against the cold twin)
+    s.close()
+
+
+def test_two_processes_writing_the_same_prefix_leave_one_value_each(servers):
+    # both compute the prefix (neither reads the store first) and write it through
+    a, b = (writer(servers.url, 103, writer_id=w, wait=False, prefetch=False) for w in (1, 2))
+    ra, rb = finish(a), finish(b)
+    stored = ra["puts"]["page"]["stored"] + rb["puts"]["page"]["stored"]
+    exists = ra["puts"]["page"]["exists"] + rb["puts"]["page"]["exists"]
+    assert stored + exists == 4 and stored >= 2
+    if servers.kind == "redis":   # SET NX: exactly one writer stored each page
+        assert stored == 2
+    s = reader(servers.url)
+    seq = prompts(103)[0]
+    writers = {struct.unpack_from("<Q", s.link.shared.store.raw_get(key(s, "page", seq, i)), 48)[0] for i in range(2)}
+    assert writers <= {1, 2}
+    assert admit_only(s, seq) == 512
+    s.close()
+
+
+def _damage(blob: bytes, how: str) -> bytes:
+    b = bytearray(blob)
+    if how == "stale":
+        struct.pack_into("<H", b, 4, 99)
+    elif how == "foreign":
+        struct.pack_into("<Q", b, 8, struct.unpack_from("<Q", b, 8)[0] ^ 1)
+    elif how == "corrupt":
+        b[HEADER_BYTES + 1000] ^= 0x40
+    else:
+        del b[-8:]
+    return bytes(b)
+
+
+@pytest.mark.parametrize("how", ["stale", "foreign", "corrupt", "size_mismatch"])
+def test_a_damaged_value_is_a_miss_with_its_reason_and_is_never_restored(servers, how):
+    s = reader(servers.url)
+    seq = prompts(SEEDS[how])[0]
+    store, k = s.link.shared.store, key(s, "page", seq, 0)
+    store.raw_put(k, _damage(store.raw_get(k), how))
+    assert admit_only(s, seq) == 0              # nothing restored: computed cold
+    assert s.link.tier.snapshot().groups["pages"].units_used == 0
+    snap = s.close()
+    assert snap.misses["page"][how] == 1 and snap.hit_tokens == 0
+
+
+def test_eviction_under_a_small_store(servers, tmp_path):
+    """Twice what the store holds, put through the tier: the oldest go (misses: absent), no
+    call fails, and every value still there reads back exactly."""
+    from kvatlas.tiers.shared import Entry, SharedTier
+    from kvatlas.tiers.shared.values import Layout
+    # (16 MB: the smallest segment Mooncake's memory daemon takes)
+    srv = start(servers.kind, tmp_path, **({"segment": "16MB"} if servers.kind == "mooncake" else {"maxmemory": "16mb"}))
+    try:
+        store = open_store(srv.url)
+        n, size = 256, 128 << 10          # 256 values of 128 KiB: 32 MiB into 16 MB
+        src = np.random.default_rng(0).integers(0, 256, (n, size), dtype=np.uint8)
+        dst = np.zeros_like(src)
+        store.register(src)
+        store.register(dst)
+        tier = SharedTier(store, Layout(namespace="evict", layout_hash=7, payload_bytes={"page": size, "checkpoint": 8}))
+        for i in range(0, n, 8):
+            tier.put([Entry("page", k, 0, (src[k],)) for k in range(i, i + 8)])
+            tier.flush(30.0)
+        got = tier.get([Entry("page", k, 0, (dst[k],)) for k in range(n)]).reasons
+        snap = tier.snapshot()
+        assert sum(snap.errors.values()) == 0 and snap.puts["page"]["failed"] == 0
+        # what no longer fits was evicted (Redis: LRU by sampling) or refused (Mooncake evicts in the
+        # background, so a burst meets "no room": counted as `full`, not as a failure)
+        hit = [k for k, r in enumerate(got) if r is None]
+        assert set(got) <= {None, "absent"} and n // 8 <= len(hit) <= (16 << 20) // size, got
+        assert snap.puts["page"]["stored"] + snap.puts["page"]["full"] == n
+        assert np.array_equal(dst[hit], src[hit]) and snap.misses["page"]["absent"] == got.count("absent")
+        tier.close()
+    finally:
+        srv.stop()
+
+
+def test_a_store_killed_mid_run_means_misses_then_recovery(servers, tmp_path):
+    """Kill the store (redis-server; Mooncake's memory daemon, then its master) under a reader:
+    every prefetch returns within the deadline with a miss, the breaker opens; after a restart
+    the tiers recover by themselves (a write, then a hit in another cache)."""
+    srv = start(servers.kind, tmp_path)
+    deadline = 0.3
+    try:
+        victims = [srv.server] if servers.kind == "redis" else [srv.daemon, srv.master]
+        for n, victim in enumerate(victims):
+            seqs = [prompts(300 + 10 * n + x)[0] for x in range(2)]
+            write_through(srv.url, seqs)                 # in the store: existence says yes
+            s = reader(srv.url, deadline_s=deadline, breaker=Breaker(cooloff_s=0.5))
+            victim.kill()
+            for seq in seqs * 2:                         # serving goes on: every prefetch bounded
+                t = time.monotonic()
+                assert s.link.prefetch(len(seq), token_ids=seq) is None
+                assert time.monotonic() - t < 2 * deadline + 0.5
+            snap = s.link.shared_snapshot()
+            assert snap.breaker_opened >= 1
+            assert sum(m["tier_unavailable"] + m["deadline"] for m in snap.misses.values()) >= 1
+            assert sum(snap.errors.values()) >= 1 and snap.hit_tokens == 0
+            victim.start()
+            ok, end, seed = False, time.monotonic() + 40, 400 + 50 * n
+            while not ok and time.monotonic() < end:    # recovery by itself: a write, then a hit elsewhere
+                seed += 1
+                _, w = write_through(srv.url, [prompts(seed)[0]])
+                if w.puts["page"]["stored"] == 2:
+                    ok = admit_only(s, prompts(seed)[0]) == 512   # the same reader, its breaker closed again
+                else:
+                    time.sleep(0.5)
+            assert ok, f"no recovery within 40 s after {victim.args[0]} restarted"
+            assert not s.link.shared_snapshot().breaker_open
+            s.close()
+    finally:
+        srv.stop()

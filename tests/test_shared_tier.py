@@ -1,0 +1,202 @@
+"""The shared tier without servers (the in-process store): value headers and checksums, every
+miss reason, the breaker and deadlines, a read that lands after its deadline, what /metrics and
+/state show, and bad input refused with the field named."""
+
+import time
+
+import numpy as np
+import pytest
+
+from kvatlas.errors import ConfigError
+from kvatlas.tiers.shared import Breaker, Entry, SharedTier, open_store, parse_url
+from kvatlas.tiers.shared.memory_store import MemoryStore
+from kvatlas.tiers.shared.values import HEADER_BYTES, Layout, checksum, header, parse
+
+from shared_session import SharedSession, admit_only, prompts, write_through
+
+LAYOUT = Layout(namespace="t", layout_hash=0x1234, payload_bytes={"page": 4096, "checkpoint": 1024})
+
+
+def _tier(store=None, **kw):
+    store = store if store is not None else MemoryStore()
+    return SharedTier(store, LAYOUT, **kw), store
+
+
+def _page(seed, n=4096):
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+
+
+def test_header_layout_is_64_bytes_and_round_trips():
+    h = header(LAYOUT, "checkpoint", 77, 512, 1024, 0xABCDEF, writer=3)
+    assert len(h) == HEADER_BYTES == 64 and h[:4] == b"KVAT"
+    p = parse(h)
+    assert (p.version, p.kind, p.layout_hash, p.page_key, p.boundary_tokens, p.payload_bytes, p.checksum, p.writer) \
+        == (1, 2, 0x1234, 77, 512, 1024, 0xABCDEF, 3)
+    assert LAYOUT.key("page", 255) == "kvatlas/t/0000000000001234/p/00000000000000ff"
+
+
+def test_checksum_sees_flipped_zeroed_and_moved_bytes():
+    a, b = _page(1), _page(2)
+    base = checksum([a, b])
+    flipped = a.copy()
+    flipped[100] ^= 1
+    assert checksum([flipped, b]) != base
+    assert checksum([np.zeros_like(a), b]) != base
+    assert checksum([b, a]) != base          # ranges swapped
+
+
+def test_put_then_get_is_exact_and_first_writer_wins():
+    tier, store = _tier()
+    src, other, dst = _page(1), _page(2), np.zeros(4096, np.uint8)
+    tier.put([Entry("page", 5, 0, (src,))])
+    tier.flush()
+    tier.put([Entry("page", 5, 0, (other,))])     # a second writer: nothing written
+    tier.flush()
+    assert tier.get([Entry("page", 5, 0, (dst,))]).reasons == [None]
+    assert np.array_equal(dst, src)
+    snap = tier.snapshot()
+    assert snap.puts["page"]["stored"] == 1 and snap.puts["page"]["exists"] == 1
+    assert snap.moved_bytes == {"to_store": 64 + 4096, "from_store": 64 + 4096}
+    assert snap.hits["page"] == 1 and snap.moved_entries["page"] == {"to_store": 1, "from_store": 1}
+
+
+@pytest.mark.parametrize("damage,reason", [
+    (lambda b: b[:4] + (9).to_bytes(2, "little") + b[6:], "stale"),
+    (lambda b: b[:8] + (0x999).to_bytes(8, "little") + b[16:], "foreign"),
+    (lambda b: b[:24] + (13).to_bytes(8, "little") + b[32:], "foreign"),          # another page's key
+    (lambda b: b[:-1] + bytes([b[-1] ^ 0x80]), "corrupt"),
+    (lambda b: b"XXXX" + b[4:], "corrupt"),
+    (lambda b: b[:-8], "size_mismatch"),
+    (lambda b: b + b"\0" * 8, "size_mismatch"),
+])
+def test_a_damaged_value_is_a_miss_with_its_reason(damage, reason):
+    tier, store = _tier()
+    tier.put([Entry("page", 12, 0, (_page(3),))])
+    tier.flush()
+    key = LAYOUT.key("page", 12)
+    store.raw_put(key, damage(store.raw_get(key)))
+    dst = np.zeros(4096, np.uint8)
+    assert tier.get([Entry("page", 12, 0, (dst,))]).reasons == [reason]
+    snap = tier.snapshot()
+    assert snap.misses["page"][reason] == 1 and snap.hits["page"] == 0
+
+
+def test_absent_and_a_checkpoint_of_another_boundary():
+    tier, _ = _tier()
+    tier.put([Entry("checkpoint", 9, 512, (_page(4, 1024),))])
+    tier.flush()
+    got = tier.get([Entry("page", 1, 0, (np.zeros(4096, np.uint8),)),
+                    Entry("checkpoint", 9, 768, (np.zeros(1024, np.uint8),))])
+    assert got.reasons == ["absent", "foreign"]
+
+
+def test_breaker_opens_serves_misses_and_closes_by_itself():
+    now = [0.0]
+    tier, store = _tier(breaker=Breaker(cooloff_s=1.0, clock=lambda: now[0]))
+    tier.put([Entry("page", 1, 0, (_page(5),))])
+    tier.flush()
+    store.down = True
+    dst = np.zeros(4096, np.uint8)
+    assert tier.get([Entry("page", 1, 0, (dst,))]).reasons == ["tier_unavailable"]
+    assert tier.snapshot().breaker_open and tier.snapshot().errors["get"] == 1
+    store.down = False
+    assert tier.get([Entry("page", 1, 0, (dst,))]).reasons == ["tier_unavailable"]   # open: not asked
+    assert tier.snapshot().errors["get"] == 1
+    now[0] = 1.5                                  # cool-off over: one trial call, which succeeds
+    assert tier.get([Entry("page", 1, 0, (dst,))]).reasons == [None]
+    snap = tier.snapshot()
+    assert not snap.breaker_open and snap.breaker_opened == 1 and snap.misses["page"]["tier_unavailable"] == 2
+
+
+def test_a_slow_store_costs_one_deadline_then_misses_at_once():
+    tier, store = _tier(deadline_s=0.05, breaker=Breaker(cooloff_s=60))
+    store.delay_s = 0.4
+    dst = np.zeros(4096, np.uint8)
+    t = time.monotonic()
+    got = tier.get([Entry("page", 1, 0, (dst,))])
+    assert got.reasons == ["deadline"] and got.landing is not None
+    assert time.monotonic() - t < 0.3
+    t = time.monotonic()
+    assert tier.get([Entry("page", 1, 0, (dst,))]).reasons == ["tier_unavailable"]
+    assert time.monotonic() - t < 0.05
+    assert tier.put([Entry("page", 2, 0, (dst,))]) is False      # skipped while open, never queued
+    got.landing.result(timeout=5)
+    snap = tier.snapshot()
+    assert snap.misses["page"]["deadline"] == 1 and snap.puts["page"]["skipped"] == 1 and snap.errors["get"] == 1
+    tier.close()
+
+
+def test_a_read_past_its_deadline_keeps_its_host_slots_until_it_lands():
+    store = MemoryStore()
+    write_through(store, [prompts(1)[0]])
+    b = SharedSession(store, deadline_s=0.05, breaker=Breaker(cooloff_s=0.2))
+    store.delay_s, store.slow = 0.5, {"get"}
+    seq = prompts(1)[0]
+    assert b.link.prefetch(len(seq), token_ids=seq) is None
+    host = b.link.tier
+    assert host.slots["host_pages"].claimed == 2      # the late read still targets them
+    time.sleep(0.8)
+    b.link.shared.poll()
+    store.delay_s = 0.0
+    time.sleep(0.25)
+    assert admit_only(b, seq) == 512                  # landed, released, the breaker closed again
+    assert host.slots["host_pages"].claimed == 0
+    b.hot.check_integrity()
+    host.check_integrity()
+
+
+def test_metrics_and_state_show_the_shared_tier_apart():
+    from kvatlas.observing.metrics import KvatlasCollector, exposition
+    from kvatlas.observing.server import state_document
+    store = MemoryStore()
+    write_through(store, [prompts(2)[0]])
+    b = SharedSession(store)
+    assert admit_only(b, prompts(2)[0]) == 512
+    text = exposition(KvatlasCollector(b.hot)).decode()
+    for reason in ("absent", "stale", "foreign", "corrupt", "size_mismatch", "deadline", "tier_unavailable"):
+        assert f'kvatlas_shared_tier_misses_total{{kind="page",pp_rank="0",reason="{reason}"}}' in text
+    assert 'kvatlas_prefix_tier_hit_tokens_total{pp_rank="0",tier="shared"} 512.0' in text   # (a pp=2 plan)
+    assert 'kvatlas_prefix_tier_hit_tokens_total{pp_rank="0",tier="device"} 0.0' in text
+    assert 'kvatlas_shared_tier_hits_total{kind="page",pp_rank="0"} 2.0' in text
+    assert 'kvatlas_shared_tier_breaker_open{pp_rank="0"} 0.0' in text
+    assert 'kvatlas_shared_tier_op_seconds_count{op="get",pp_rank="0"} 1.0' in text
+    assert 'kvatlas_shared_tier_moved_bytes_total{direction="from_store",pp_rank="0"}' in text
+    doc = state_document(KvatlasCollector(b.hot))["caches"][0]
+    assert doc["shared_tier"]["hit_tokens"] == 512 and doc["shared_tier"]["schema"] == "kvatlas.shared_tier"
+    assert doc["host_tier"]["host_totals"]["planned"] == b.link.tier.plan.total_bytes   # its own section
+
+
+def test_bad_urls_name_the_field_and_the_fix():
+    for url, words in (("mooncake", "not a store URL"), ("ftp://x:1", "not a shared store"),
+                       ("redis://127.0.0.1", "names no host and port"), ("redis://h:99999", "bad port"),
+                       ("mooncake://127.0.0.1:1", "metadata server"), ("redis://127.0.0.1:1?x=1", "no option")):
+        with pytest.raises(ConfigError, match=words) as e:
+            open_store(url, "--shared-tier")
+        assert e.value.field == "--shared-tier"
+    assert parse_url("memory://a?capacity=1MiB")[0] == "memory"
+    with pytest.raises(ConfigError, match="deadline_s"):
+        SharedTier(MemoryStore(), LAYOUT, deadline_s=0)
+
+
+def test_cli_refuses_a_shared_tier_without_a_host_tier(capsys):
+    from kvatlas.cli import main
+    base = ["simulate", "tiny-v4", "--memory", "96MiB", "--max-running-requests", "4", "--prefix-checkpoints", "4"]
+    assert main(base + ["--shared-tier", "memory://x"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("kvatlas simulate: error: --shared-tier:") and "--host-memory" in err[0]
+    assert main(base + ["--host-memory", "8MiB", "--shared-tier", "gopher://x:1"]) == 2
+    assert "--shared-tier: 'gopher' is not a shared store" in capsys.readouterr().err
+
+
+def test_simulate_with_a_shared_tier_has_its_own_summary_line(tmp_path, capsys):
+    from kvatlas.cli import main
+    for _ in range(2):   # the second run finds the first run's prefixes in the (in-process) store
+        main(["simulate", "tiny-v4", "--memory", "64MiB", "--max-running-requests", "4", "--rate", "8", "--duration",
+              "0.5", "--prompt-len", "600", "--output-len", "4", "--system-prompts", "1", "--system-prompt-len", "520",
+              "--prefix-checkpoints", "4", "--host-memory", "8MiB", "--shared-tier", "memory://cli-test",
+              "--out", str(tmp_path / "s"), "--no-plot", "--write-layers", "0"])
+    out = capsys.readouterr().out
+    line = [x for x in out.splitlines() if x.startswith("shared tier")][-1]
+    import re
+    assert re.search(r"hit tokens [1-9][\d,]* \(\d+ requests\)", line), line
+    assert "misses: none" in line and "errors 0" in line and "breaker closed" in line
