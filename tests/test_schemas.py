@@ -51,8 +51,10 @@ def documents():
     state, host_plan = _served_state()
     entry = state["caches"][0]
     assert entry["requests"] and entry["host_tier"] is not None and "prefix_cache" in entry
+    assert entry["shared_tier"]["store"].startswith("memory")
     out += [("GET /state", state), ("/state ledger", entry["ledger"]), ("/state plan", entry["plan"]),
-            ("/state host_tier", entry["host_tier"]), ("plan_host", host_plan)]
+            ("/state host_tier", entry["host_tier"]), ("/state shared_tier", entry["shared_tier"]),
+            ("plan_host", host_plan)]
     out += _plugin_documents()
     return out
 
@@ -60,10 +62,10 @@ def documents():
 def _served_state():
     from kvatlas.driving.sim import Simulator
     from kvatlas.driving.workload import synthetic
-    from kvatlas.tiers import attach_host_tier
+    from kvatlas.tiers.shared import attach_shared_tier
     p = kvatlas.plan("tiny-v4", "64MiB", max_running_requests=4, max_model_len=2048, prefix_checkpoints=8)
     cache = kvatlas.allocate(p)
-    attach_host_tier(cache, "4MiB")
+    attach_shared_tier(cache, "4MiB", "memory://test-schemas")   # a host tier with a shared store below it
     reqs = synthetic(rate_per_s=40, duration_s=0.2, prompt="uniform:16:600", output="uniform:2:30", seed=1)
     sim = Simulator(cache, reqs)
     for i in range(6):

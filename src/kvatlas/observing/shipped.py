@@ -36,6 +36,7 @@ SCHEMAS = {
     ("kvatlas.alloc", 1): "kvatlas.alloc.v1.schema.json",
     ("kvatlas.host_tier", 1): "kvatlas.host_tier.v1.schema.json",
     ("kvatlas.host_plan", 1): "kvatlas.host_plan.v1.schema.json",
+    ("kvatlas.shared_tier", 1): "kvatlas.shared_tier.v1.schema.json",
     ("kvatlas.models", 1): "kvatlas.models.v1.schema.json",
     ("kvatlas.foreign_ledger", 1): "kvatlas.foreign_ledger.v1.schema.json",
     ("kvatlas.foreign_state", 1): "kvatlas.foreign_state.v1.schema.json",
