@@ -1,0 +1,81 @@
+"""What kvatlas needs to know of transformers' DeepSeek-V4 (`DeepseekV4ForCausalLM`): its config
+as a kvatlas ModelSpec, the layouts that hold its rows, and where its compressors keep the
+position bias that the overlap of a C4 window carries.
+
+Layouts (`layout=`):
+- "fp8" (kvatlas's default): fp8_ds_mla KV, fp8 indexer keys, fp32 rings: what the engines store
+  (the model then reads dequantized rows; its arithmetic is unchanged).
+- "exact": the model's own rows, bit for bit: KV and indexer keys in the model's dtype (bf16 ->
+  the bf16 layout and indexer; float32 -> fp32; float64 -> fp64) and rings that hold its
+  compressor projections exactly (fp32; fp64 for a float64 model).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...errors import ConfigError
+from ...planning.model import load_model
+
+KV_WIDTH, ROPE_WIDTH, INDEX_WIDTH = 512, 64, 128   # the widths kvatlas's row formats are made for
+LAYER_TYPES = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")
+_EXACT = {torch.bfloat16: ("bf16", "bf16"), torch.float16: ("fp32", "fp32"), torch.float32: ("fp32", "fp32"),
+          torch.float64: ("fp64", "fp64")}
+LAYOUTS = ("fp8", "exact")
+
+
+def model_spec(config):
+    """The kvatlas ModelSpec of a DeepseekV4Config, refused (ConfigError naming the field) where
+    kvatlas's row formats cannot hold the model's rows."""
+    types = getattr(config, "layer_types", None)
+    if not isinstance(types, (list, tuple)) or any(t not in LAYER_TYPES for t in types):
+        raise ConfigError("config.layer_types", f"{types!r} is not a DeepSeek-V4 layer schedule",
+                          f"give a DeepseekV4Config (layer types {', '.join(LAYER_TYPES)})")
+    for field, want in (("head_dim", KV_WIDTH), ("qk_rope_head_dim", ROPE_WIDTH), ("index_head_dim", INDEX_WIDTH),
+                        ("num_key_value_heads", 1)):
+        got = getattr(config, field, None)
+        if got != want:
+            raise ConfigError(f"config.{field}", f"is {got!r}; kvatlas's DeepSeek-V4 rows hold {want}",
+                              f"use a DeepSeek-V4 geometry ({field}={want})")
+    return load_model(config)
+
+
+def _dtype_of(model) -> torch.dtype:
+    """The dtype of the model's hidden states, which its KV rows and compressed entries carry."""
+    return model.get_input_embeddings().weight.dtype
+
+
+def layout_options(model, layout: str) -> dict:
+    """kvatlas plan options (kv_layout, indexer, state_dtype) for `layout`."""
+    if layout == "fp8":
+        return {"kv_layout": "v4", "indexer": "fp8", "state_dtype": "fp32"}
+    if layout != "exact":
+        raise ConfigError("layout", f"{layout!r} is not a layout of this integration", f"use one of {', '.join(LAYOUTS)}")
+    dtype = _dtype_of(model)
+    if dtype not in _EXACT:
+        raise ConfigError("layout", f"the model computes in {dtype}, which no kvatlas layout holds exactly",
+                          "use bf16, float16, float32 or float64 weights, or layout='fp8'")
+    kv, index = _EXACT[dtype]
+    wide = any(p.dtype == torch.float64 for p in model.parameters())
+    return {"kv_layout": kv, "indexer": index, "state_dtype": "fp64" if wide else "fp32"}
+
+
+def base_model(model):
+    """The DeepseekV4Model inside a DeepseekV4ForCausalLM (or the model itself)."""
+    return getattr(model, "model", model)
+
+
+def compressors(model) -> dict[int, dict[str, torch.nn.Module]]:
+    """Per compressed layer, per compressor name ("compressor", "indexer"): the module whose
+    `position_bias` a window's gate adds before pooling. The overlap the next window reads carries
+    that bias too; the rings keep the raw gate, so the layer adds the bias again when it hands the
+    overlap back (read at that moment: the model may have been moved or loaded since)."""
+    out: dict[int, dict] = {}
+    for i, layer in enumerate(base_model(model).layers):
+        comp = getattr(layer.self_attn, "compressor", None)
+        if comp is None:
+            continue
+        out[i] = {"compressor": comp}
+        if getattr(comp, "indexer", None) is not None:
+            out[i]["indexer"] = comp.indexer
+    return out
