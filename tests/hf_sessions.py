@@ -19,7 +19,7 @@ def alone(m, sequence, prompt_len: int, new_tokens: int, passes=None):
     own = DynamicCache(config=m.config)
     passes = list(passes) if passes is not None else [prompt_len]
     assert sum(passes) == prompt_len, (passes, prompt_len)
-    ids = torch.as_tensor(np.asarray(sequence[:prompt_len], np.int64))[None]
+    ids = torch.as_tensor(np.asarray(sequence[:prompt_len], np.int64), device=m.device)[None]
     tokens, logits, at = [], [], 0
     with torch.no_grad():
         for n in passes:
@@ -30,7 +30,7 @@ def alone(m, sequence, prompt_len: int, new_tokens: int, passes=None):
             logits.append(out)
             if len(tokens) == new_tokens:
                 break
-            out = m(torch.tensor([[tokens[-1]]]), past_key_values=own, use_cache=True).logits[0, -1]
+            out = m(torch.tensor([[tokens[-1]]], device=m.device), past_key_values=own, use_cache=True).logits[0, -1]
     return tokens, logits
 
 

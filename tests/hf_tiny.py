@@ -36,8 +36,8 @@ def config(**over) -> "DeepseekV4Config":
     return DeepseekV4Config(**kw)
 
 
-def model(dtype=torch.float32, seed: int = 0, **over):
-    """The tiny model in `dtype`, every parameter drawn (the ones _init_weights zeroes too)."""
+def model(dtype=torch.float32, seed: int = 0, device="cpu", **over):
+    """The tiny model in `dtype` on `device`, every parameter drawn (the ones _init_weights zeroes too)."""
     torch.manual_seed(seed)
     if dtype == torch.float64:   # the grouped-matmul experts take no float64
         over.setdefault("experts_implementation", "eager")
@@ -61,7 +61,7 @@ def model(dtype=torch.float32, seed: int = 0, **over):
         for name, p in list(m.named_parameters()) + list(m.named_buffers()):
             if name.split(".")[-1] in keep and p.is_floating_point():
                 p.data = p.data.float()
-    return m
+    return m.to(device)
 
 
 def prompt(n: int, seed: int = 0) -> torch.Tensor:

@@ -46,7 +46,7 @@ def test_generate_is_bit_identical_to_the_models_own_cache(dtype):
     opts = c.kv.plan.options
     assert (opts.kv_layout, opts.indexer) == {torch.bfloat16: ("bf16", "bf16"), torch.float32: ("fp32", "fp32"),
                                               torch.float64: ("fp64", "fp64")}[dtype]
-    assert opts.state_dtype == ("fp64" if dtype == torch.float64 else "fp32")
+    assert opts.state_dtype == {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float64: "fp64"}[dtype]
     c.kv.check_integrity()
     snap = c.kv.ledger.snapshot()
     (rid,) = c.request_ids
@@ -74,7 +74,7 @@ def test_chunked_prefill_with_the_same_chunks_is_bit_identical(dtype):
                 for name in getattr(lay, "compressed_kv", {}):
                     r = mine.rings[name].ratio
                     read = mine.rings[name].pool
-                    ent = gather(read.geom, read.buffer, read.layer, c.current.read_entries[r], codec=read.codec)
+                    ent = gather(read.geom, read.buffer, read.layer, c.current.read_entries[r].slots, codec=read.codec)
                     want_e = lay.compressed_kv[name]
                     assert torch.equal(ent.to(want_e.dtype), want_e), name
                     assert lay.entry_count[name] == at // r

@@ -64,6 +64,7 @@ class Codec:
     decode: Callable[[Rows], torch.Tensor]      # Rows -> dtype [n, width]
     max_abs: float = float("inf")               # largest |x| stored without clamping
     dtype: torch.dtype = torch.bfloat16         # what encode takes (values are cast to it) and decode gives
+    raw: bool = False                           # an entry's data bytes are its values in dtype, nothing else
 
 
 def _empty(n: int, like: torch.Tensor) -> torch.Tensor:
@@ -186,7 +187,7 @@ def _raw_codec(fmt: formats.RowFormat, width: int, dtype: torch.dtype) -> Codec:
     """A float row stored bit for bit in its own dtype (no quantization, no scale)."""
     enc = lambda x: Rows(x.to(dtype).contiguous().view(torch.uint8), _empty(x.shape[0], x), _empty(x.shape[0], x))
     dec = lambda r: r.data.contiguous().view(dtype)
-    return Codec(fmt, width, enc, dec, dtype=dtype)
+    return Codec(fmt, width, enc, dec, dtype=dtype, raw=True)
 
 
 def uniform_fp8_codec(scale: float = 1.0) -> Codec:
@@ -199,7 +200,7 @@ def uniform_fp8_codec(scale: float = 1.0) -> Codec:
 _IDX = formats.INDEXER_FORMATS
 CODECS: dict[str, Codec] = {c.fmt.name: c for c in (
     Codec(formats.FP8_DS_MLA, KV_WIDTH, _ds_mla_encode, _ds_mla_decode, POW2_FP8_MAX_ABS),
-    Codec(formats.BF16_KV, KV_WIDTH, _bf16_encode, _bf16_decode),
+    Codec(formats.BF16_KV, KV_WIDTH, _bf16_encode, _bf16_decode, raw=True),
     uniform_fp8_codec(1.0),
     Codec(formats.UNIFIED_FP8_KV, KV_WIDTH, _unified_encode, _unified_decode, POW2_FP8_MAX_ABS),
     Codec(formats.V41_SWA_KV, KV_WIDTH, _v41_fp8_encode, _v41_fp8_decode, POW2_FP8_MAX_ABS),
@@ -207,7 +208,7 @@ CODECS: dict[str, Codec] = {c.fmt.name: c for c in (
           max_abs=nm.E2M1_MAX * nm.E4M3_MAX),
     Codec(_IDX["fp8"], INDEX_WIDTH, _index_fp8_encode, _index_fp8_decode, POW2_FP8_MAX_ABS),
     Codec(_IDX["fp4"], INDEX_WIDTH, _mxfp4_encode, _mxfp4_decode, MXFP4_MAX_ABS),
-    Codec(_IDX["bf16"], INDEX_WIDTH, _bf16_encode, _bf16_decode),
+    Codec(_IDX["bf16"], INDEX_WIDTH, _bf16_encode, _bf16_decode, raw=True),
     _raw_codec(formats.FP32_KV, KV_WIDTH, torch.float32),
     _raw_codec(formats.FP64_KV, KV_WIDTH, torch.float64),
     _raw_codec(_IDX["fp32"], INDEX_WIDTH, torch.float32),

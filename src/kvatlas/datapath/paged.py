@@ -165,3 +165,18 @@ def gather(geom: PageGeometry, buffer, layers, slots, *, parallel=None, codec: C
         out = torch.stack([_gather_torch(codec, geom, buffer, l, flat, parallel) for l in lr])
     out = out.reshape(len(lr), *slots.shape, codec.width)
     return out if not isinstance(layers, int) else out[0]
+
+
+def entries_view(geom: PageGeometry, buffer, layer: int, *, codec: Codec | None = None):
+    """One layer's entries as values, [units, entries per page, width] in the codec's dtype, for
+    formats that store values as they are (bf16, fp32, fp64: `Codec.raw`); None for the others.
+    Indexing it with (page, offset) pairs is `gather` for those formats, assigning to it `store`
+    without the checks: a caller that writes a pass's rows layer by layer with slots it split once
+    pays one indexing operation a call instead of the checks and the split each time."""
+    codec = codec or codec_for(geom.fmt)
+    geom.check_buffer(buffer)
+    if not codec.raw:
+        return None
+    return buffer[:, layer, : geom.entries * geom.fmt.data_bytes].view(codec.dtype).unflatten(
+        -1, (geom.entries, codec.width))
+

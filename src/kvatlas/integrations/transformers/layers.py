@@ -21,21 +21,37 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from ...datapath import gather, store
+from ...datapath import entries_view, gather, store
 from ...errors import KvatlasError
 
 _STATE_POOLS = {("c4", "compressor"): "c4_state", ("c4", "indexer"): "c4_indexer_state",
                 ("c128", "compressor"): "c128_state"}
 
 
-def _read(target, slots):
-    return gather(target.geom, target.buffer, target.layer, slots, parallel=target.parallel, codec=target.codec,
-                  validate=False)
+class _Paged:
+    """One layer's slice of a paged pool. Raw formats (the exact layouts) are read and written
+    through their entries view with the pass's (page, offset) pairs: one indexing operation a
+    call, what the model's own cache spends on its concatenation; the others through gather and
+    store (the Triton kernels on CUDA)."""
 
+    __slots__ = ("target", "view")
 
-def _write(target, slots, rows, validate: bool) -> None:
-    store(target.geom, target.buffer, target.layer, slots, rows, parallel=target.parallel, codec=target.codec,
-          validate=validate)
+    def __init__(self, target) -> None:
+        self.target = target
+        self.view = entries_view(target.geom, target.buffer, target.layer, codec=target.codec)
+
+    def read(self, where):
+        if self.view is not None:
+            return self.view[where.at]
+        t = self.target
+        return gather(t.geom, t.buffer, t.layer, where.slots, parallel=t.parallel, codec=t.codec, validate=False)
+
+    def write(self, where, rows, validate: bool) -> None:
+        if self.view is not None and not validate:
+            self.view[where.at] = rows.to(self.view.dtype)
+            return
+        t = self.target
+        store(t.geom, t.buffer, t.layer, where.slots, rows, parallel=t.parallel, codec=t.codec, validate=validate)
 
 
 class SlidingLayer(CacheLayerMixin):
@@ -46,7 +62,7 @@ class SlidingLayer(CacheLayerMixin):
 
     def __init__(self, owner, layer_idx: int, targets) -> None:
         super().__init__()
-        self.owner, self.layer_idx, self.swa = owner, layer_idx, targets.swa
+        self.owner, self.layer_idx, self.swa = owner, layer_idx, _Paged(targets.swa)
         self.window = owner.kv.allocator.window
         self.is_initialized = True   # its storage is the pools, allocated already
 
@@ -56,8 +72,8 @@ class SlidingLayer(CacheLayerMixin):
     def update(self, key_states, value_states=None, *args, **kwargs):
         p = self.owner.current
         B, _, S, D = key_states.shape
-        _write(self.swa, p.swa_store, key_states.reshape(B * S, D), self.owner.validate)
-        full = _read(self.swa, p.swa_read).to(key_states.dtype).unsqueeze(1)
+        self.swa.write(p.swa_store, key_states.reshape(B * S, D), self.owner.validate)
+        full = self.swa.read(p.swa_read).to(key_states.dtype).unsqueeze(1)
         return full, full
 
     def get_seq_length(self) -> int:
@@ -99,6 +115,8 @@ class CompressedLayer(SlidingLayer):
         kv = owner.kv
         rings = {"compressor": targets.kv, "indexer": targets.index}
         self.rings = {n: rings[n] for n in self.names}
+        self.states = {n: r.state[:, r.layer] for n, r in self.rings.items()}   # [slot, ring row, kv | gate]
+        self.pools = {n: _Paged(r.pool) for n, r in self.rings.items()}
         self.modules = modules
         self.ckpt = {}
         for n in self.names:
@@ -112,7 +130,7 @@ class CompressedLayer(SlidingLayer):
         ring = self.rings[name]
         p = self.owner.current
         rr = p.rings[ring.state.shape[2], ring.ratio]
-        state = ring.state[:, ring.layer]            # [request slot, ring row, kv | gate]
+        state = self.states[name]
         width = kv.shape[-1]
         if state.shape[-1] != 2 * width:
             raise KvatlasError(f"{name}: {width}-wide projections for a {state.shape[-1]}-wide ring row; the "
@@ -135,19 +153,18 @@ class CompressedLayer(SlidingLayer):
         return kv[:, :usable], gate[:, :usable], p.L0 - p.L0 % ring.ratio
 
     def update_compressor_states(self, name: str, compressed: torch.Tensor) -> torch.Tensor:
-        target = self.rings[name].pool
-        r = self.rings[name].ratio
+        pool, r = self.pools[name], self.rings[name].ratio
         p = self.owner.current
         B, n, D = compressed.shape
         if n != p.new_counts[r]:
             raise KvatlasError(f"{name}: the model closed {n} windows where the cache counts {p.new_counts[r]}; "
                                "the cache and the model disagree on the sequence")
         if n:
-            _write(target, p.new_entries[r], compressed.reshape(B * n, D), self.owner.validate)
-        slots = p.read_entries[r]
-        if not slots.shape[1]:
+            pool.write(p.new_entries[r], compressed.reshape(B * n, D), self.owner.validate)
+        where = p.read_entries[r]
+        if not where.slots.shape[1]:
             return compressed
-        return _read(target, slots).to(compressed.dtype)
+        return pool.read(where).to(compressed.dtype)
 
 
 class SparseLayer(CompressedLayer):

@@ -6,8 +6,10 @@ Layouts (`layout=`):
 - "fp8" (kvatlas's default): fp8_ds_mla KV, fp8 indexer keys, fp32 rings: what the engines store
   (the model then reads dequantized rows; its arithmetic is unchanged).
 - "exact": the model's own rows, bit for bit: KV and indexer keys in the model's dtype (bf16 ->
-  the bf16 layout and indexer; float32 -> fp32; float64 -> fp64) and rings that hold its
-  compressor projections exactly (fp32; fp64 for a float64 model).
+  the bf16 layout and indexer; float32 -> fp32; float64 -> fp64) and rings in the dtype of its
+  compressors' projections (bf16 in a bf16 checkpoint): the rings keep those raw projections,
+  and the one float32 value of the overlap (its gate, with the float32 position bias added) is
+  recomputed when it is read, not stored.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ KV_WIDTH, ROPE_WIDTH, INDEX_WIDTH = 512, 64, 128   # the widths kvatlas's row fo
 LAYER_TYPES = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")
 _EXACT = {torch.bfloat16: ("bf16", "bf16"), torch.float16: ("fp32", "fp32"), torch.float32: ("fp32", "fp32"),
           torch.float64: ("fp64", "fp64")}
+_STATE = {torch.bfloat16: "bf16", torch.float16: "fp32", torch.float32: "fp32", torch.float64: "fp64"}
 LAYOUTS = ("fp8", "exact")
 
 
@@ -56,8 +59,14 @@ def layout_options(model, layout: str) -> dict:
         raise ConfigError("layout", f"the model computes in {dtype}, which no kvatlas layout holds exactly",
                           "use bf16, float16, float32 or float64 weights, or layout='fp8'")
     kv, index = _EXACT[dtype]
-    wide = any(p.dtype == torch.float64 for p in model.parameters())
-    return {"kv_layout": kv, "indexer": index, "state_dtype": "fp64" if wide else "fp32"}
+    proj = {m.kv_proj.weight.dtype for c in compressors(model).values() for m in c.values()}
+    proj |= {m.gate_proj.weight.dtype for c in compressors(model).values() for m in c.values()}
+    if not proj <= set(_STATE):
+        raise ConfigError("layout", f"the compressors project in {sorted(map(str, proj))}, which no ring holds "
+                          "exactly", "use bf16, float16, float32 or float64 weights, or layout='fp8'")
+    states = {_STATE[d] for d in proj} or {"fp32"}
+    state = next(s for s in ("fp64", "fp32", "bf16") if s in states)   # the widest holds them all
+    return {"kv_layout": kv, "indexer": index, "state_dtype": state}
 
 
 def base_model(model):

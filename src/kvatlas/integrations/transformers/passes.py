@@ -45,6 +45,25 @@ class _Packer:
 
 
 @dataclass(slots=True)
+class Where:
+    """Entries of a paged pool: their slots (for store / gather), and the same split into (page,
+    offset in the page) (for a raw format's entries_view)."""
+    slots: torch.Tensor
+    at: tuple
+
+    def __getitem__(self, cols) -> "Where":
+        return Where(self.slots[cols], (self.at[0][cols], self.at[1][cols]))
+
+
+def _where(pk: _Packer, slots: np.ndarray, per_page: int) -> tuple:
+    return pk.add(slots), pk.add(slots // per_page), pk.add(slots % per_page)
+
+
+def _made(t: list, ids: tuple) -> Where:
+    return Where(t[ids[0]], (t[ids[1]], t[ids[2]]))
+
+
+@dataclass(slots=True)
 class RingRows:
     """Rows of one ring size (per request slot: slot, row in its ring), as [B, n] index pairs."""
     buffer: tuple            # the L0 % r tokens since the last window
@@ -53,20 +72,43 @@ class RingRows:
     write_from: int          # the token offset (0..S-1) of the first of those
 
 
+class EntrySlots:
+    """The slots of every compressed entry of the bound rows' held pages, on the device, kept
+    between passes: a request's pages only grow (a page every 256 tokens), so most passes read a
+    prefix of the same tensor instead of making and copying tens of thousands of slots (a 256K
+    context has 65,536 C4 entries). Made again when pages are added or requests come or go."""
+
+    def __init__(self) -> None:
+        self.key, self.held = None, {}
+
+    def read(self, kv, slots: np.ndarray, r: int, count: int) -> Where:
+        a = kv.allocator
+        key = (a.epoch, slots.tobytes(), a.full_held[slots].tobytes())
+        if key != self.key:
+            self.key, self.held = key, {}
+        if r not in self.held:
+            per = a.P // r
+            pages = a.full_table[slots, : int(a.full_held[slots].max(initial=0))]
+            table = (pages[:, :, None] * per + np.arange(per)).reshape(len(slots), -1)
+            pk = _Packer()
+            ids = _where(pk, table, per)
+            self.held[r] = _made(pk.device(kv.device), ids)
+        return self.held[r][:, :count]
+
+
 class Pass:
     """The indices of one pass. `tokens`: B * S; arrays over tokens are row-major (row b's S tokens
     together), as the allocator wrote them."""
 
-    def __init__(self, kv, slots: np.ndarray, L0: int, S: int, w) -> None:
+    def __init__(self, kv, slots: np.ndarray, L0: int, S: int, w, entries: "EntrySlots") -> None:
         a = kv.allocator
         self.B, self.S, self.L0, self.L1 = len(slots), S, L0, L0 + S
         pk = _Packer()
-        ids = {"swa_store": pk.add(w.swa_slots), "swa_read": pk.add(self._swa_read(a, slots))}
+        ids = {"swa_store": _where(pk, w.swa_slots, a.Ps), "swa_read": _where(pk, self._swa_read(a, slots), a.Ps)}
         self.new_counts = {}
         for r in a.ratios:
             mask, entry = w.compressed[r]
-            ids[("new", r)] = pk.add(entry[mask])
-            ids[("read", r)] = pk.add(self._entries(a, slots, r))
+            ids[("new", r)] = _where(pk, entry[mask], a.P // r)
             self.new_counts[r] = self.L1 // r - L0 // r
         rings = {}
         for ring_rows, ratio in self._rings(kv):
@@ -76,9 +118,9 @@ class Pass:
             rows = kv.pools[name].spec.entries_per_unit
             ckpt[name] = (pk.add(tok), pk.add(row // rows), pk.add(row % rows))
         t = pk.device(kv.device)
-        self.swa_store, self.swa_read = t[ids["swa_store"]], t[ids["swa_read"]]
-        self.new_entries = {r: t[ids["new", r]] for r in a.ratios}
-        self.read_entries = {r: t[ids["read", r]] for r in a.ratios}
+        self.swa_store, self.swa_read = _made(t, ids["swa_store"]), _made(t, ids["swa_read"])
+        self.new_entries = {r: _made(t, ids["new", r]) for r in a.ratios}
+        self.read_entries = {r: entries.read(kv, slots, r, self.L1 // r) for r in a.ratios}
         self.rings = {k: RingRows(buffer=(t[b[0]], t[b[1]]), overlap=None if o is None else (t[o[0]], t[o[1]]),
                                   write=(t[wr[0]], t[wr[1]]), write_from=f)
                       for k, (b, o, wr, f) in rings.items()}
@@ -87,16 +129,12 @@ class Pass:
     @property
     def window_rows(self) -> int:
         """Keys each row reads in the SWA: the window before the pass and the pass's own."""
-        return self.swa_read.shape[1]
+        return self.swa_read.slots.shape[1]
 
     def _swa_read(self, a, slots) -> np.ndarray:
         pos = np.arange(max(0, self.L0 - (a.window - 1)), self.L1)
         pages = a.swa_table[slots[:, None], (pos // a.Ps) % a.ring]
         return pages * a.Ps + pos % a.Ps
-
-    def _entries(self, a, slots, r: int) -> np.ndarray:
-        e, per = np.arange(self.L1 // r), a.P // r
-        return a.full_table[slots[:, None], e // per] * per + e % per
 
     @staticmethod
     def _rings(kv):

@@ -61,6 +61,10 @@ class Server:
         whole("max_new_tokens", max_new_tokens, 1)
         if not len(prompt):
             raise KvatlasError("prompt_ids: empty; give at least one token")
+        most = self.kv.plan.options.max_model_len
+        if len(prompt) + max_new_tokens > most:
+            raise KvatlasError(f"prompt_ids: {len(prompt)} tokens + max_new_tokens {max_new_tokens} exceed "
+                               f"max_model_len {most}; shorten the request or plan a larger max_model_len")
         known = request_id in self.running or request_id in self.finished or \
             any(r.request_id == request_id for r in self.waiting)
         if known:
