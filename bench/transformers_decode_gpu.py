@@ -10,9 +10,10 @@ weights (the position bias, sinks and hash table drawn too). Fewer routed expert
 Both caches are brought to each context by the calls the model makes on them, in 8,192-token
 passes with random rows (per layer: update, store_compression_weights, update_overlap_state,
 update_compressor_states): a prefill through the model's eager attention at 256K would take more
-memory than the card has. Then decode steps through the model, one token each, the two caches
-alternating in rounds; the step time is host time around the whole forward pass (the model is
-launch-bound: synchronising first and last, everything the adapter does in Python included).
+memory than the card has. Then decode steps through the model, one token each; the step time is
+host time around the whole forward pass (the model is launch-bound: synchronising first and last,
+everything the adapter does in Python included), the caches taking turns step by step so that the
+host's drift hits them alike; medians.
 
     python bench/transformers_decode_gpu.py [--contexts 8192,65536,262144] [--layouts fp8,exact]
         [--steps 20] [--rounds 3] [--experts 16] [--layers csa,hca,csa,hca] [--json OUT.json]
@@ -120,13 +121,14 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--contexts", default="8192,65536,262144")
     ap.add_argument("--layouts", default="fp8,exact")
-    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--experts", type=int, default=16)
     ap.add_argument("--layers", default="csa,hca,csa,hca")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--vocab", type=int, default=129280)
     ap.add_argument("--json")
+    ap.add_argument("--profile", help="write a profile of a few steps per cache to this file")
     args = ap.parse_args()
     from transformers import DynamicCache
     from kvatlas.integrations.transformers import kvatlas_cache_for
@@ -158,9 +160,10 @@ def main() -> None:
         for name, c in caches.items():   # warm-up: allocator, kernels, the adapter's first passes
             steps(m, c, 2)
         times = {name: [] for name in caches}
-        for _ in range(args.rounds):
-            for name, c in caches.items():
-                times[name] += steps(m, c, args.steps)
+        order = list(caches)
+        for i in range(args.rounds * args.steps):   # step by step, the caches in turn (rotating):
+            for name in order[i % len(order):] + order[: i % len(order)]:   # drift hits them alike
+                times[name] += steps(m, caches[name], 1)
         own = statistics.median(times["own"])
         row = {"context": ctx, "own_ms": own * 1e3}
         for lay in layouts:
@@ -179,6 +182,34 @@ def main() -> None:
         print(f"| {r['context']:,} | {r['own_ms']:.2f} ms | {cells} |")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
+    if args.profile:
+        profile(m, caches, args.profile)
+
+
+def profile(model, caches, out: str) -> None:
+    """Per cache, 5 decode steps under the profiler: host waits on the device (synchronizations,
+    pageable copies) and the ops that take the host's time, to a file; the waits per step printed."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+    lines = []
+    for name, c in caches.items():
+        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            steps(model, c, 5)
+        ka = prof.key_averages()
+        waits = {e.key: e.count / 5 for e in ka if "Synchronize" in e.key or "Memcpy" in e.key}
+        launches = sum(e.count for e in ka if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC")) / 5
+        print(f"profile {name}: {launches:.0f} kernel launches a step; waits a step {waits}")
+        lines += [f"== {name}", ka.table(sort_by="self_cpu_time_total", row_limit=30)]
+        import cProfile
+        import io
+        import pstats
+        pr = cProfile.Profile()
+        pr.enable()
+        steps(model, c, 10)
+        pr.disable()
+        text = io.StringIO()
+        pstats.Stats(pr, stream=text).sort_stats("tottime").print_stats(40)
+        lines += [f"== {name} (cProfile, 10 steps)", text.getvalue()]
+    Path(out).write_text("\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -141,13 +141,26 @@ def store(geom: PageGeometry, buffer, layers, slots, values, *, parallel=None, c
     _shape_check(codec, values, slots, len(lr), multi)
     if validate:
         _check_store(codec, geom, buffer, slots, values)
+    store_checked(codec, geom, buffer, lr, slots, values if multi else values[None], parallel, impl)
+
+
+def store_checked(codec: Codec, geom: PageGeometry, buffer, lr: range, slots, vals, parallel=None,
+                  impl: str = "auto") -> None:
+    """`store` past its checks (vals [len(lr), n, width]): for callers that checked the target once
+    (a PagedTarget) and write a pass's rows layer by layer."""
     if slots.numel() == 0:
         return
-    vals = values if multi else values[None]
     if use_triton(codec, buffer, impl, "store"):
         return kernels.store(codec, geom, buffer, lr, slots, vals)
     for i, layer in enumerate(lr):
         _store_torch(codec, geom, buffer, layer, slots, vals[i], parallel)
+
+
+def gather_checked(codec: Codec, geom: PageGeometry, buffer, lr: range, flat, parallel=None, impl: str = "auto"):
+    """`gather` past its checks: [len(lr), len(flat), width] from 1-D slots `flat`."""
+    if use_triton(codec, buffer, impl, "gather"):
+        return kernels.gather(codec, geom, buffer, lr, flat)
+    return torch.stack([_gather_torch(codec, geom, buffer, l, flat, parallel) for l in lr])
 
 
 def gather(geom: PageGeometry, buffer, layers, slots, *, parallel=None, codec: Codec | None = None,
@@ -158,11 +171,7 @@ def gather(geom: PageGeometry, buffer, layers, slots, *, parallel=None, codec: C
     lr = _layer_range(layers, buffer)
     if validate:
         _check_slots(geom, buffer, slots)
-    flat = slots.reshape(-1)
-    if use_triton(codec, buffer, impl, "gather"):
-        out = kernels.gather(codec, geom, buffer, lr, flat)
-    else:
-        out = torch.stack([_gather_torch(codec, geom, buffer, l, flat, parallel) for l in lr])
+    out = gather_checked(codec, geom, buffer, lr, slots.reshape(-1), parallel, impl)
     out = out.reshape(len(lr), *slots.shape, codec.width)
     return out if not isinstance(layers, int) else out[0]
 

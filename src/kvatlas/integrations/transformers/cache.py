@@ -20,7 +20,7 @@ from ...datapath import LayerTargets
 from ...errors import KvatlasError, RequestStateError
 from .layers import CLASSES
 from .model import compressors, model_spec
-from .passes import EntrySlots, Pass
+from .passes import EntrySlots, Pass, Rings, Staging
 
 _names = itertools.count()
 
@@ -64,7 +64,8 @@ class KvatlasCache(Cache):
             layers.append(cls(self, i, targets) if kind == "sliding_attention" else cls(self, i, targets, mods[i]))
         super().__init__(layers=layers)
         self.current: Pass | None = None
-        self._entries = EntrySlots()
+        self._entries, self._rings = EntrySlots(), Rings()
+        self._staging = Staging(kv.device)
         self.request_ids: tuple = ()
         self._batch = None
         self._own: list = []          # requests the first pass admitted (generate): reset() finishes them
@@ -123,7 +124,8 @@ class KvatlasCache(Cache):
                 with a.forward():
                     w = _Merged([kv.extend(rid, tokens) for rid in self.request_ids], tokens)
             slots = np.fromiter((a.slot_of[r] for r in self.request_ids), np.int64, rows)
-        self.current = Pass(kv, slots, int(a.length[slots[0]]) - tokens, tokens, w, self._entries)
+        self.current = Pass(kv, slots, int(a.length[slots[0]]) - tokens, tokens, w, self._entries, self._rings,
+                            self._staging)
 
     # ---------------------------------------------------------------- the Cache interface
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from ...datapath import entries_view, gather, store
+from ...datapath import entries_view, store
 from ...errors import KvatlasError
 
 _STATE_POOLS = {("c4", "compressor"): "c4_state", ("c4", "indexer"): "c4_indexer_state",
@@ -40,18 +40,21 @@ class _Paged:
         self.target = target
         self.view = entries_view(target.geom, target.buffer, target.layer, codec=target.codec)
 
-    def read(self, where):
-        if self.view is not None:
-            return self.view[where.at]
-        t = self.target
-        return gather(t.geom, t.buffer, t.layer, where.slots, parallel=t.parallel, codec=t.codec, validate=False)
+    def read(self, span):
+        if self.view is None:
+            return self.target.gather(span.slots)
+        B, n = span.pages.shape
+        got = self.view.index_select(0, span.pages.reshape(-1)).view(B, -1, self.view.shape[-1])
+        return got[:, span.start: span.start + span.count]
 
     def write(self, where, rows, validate: bool) -> None:
-        if self.view is not None and not validate:
-            self.view[where.at] = rows.to(self.view.dtype)
-            return
         t = self.target
-        store(t.geom, t.buffer, t.layer, where.slots, rows, parallel=t.parallel, codec=t.codec, validate=validate)
+        if validate:
+            store(t.geom, t.buffer, t.layer, where.slots, rows, parallel=t.parallel, codec=t.codec)
+        elif self.view is not None:
+            self.view[where.at] = rows if rows.dtype == self.view.dtype else rows.to(self.view.dtype)
+        else:
+            t.store(where.slots, rows)
 
 
 class SlidingLayer(CacheLayerMixin):
@@ -73,7 +76,8 @@ class SlidingLayer(CacheLayerMixin):
         p = self.owner.current
         B, _, S, D = key_states.shape
         self.swa.write(p.swa_store, key_states.reshape(B * S, D), self.owner.validate)
-        full = self.swa.read(p.swa_read).to(key_states.dtype).unsqueeze(1)
+        full = self.swa.read(p.swa_read)
+        full = (full if full.dtype == key_states.dtype else full.to(key_states.dtype)).unsqueeze(1)
         return full, full
 
     def get_seq_length(self) -> int:
@@ -135,22 +139,34 @@ class CompressedLayer(SlidingLayer):
         if state.shape[-1] != 2 * width:
             raise KvatlasError(f"{name}: {width}-wide projections for a {state.shape[-1]}-wide ring row; the "
                                "cache was planned for another model")
-        held = state[rr.buffer]                      # read before this pass's rows land in the ring
-        self._prior[name] = state[rr.overlap] if rr.overlap is not None else None
-        self._dtypes[name] = (kv.dtype, gate.dtype)
+        buffered = p.L0 % ring.ratio
+        usable = (buffered + kv.shape[1]) // ring.ratio * ring.ratio
+        # what the model pools: read before this pass's rows land in the ring, and only when a
+        # window closes (else the model looks at no row of it: most decode steps)
+        held = state[rr.buffer] if buffered and usable else None
+        if rr.overlap is not None and usable:          # the model reads the overlap only when a window closes
+            self._prior[name] = state[rr.overlap]
+            self._dtypes[name] = (kv.dtype, gate.dtype)
+        else:
+            self._prior[name] = None
         rows = torch.cat((kv, gate), -1)
-        state[rr.write] = rows[:, rr.write_from:].to(state.dtype)
+        new = rows if not rr.write_from else rows[:, rr.write_from:]
+        state[rr.write] = new if new.dtype == state.dtype else new.to(state.dtype)
         if name in self.ckpt:                        # prefix cache: rows a resume point keeps
             saved = p.checkpoints.get(self.ckpt[name][0])
             if saved is not None and saved[0].numel():
                 tok, unit, row = saved
                 dst = self.ckpt[name][1]
                 dst[unit, row] = rows.reshape(-1, 2 * width)[tok].to(dst.dtype)
-        if held.shape[1]:
+        first = p.L0 - buffered
+        if not usable:
+            return kv[:, :0], gate[:, :0], first
+        if held is not None:
             kv = torch.cat((held[..., :width].to(kv.dtype), kv), 1)
             gate = torch.cat((held[..., width:].to(gate.dtype), gate), 1)
-        usable = kv.shape[1] // ring.ratio * ring.ratio
-        return kv[:, :usable], gate[:, :usable], p.L0 - p.L0 % ring.ratio
+        if usable == kv.shape[1]:
+            return kv, gate, first
+        return kv[:, :usable], gate[:, :usable], first
 
     def update_compressor_states(self, name: str, compressed: torch.Tensor) -> torch.Tensor:
         pool, r = self.pools[name], self.rings[name].ratio
@@ -161,10 +177,11 @@ class CompressedLayer(SlidingLayer):
                                "the cache and the model disagree on the sequence")
         if n:
             pool.write(p.new_entries[r], compressed.reshape(B * n, D), self.owner.validate)
-        where = p.read_entries[r]
-        if not where.slots.shape[1]:
+        span = p.read_entries[r]
+        if not span.count:
             return compressed
-        return pool.read(where).to(compressed.dtype)
+        out = pool.read(span)
+        return out if out.dtype == compressed.dtype else out.to(compressed.dtype)
 
 
 class SparseLayer(CompressedLayer):

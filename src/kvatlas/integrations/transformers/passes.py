@@ -24,6 +24,39 @@ import torch
 OVERLAP = 4   # the C4 window of 8 reads the 4 tokens of the block before it
 
 
+class Staging:
+    """Pinned host memory the index copies go through on CUDA. A copy from pageable memory makes
+    the stream wait for all the work queued before it, and the model runs launch-bound, its host
+    well ahead of the device: one such wait a pass lets the device run dry. From pinned memory the
+    copy is queued like a kernel. Buffers are taken in turn, each reused once the event of its last
+    copy has passed (copies of passes long over, in practice: a pass makes one or two)."""
+
+    RING = 4
+
+    def __init__(self, device) -> None:
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.hosts = [torch.empty(0, dtype=torch.int64) for _ in range(self.RING)]
+        self.done: list = [None] * self.RING
+        self.next = 0
+
+    def to_device(self, flat: np.ndarray) -> torch.Tensor:
+        if not self.cuda:
+            return torch.from_numpy(flat).to(self.device)
+        i = self.next
+        self.next = (i + 1) % self.RING
+        if self.done[i] is not None:
+            self.done[i].synchronize()
+        if self.hosts[i].numel() < flat.size:
+            self.hosts[i] = torch.empty(max(flat.size, 2 * self.hosts[i].numel()), dtype=torch.int64, pin_memory=True)
+        host = self.hosts[i][: flat.size]
+        host.numpy()[:] = flat
+        out = host.to(self.device, non_blocking=True)
+        self.done[i] = torch.cuda.Event()
+        self.done[i].record()
+        return out
+
+
 class _Packer:
     """Index arrays gathered on the host, moved to the device in one copy, handed out as views."""
 
@@ -34,9 +67,9 @@ class _Packer:
         self.parts.append(np.ascontiguousarray(a, dtype=np.int64))
         return len(self.parts) - 1
 
-    def device(self, dev) -> list[torch.Tensor]:
-        flat = torch.from_numpy(np.concatenate([p.ravel() for p in self.parts]) if self.parts else
-                                np.zeros(0, np.int64)).to(dev)
+    def device(self, staging: Staging) -> list[torch.Tensor]:
+        flat = np.concatenate([p.ravel() for p in self.parts]) if self.parts else np.zeros(0, np.int64)
+        flat = staging.to_device(flat)
         out, at = [], 0
         for p in self.parts:
             out.append(flat[at:at + p.size].view(p.shape))
@@ -46,13 +79,21 @@ class _Packer:
 
 @dataclass(slots=True)
 class Where:
-    """Entries of a paged pool: their slots (for store / gather), and the same split into (page,
-    offset in the page) (for a raw format's entries_view)."""
+    """Entries to write: their slots (for store), and the same split into (page, offset in the
+    page) (for a raw format's entries_view)."""
     slots: torch.Tensor
     at: tuple
 
-    def __getitem__(self, cols) -> "Where":
-        return Where(self.slots[cols], (self.at[0][cols], self.at[1][cols]))
+
+@dataclass(slots=True)
+class Span:
+    """Entries to read, per row: `count` consecutive ones, `start` entries into the pages `pages`
+    ([B, n], in the row's order). `slots` ([B, count]) for gather; a raw format's view reads the
+    whole pages in one index_select and keeps the span."""
+    slots: torch.Tensor
+    pages: torch.Tensor
+    start: int
+    count: int
 
 
 def _where(pk: _Packer, slots: np.ndarray, per_page: int) -> tuple:
@@ -65,7 +106,7 @@ def _made(t: list, ids: tuple) -> Where:
 
 @dataclass(slots=True)
 class RingRows:
-    """Rows of one ring size (per request slot: slot, row in its ring), as [B, n] index pairs."""
+    """Rows of one ring size: (slot column [B, 1], ring rows [n]) index pairs, broadcast to [B, n]."""
     buffer: tuple            # the L0 % r tokens since the last window
     overlap: tuple | None    # ratio 4: the block before that window (None at its first window)
     write: tuple             # the last min(S, ring) tokens of the pass: their rows are (over)written
@@ -81,49 +122,50 @@ class EntrySlots:
     def __init__(self) -> None:
         self.key, self.held = None, {}
 
-    def read(self, kv, slots: np.ndarray, r: int, count: int) -> Where:
+    def read(self, kv, slots: np.ndarray, r: int, count: int, staging: Staging) -> Span:
         a = kv.allocator
         key = (a.epoch, slots.tobytes(), a.full_held[slots].tobytes())
         if key != self.key:
             self.key, self.held = key, {}
+        per = a.P // r
         if r not in self.held:
-            per = a.P // r
             pages = a.full_table[slots, : int(a.full_held[slots].max(initial=0))]
-            table = (pages[:, :, None] * per + np.arange(per)).reshape(len(slots), -1)
             pk = _Packer()
-            ids = _where(pk, table, per)
-            self.held[r] = _made(pk.device(kv.device), ids)
-        return self.held[r][:, :count]
+            ids = pk.add(pages), pk.add((pages[:, :, None] * per + np.arange(per)).reshape(len(slots), -1))
+            t = pk.device(staging)
+            self.held[r] = (t[ids[0]], t[ids[1]])
+        pages, table = self.held[r]
+        return Span(table[:, :count], pages[:, : -(-count // per)], 0, count)
 
 
 class Pass:
     """The indices of one pass. `tokens`: B * S; arrays over tokens are row-major (row b's S tokens
     together), as the allocator wrote them."""
 
-    def __init__(self, kv, slots: np.ndarray, L0: int, S: int, w, entries: "EntrySlots") -> None:
+    def __init__(self, kv, slots: np.ndarray, L0: int, S: int, w, entries: "EntrySlots", rings: "Rings",
+                 staging: Staging) -> None:
         a = kv.allocator
         self.B, self.S, self.L0, self.L1 = len(slots), S, L0, L0 + S
         pk = _Packer()
-        ids = {"swa_store": _where(pk, w.swa_slots, a.Ps), "swa_read": _where(pk, self._swa_read(a, slots), a.Ps)}
+        lo = max(0, L0 - (a.window - 1))   # the first key the pass's rows read
+        read_pages, read_slots = self._swa_read(a, slots, lo)
+        ids = {"swa_store": _where(pk, w.swa_slots, a.Ps), "swa_read": (pk.add(read_slots), pk.add(read_pages))}
         self.new_counts = {}
         for r in a.ratios:
             mask, entry = w.compressed[r]
             ids[("new", r)] = _where(pk, entry[mask], a.P // r)
             self.new_counts[r] = self.L1 // r - L0 // r
-        rings = {}
-        for ring_rows, ratio in self._rings(kv):
-            rings[ring_rows, ratio] = self._ring_rows(pk, slots, ring_rows, ratio)
         ckpt = {}
         for name, (tok, row) in w.checkpoint_rows.items():
             rows = kv.pools[name].spec.entries_per_unit
             ckpt[name] = (pk.add(tok), pk.add(row // rows), pk.add(row % rows))
-        t = pk.device(kv.device)
-        self.swa_store, self.swa_read = _made(t, ids["swa_store"]), _made(t, ids["swa_read"])
+        t = pk.device(staging)
+        self.swa_store = _made(t, ids["swa_store"])
+        sr = ids["swa_read"]
+        self.swa_read = Span(t[sr[0]], t[sr[1]], lo % a.Ps, self.L1 - lo)
         self.new_entries = {r: _made(t, ids["new", r]) for r in a.ratios}
-        self.read_entries = {r: entries.read(kv, slots, r, self.L1 // r) for r in a.ratios}
-        self.rings = {k: RingRows(buffer=(t[b[0]], t[b[1]]), overlap=None if o is None else (t[o[0]], t[o[1]]),
-                                  write=(t[wr[0]], t[wr[1]]), write_from=f)
-                      for k, (b, o, wr, f) in rings.items()}
+        self.read_entries = {r: entries.read(kv, slots, r, self.L1 // r, staging) for r in a.ratios}
+        self.rings = {(ring, r): rings.get(slots, L0, S, ring, r, staging) for ring, r in self._rings(kv)}
         self.checkpoints = {n: tuple(t[i] for i in v) for n, v in ckpt.items()}
 
     @property
@@ -131,10 +173,12 @@ class Pass:
         """Keys each row reads in the SWA: the window before the pass and the pass's own."""
         return self.swa_read.slots.shape[1]
 
-    def _swa_read(self, a, slots) -> np.ndarray:
-        pos = np.arange(max(0, self.L0 - (a.window - 1)), self.L1)
-        pages = a.swa_table[slots[:, None], (pos // a.Ps) % a.ring]
-        return pages * a.Ps + pos % a.Ps
+    def _swa_read(self, a, slots, lo: int) -> tuple[np.ndarray, np.ndarray]:
+        """The SWA pages holding positions lo .. L1 - 1 of each row, and those positions' slots."""
+        first, last = lo // a.Ps, (self.L1 - 1) // a.Ps
+        pages = a.swa_table[slots[:, None], np.arange(first, last + 1) % a.ring]
+        pos = np.arange(lo, self.L1) - first * a.Ps
+        return pages, pages[:, pos // a.Ps] * a.Ps + pos % a.Ps
 
     @staticmethod
     def _rings(kv):
@@ -147,12 +191,37 @@ class Pass:
                     seen.append(key)
         return seen
 
-    def _ring_rows(self, pk, slots, ring: int, r: int):
+
+
+class Rings:
+    """The ring rows of a pass, kept between passes: they depend only on the bound rows, the
+    pass's length and the position modulo the ring (once a ring has filled), so a decode step
+    takes them from here instead of making and copying them again."""
+
+    def __init__(self) -> None:
+        self.key, self.made = None, {}
+
+    def get(self, slots: np.ndarray, L0: int, S: int, ring: int, r: int, staging: Staging) -> RingRows:
+        steady = L0 >= ring
+        if steady:
+            key = slots.tobytes()
+            if key != self.key:
+                self.key, self.made = key, {}
+            got = self.made.get((ring, r, S, L0 % ring))
+            if got is not None:
+                return got
+        pk = _Packer()
+        column = pk.add(slots[:, None])   # [B, 1]: indexing broadcasts it over each row's ring rows
+
         def rows(first: int, n: int):
-            pos = np.arange(first, first + n)
-            return pk.add(np.repeat(slots[:, None], n, 1)), pk.add(np.broadcast_to(pos % ring, (self.B, n)))
-        m = self.L0 % r
-        fw = self.L0 - m   # the first position of the next window
+            return column, pk.add(np.arange(first, first + n) % ring)
+        fw = L0 - L0 % r   # the first position of the next window
         overlap = rows(fw - OVERLAP, OVERLAP) if r == OVERLAP and fw >= OVERLAP else None
-        k = min(self.S, ring)
-        return rows(fw, m), overlap, rows(self.L1 - k, k), self.S - k
+        k = min(S, ring)
+        b, w = rows(fw, L0 % r), rows(L0 + S - k, k)
+        t = pk.device(staging)
+        got = RingRows(buffer=(t[b[0]], t[b[1]]), overlap=None if overlap is None else (t[overlap[0]], t[overlap[1]]),
+                       write=(t[w[0]], t[w[1]]), write_from=S - k)
+        if steady:
+            self.made[ring, r, S, L0 % ring] = got
+        return got
