@@ -41,5 +41,6 @@ class RequestStateError(KvatlasError):
     """An operation names an unknown request or one in the wrong state."""
 
 
-class IntegrityError(KvatlasError):
-    """An accounting invariant does not hold: a bug in kvatlas, reported with the numbers."""
+class IntegrityError(RuntimeError):
+    """An accounting invariant does not hold: a bug in kvatlas, reported with the numbers. Not a
+    KvatlasError: nothing the caller passed is wrong (the CLI reports it as a bug, exit status 1)."""

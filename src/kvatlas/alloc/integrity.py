@@ -91,7 +91,8 @@ def ledger_problems(a, ledger) -> list[str]:
     return out
 
 
-def check(a, ledger=None) -> None:
-    problems = allocator_problems(a) + (ledger_problems(a, ledger) if ledger is not None else [])
+def check(a, ledger=None, extra=()) -> None:
+    """extra: problems found by the layers above (the prefix cache's recount)."""
+    problems = allocator_problems(a) + (ledger_problems(a, ledger) if ledger is not None else []) + list(extra)
     if problems:
-        raise IntegrityError("allocator invariants broken: " + "; ".join(problems))
+        raise IntegrityError("cache invariants broken: " + "; ".join(problems))

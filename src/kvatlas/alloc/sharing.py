@@ -433,7 +433,8 @@ class Sharing:
         np.subtract.at(refs, p, 1)   # two requests resumed from one point may retire a page together
         left = refs[p]
         if not left[left.argmin()]:   # mostly not: a tail still pinned by its capture keeps a reference
-            zero = p[left == 0]
+            # once each: a page two windows retire together is listed twice in p
+            zero = np.unique(p[left == 0])
             orphans = zero[self.swa_orphan[zero]]
             self._drop_cached_swa(orphans)
             if self.ledger is not None:

@@ -226,7 +226,11 @@ class KVCache:
         return self.arena.backend.trim()
 
     def check_integrity(self):
-        check_allocator(self.allocator, self.ledger)
+        """Every book against a recount: the allocator's arrays and free lists, the ledger's
+        counters, the prefix cache's tree, references and evictable units; then the ledger's
+        measures. Raises IntegrityError (a bug in kvatlas, never bad input) naming each problem."""
+        extra = self.prefix.problems() if self.prefix is not None else []
+        check_allocator(self.allocator, self.ledger, extra)
         return self.ledger.check_integrity()
 
     def close(self) -> None:

@@ -57,6 +57,8 @@ def add_workload_args(p) -> None:
                    "simulator charges each move its modeled time (H200 bandwidth). Needs --prefix-checkpoints")
     g.add_argument("--host-checkpoint-share", type=number(0.0, 1.0), default=None,
                    help="share of the host tier's bytes for resume points, in [0, 1) (default 1/3)")
+    p.add_argument("--check-integrity", action="store_true", help="debug: recount every book (allocator, ledger, "
+                   "prefix cache, host tier) after every forward pass; a broken one stops the run as a bug (exit 1)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
     p.add_argument("--backend", default="plain", help="arena backend: plain (default), vmm (CUDA), or none: "
                    "allocator and ledger only, no pool tensors (any plan size; no KV writes)")
@@ -138,7 +140,8 @@ def build(args, plan_from_args, *, lock=None, record=True):
     host = attach_host(cache, host_bytes, args) if host_bytes is not None else None
     writer = KVWriter(cache, layers=layers, seed=args.seed) if layers != 0 else None
     sim = Simulator(cache, requests, accept_rate=args.accept_rate, seed=args.seed, writer=writer, lock=lock,
-                    record=record, time_model=tm, sample_s=sample_s(args, requests), host=host)
+                    record=record, time_model=tm, sample_s=sample_s(args, requests), host=host,
+                    check_integrity=args.check_integrity)
     return cache, sim, writer
 
 

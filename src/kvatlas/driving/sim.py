@@ -112,8 +112,10 @@ def _split_sessions(requests) -> tuple[list, dict]:
 class Simulator:
     def __init__(self, cache, requests, *, accept_rate: float = 0.7, seed: int = 0, writer=None, lock=None,
                  step_s: float = 0.02, record: bool = True, time_model: TimeModel | None = None,
-                 sample_s: float = 0.0, host=None) -> None:
+                 sample_s: float = 0.0, host=None, check_integrity: bool = False) -> None:
         self.cache = cache
+        # debug mode: every book recounted after every pass (cache, prefix cache, host tier)
+        self.check_integrity = check_integrity
         # the host tier under the prefix cache (a tiers.HostLink), and its copy stream's clock:
         # moves run one after another on it, each for its modeled seconds (tiers.modeled)
         self.host = host
@@ -178,9 +180,25 @@ class Simulator:
                                                                                       blocked - now_s)
             if self.host is not None:
                 self.host_clock.charge_offloads(self.host, now_s)
+            if self.check_integrity:
+                self._check(now_s)
             occupied = self.cache.ledger.occupied_bytes()
             snap = self.cache.ledger.snapshot() if self._sampling(now_s) else None
         self._observe(now_s, occupied, snap)
+
+    def _check(self, now_s: float) -> None:
+        """Recount every book; an IntegrityError names the pass it broke in."""
+        from ..errors import IntegrityError
+        try:
+            self.cache.check_integrity()
+            if self.host is not None:
+                self.host.tier.check_integrity()
+            pc = self.cache.prefix
+            if pc is not None and pc.stats.queried_tokens != pc.stats.hit_tokens + sum(pc.stats.missed().values()):
+                raise IntegrityError(f"prefix stats: {pc.stats.queried_tokens} queried tokens != "
+                                     f"{pc.stats.hit_tokens} hit + {sum(pc.stats.missed().values())} missed")
+        except IntegrityError as exc:
+            raise IntegrityError(f"after pass {self.stats.steps} (t = {now_s:.3f} s): {exc}") from exc
 
     def _restoring_until(self, now_s: float) -> float | None:
         """When nothing running can take a pass before its restores land: the first landing."""

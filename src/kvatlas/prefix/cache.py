@@ -366,6 +366,11 @@ class PrefixCache:
                 by[b.group] += b.unit_payload_bytes
         return by[FULL_PAGES], by[CHECKPOINTS], by[SWA_PAGES]
 
+    def problems(self) -> list[str]:
+        """The tree, references and evictable units against a recount (kvatlas.prefix.integrity)."""
+        from .integrity import prefix_problems
+        return prefix_problems(self)
+
     def summary(self) -> dict:
         t = self.tree
         return {"policy": self.policy.name, "nodes": len(t.nodes), "cached_pages": len(t.nodes),

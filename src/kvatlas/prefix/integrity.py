@@ -1,0 +1,112 @@
+"""The prefix cache's books against a recount (called by KVCache.check_integrity).
+
+What is recounted from scratch, not read from the counters the hot paths move:
+- the tree: one node per cache-held full page, each page once; child counts, idle pages and
+  reference counts equal the running requests' reads (`full_refs`);
+- every cache-held SWA page has one owner story: the tail of a resume point on the tree, the tail
+  of a capture a running request still holds (its tentative point or a kept one, each a pin), or
+  an orphan that a running request still reads; and its reference count is exactly its readers
+  (windows that list it) plus its pins;
+- evictable units, per group, equal what evicting every evictable page and resume point would
+  free: cache-held full pages nobody reads, cache-held SWA pages nobody reads or pins (they are
+  tails of resume points on the tree: evicting those frees them), and every resume point on the
+  tree (a running request never reads a unit; it copied its rows at admission).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..alloc.sharing import CACHE_OWNER
+from ..planning.buffers import CHECKPOINTS, FULL_PAGES, SWA_PAGES
+
+
+def prefix_problems(pc) -> list[str]:
+    a = pc.alloc
+    out = _tree_problems(pc)
+    pins = _pinned_tails(pc)
+    if a.swa is not None:
+        out += _swa_problems(pc, pins)
+    if pc.ledger is not None:
+        out += _evictable_problems(pc)
+    return out
+
+
+def _tree_problems(pc) -> list[str]:
+    a, t, out = pc.alloc, pc.tree, []
+    nodes = list(t.nodes.values())
+    children: dict[int, int] = {}
+    for n in nodes:
+        if n.parent is not None:
+            if t.nodes.get(n.parent.key) is not n.parent:
+                out.append(f"prefix tree: node {n.key} hangs under a node no longer in the tree")
+            children[id(n.parent)] = children.get(id(n.parent), 0) + 1
+    if any(n.children != children.get(id(n), 0) for n in nodes):
+        out.append("prefix tree: a node's child count disagrees with its children")
+    if t.idle_pages != sum(1 for n in nodes if n.refs == 0):
+        out.append(f"prefix tree: {t.idle_pages} idle pages counted, {sum(1 for n in nodes if n.refs == 0)} found")
+    if t.checkpoints != sum(1 for n in nodes if n.checkpoint is not None):
+        out.append("prefix tree: resume point count disagrees with the nodes that hold one")
+    if a.full is not None:
+        pages = np.fromiter((n.page for n in nodes), np.int64, len(nodes))
+        held = np.flatnonzero(a.full.owner == CACHE_OWNER)
+        if len(np.unique(pages)) != len(pages) or not np.array_equal(np.sort(pages), held):
+            out.append(f"prefix tree: {len(pages)} nodes but {len(held)} cache-held full pages, or a page twice")
+        refs = np.fromiter((n.refs for n in nodes), np.int64, len(nodes))
+        if len(pages) and np.any(a.full_refs[pages] != refs):
+            out.append("prefix tree: a node's readers disagree with the allocator's full-page references")
+    if a.ckpt is not None:
+        units = [n.checkpoint.unit for n in nodes if n.checkpoint is not None]
+        if units and np.any(a.ckpt.owner[np.array(units, np.int64)] != CACHE_OWNER):
+            out.append("prefix tree: a resume point's unit is not held by the cache")
+    return out
+
+
+def _pinned_tails(pc) -> list[np.ndarray]:
+    """SWA tails of the captures running requests hold: tentative points and kept ones not yet on
+    the tree (each holds one pin on its pages)."""
+    tails = [pc._tent_pages[:, s] for s in np.flatnonzero(pc._tent_u)]
+    for req in pc.requests.values():
+        tails += [np.asarray(ck.swa_pages, np.int64) for ck in req.kept if ck.node is None and ck.unit > 0]
+    return tails
+
+
+def _swa_problems(pc, pins) -> list[str]:
+    a, out = pc.alloc, []
+    n = len(a.swa.owner)
+    held = a.swa.owner == CACHE_OWNER
+    want = np.zeros(n, np.int64)
+    for s in a.slot_of.values():   # readers: windows listing a cache-held page
+        w = a.window_swa_pages(s)
+        np.add.at(want, w[held[w]], 1)
+    story = np.zeros(n, np.int64)
+    for tail in pins:
+        np.add.at(want, tail, 1)
+        np.add.at(story, tail, 1)
+    for node in pc.tree.nodes.values():
+        if node.checkpoint is not None:
+            np.add.at(story, np.asarray(node.checkpoint.swa_pages, np.int64), 1)
+    orphan = a.swa_orphan[:n]
+    if np.any(want[held] != a.swa_refs[:n][held]):
+        bad = np.flatnonzero(held & (want != a.swa_refs[:n]))[:4]
+        out.append(f"swa_pages: cache-held pages {bad.tolist()} have references {a.swa_refs[bad].tolist()}, "
+                   f"their readers and pins are {want[bad].tolist()}")
+    if np.any(a.swa_refs[:n][~held] != 0):
+        out.append("swa_pages: a page no cache holds has references")
+    if np.any(held & (story == 0) & ~orphan) or np.any(orphan & (story > 0)):
+        out.append("swa_pages: a cache-held page is neither a resume point's tail, a pinned capture's, nor an orphan")
+    if np.any(orphan & ((a.swa_refs[:n] == 0) | ~held)):
+        out.append("swa_pages: an orphan page nobody reads was not freed")
+    return out
+
+
+def _evictable_problems(pc) -> list[str]:
+    a, led = pc.alloc, pc.ledger.units_evictable
+    want = {CHECKPOINTS: pc.tree.checkpoints}
+    if a.full is not None:
+        want[FULL_PAGES] = int(np.count_nonzero((a.full.owner == CACHE_OWNER) & (a.full_refs[: len(a.full.owner)] == 0)))
+    if a.swa is not None:
+        n = len(a.swa.owner)
+        want[SWA_PAGES] = int(np.count_nonzero((a.swa.owner == CACHE_OWNER) & (a.swa_refs[:n] == 0)))
+    return [f"ledger evictable {g}: {led.get(g, 0)} units counted, {v} recounted" for g, v in want.items()
+            if led.get(g, 0) != v]
