@@ -57,15 +57,8 @@ def flash_model(layers, experts: int, device="cuda", vocab: int = 129280):
         for name, b in m.named_buffers():
             if name.endswith("tid2eid"):
                 b.copy_(torch.randint(0, experts, b.shape, generator=g, device=device))
-    m = m.to(torch.bfloat16)
-    keep = tuple(m._keep_in_fp32_modules_strict)
-    for name, mod in m.named_modules():
-        if name.split(".")[-1] in keep:
-            mod.float()
-    for name, p in list(m.named_parameters()) + list(m.named_buffers()):
-        if name.split(".")[-1] in keep and p.is_floating_point():
-            p.data = p.data.float()
-    return m.eval()
+    from kvatlas.integrations.transformers import as_checkpoint_loads
+    return as_checkpoint_loads(m, torch.bfloat16).eval()
 
 
 def drive(cache, model, tokens: int, device="cuda") -> None:

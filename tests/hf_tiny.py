@@ -20,6 +20,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 from transformers import DeepseekV4Config, DeepseekV4ForCausalLM  # noqa: E402
 
+from kvatlas.integrations.transformers import as_checkpoint_loads  # noqa: E402
+
 VOCAB = 256
 LAYERS = ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
           "compressed_sparse_attention"]
@@ -52,16 +54,7 @@ def model(dtype=torch.float32, seed: int = 0, device="cpu", **over):
                 b.copy_(torch.randint(0, m.config.n_routed_experts, b.shape, generator=g))
             elif name.endswith("e_score_correction_bias"):
                 b.copy_(torch.randn(b.shape, generator=g) * 0.1)
-    m = m.to(dtype).eval()
-    if dtype == torch.bfloat16:
-        keep = tuple(m._keep_in_fp32_modules_strict)
-        for name, mod in m.named_modules():
-            if name.split(".")[-1] in keep:
-                mod.float()
-        for name, p in list(m.named_parameters()) + list(m.named_buffers()):
-            if name.split(".")[-1] in keep and p.is_floating_point():
-                p.data = p.data.float()
-    return m.to(device)
+    return as_checkpoint_loads(m, dtype).eval().to(device)
 
 
 def prompt(n: int, seed: int = 0) -> torch.Tensor:

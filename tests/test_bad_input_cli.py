@@ -38,7 +38,7 @@ DEPLOYMENT = {
     "--gpu": ["a100", ""],
     "--layout": [("fp16", "kv_layout"), ("", "kv_layout"), ("v4.1", "kv_layout")],
     "--indexer": [("fp2", "indexer"), ("", "indexer")],
-    "--state-dtype": [("fp64", "state_dtype"), ("", "state_dtype")],
+    "--state-dtype": [("fp16", "state_dtype"), ("", "state_dtype")],
     "--draft-layers": ["maybe", "1", ""],
 }
 WORKLOAD = {

@@ -9,6 +9,8 @@ Paged pools (buffers of `buffers.py`: uint8 [units, n_layers, page_bytes]):
   `layers` is a layer position (values [n, width]) or a range (values [len, n, width]);
   slot = page_id * entries_per_page + offset; `parallel` is unified fp8's "<pool>.rope" buffer.
   compressed_slots(block_table, req_slots, block_ids, entries) maps compressed blocks to slots.
+    entries_view(geom, buffer, layer)  a raw format's (bf16, fp32, fp64) entries as values
+    PagedTarget.store / .gather        one layer of a pool, checked once, no per-call checks
 
 Compressor state (state [slots, n_layers, ring, 2·coff·D], SPEC §4):
     clear_rows(state, req_slots, layers=...)                      a new request's rings

@@ -16,7 +16,7 @@ from __future__ import annotations
 from ...cache.kvcache import allocate
 from ...planning.planner import plan
 from .cache import KvatlasCache
-from .model import LAYOUTS, layout_options, model_spec
+from .model import LAYOUTS, as_checkpoint_loads, layout_options, model_spec
 
 
 def plan_for(model, memory, *, layout: str = "fp8", **options):
@@ -36,4 +36,5 @@ def kvatlas_cache_for(model, memory, *, layout: str = "fp8", device=None, valida
     return KvatlasCache(kv, model, validate=validate)
 
 
-__all__ = ["KvatlasCache", "LAYOUTS", "kvatlas_cache_for", "layout_options", "model_spec", "plan_for"]
+__all__ = ["KvatlasCache", "LAYOUTS", "as_checkpoint_loads", "kvatlas_cache_for", "layout_options", "model_spec",
+           "plan_for"]

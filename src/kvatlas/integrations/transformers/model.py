@@ -88,3 +88,22 @@ def compressors(model) -> dict[int, dict[str, torch.nn.Module]]:
         if getattr(comp, "indexer", None) is not None:
             out[i]["indexer"] = comp.indexer
     return out
+
+
+def as_checkpoint_loads(model, dtype=torch.bfloat16):
+    """`model` in `dtype`, but for what transformers keeps in float32 when it loads a released
+    checkpoint in that dtype (`_keep_in_fp32_modules_strict`: the position bias, the sinks, the
+    hyper-connections and norms). A model built from a config and cast whole computes its overlap
+    gate in bf16 instead, which no checkpoint does."""
+    model = model.to(dtype)
+    if dtype not in (torch.bfloat16, torch.float16):
+        return model
+    keep = tuple(getattr(model, "_keep_in_fp32_modules_strict", None) or ())
+    for name, mod in model.named_modules():
+        if name.split(".")[-1] in keep:
+            mod.float()
+    for name, p in list(model.named_parameters()) + list(model.named_buffers()):
+        if name.split(".")[-1] in keep and p.is_floating_point():
+            p.data = p.data.float()
+    return model
+

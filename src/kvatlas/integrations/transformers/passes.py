@@ -29,9 +29,10 @@ class Staging:
     the stream wait for all the work queued before it, and the model runs launch-bound, its host
     well ahead of the device: one such wait a pass lets the device run dry. From pinned memory the
     copy is queued like a kernel. Buffers are taken in turn, each reused once the event of its last
-    copy has passed (copies of passes long over, in practice: a pass makes one or two)."""
+    copy has passed (copies of passes long over, in practice: a pass makes one, up to five when
+    what is kept between passes is made again)."""
 
-    RING = 4
+    RING = 8
 
     def __init__(self, device) -> None:
         self.device = torch.device(device)
@@ -113,6 +114,19 @@ class RingRows:
     write_from: int          # the token offset (0..S-1) of the first of those
 
 
+class _Kept(dict):
+    """Index tensors kept on the device between passes, for the last few sets of bound rows (a
+    serving loop runs its requests in turn, one pass each)."""
+
+    MOST = 64
+
+    def keep(self, key, value):
+        if len(self) >= self.MOST:
+            del self[next(iter(self))]
+        self[key] = value
+        return value
+
+
 class EntrySlots:
     """The slots of every compressed entry of the bound rows' held pages, on the device, kept
     between passes: a request's pages only grow (a page every 256 tokens), so most passes read a
@@ -120,21 +134,20 @@ class EntrySlots:
     context has 65,536 C4 entries). Made again when pages are added or requests come or go."""
 
     def __init__(self) -> None:
-        self.key, self.held = None, {}
+        self.kept = _Kept()
 
     def read(self, kv, slots: np.ndarray, r: int, count: int, staging: Staging) -> Span:
         a = kv.allocator
-        key = (a.epoch, slots.tobytes(), a.full_held[slots].tobytes())
-        if key != self.key:
-            self.key, self.held = key, {}
+        key, valid = (slots.tobytes(), r), (a.epoch, a.full_held[slots].tobytes())
         per = a.P // r
-        if r not in self.held:
+        got = self.kept.get(key)
+        if got is None or got[0] != valid:
             pages = a.full_table[slots, : int(a.full_held[slots].max(initial=0))]
             pk = _Packer()
             ids = pk.add(pages), pk.add((pages[:, :, None] * per + np.arange(per)).reshape(len(slots), -1))
             t = pk.device(staging)
-            self.held[r] = (t[ids[0]], t[ids[1]])
-        pages, table = self.held[r]
+            got = self.kept.keep(key, (valid, t[ids[0]], t[ids[1]]))
+        _, pages, table = got
         return Span(table[:, :count], pages[:, : -(-count // per)], 0, count)
 
 
@@ -192,24 +205,19 @@ class Pass:
         return seen
 
 
-
 class Rings:
     """The ring rows of a pass, kept between passes: they depend only on the bound rows, the
     pass's length and the position modulo the ring (once a ring has filled), so a decode step
     takes them from here instead of making and copying them again."""
 
     def __init__(self) -> None:
-        self.key, self.made = None, {}
+        self.kept = _Kept()
 
     def get(self, slots: np.ndarray, L0: int, S: int, ring: int, r: int, staging: Staging) -> RingRows:
         steady = L0 >= ring
-        if steady:
-            key = slots.tobytes()
-            if key != self.key:
-                self.key, self.made = key, {}
-            got = self.made.get((ring, r, S, L0 % ring))
-            if got is not None:
-                return got
+        key = (slots.tobytes(), ring, r, S, L0 % ring)
+        if steady and key in self.kept:
+            return self.kept[key]
         pk = _Packer()
         column = pk.add(slots[:, None])   # [B, 1]: indexing broadcasts it over each row's ring rows
 
@@ -222,6 +230,4 @@ class Rings:
         t = pk.device(staging)
         got = RingRows(buffer=(t[b[0]], t[b[1]]), overlap=None if overlap is None else (t[overlap[0]], t[overlap[1]]),
                        write=(t[w[0]], t[w[1]]), write_from=S - k)
-        if steady:
-            self.made[ring, r, S, L0 % ring] = got
-        return got
+        return self.kept.keep(key, got) if steady else got
