@@ -40,7 +40,7 @@ DEPLOYMENT = {
     "--gpu": ["a100", ""],
     "--layout": ["fp16", "", "v4.1"],
     "--indexer": ["fp2", ""],
-    "--state-dtype": ["fp64", ""],
+    "--state-dtype": ["fp16", ""],
     "--draft-layers": ["maybe", "1", ""],
 }
 WORKLOAD = {

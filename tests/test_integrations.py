@@ -25,6 +25,19 @@ def test_only_an_engines_own_modules_import_it(engine):
     assert offenders == []
 
 
+def test_nothing_below_integrations_imports_transformers():
+    """transformers is an optional extra: only kvatlas.integrations.transformers imports it (and
+    `import kvatlas` never does)."""
+    pattern = re.compile(r"^\s*(import transformers|from transformers)", re.M)
+    offenders = [str(p.relative_to(SRC)) for p in SRC.rglob("*.py")
+                 if "transformers" not in p.relative_to(SRC).parts[:2] if pattern.search(p.read_text())]
+    assert offenders == []
+    import subprocess
+    import sys
+    code = "import kvatlas, kvatlas.datapath, kvatlas.prefix, kvatlas.tiers, sys; assert 'transformers' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
 @pytest.mark.parametrize("version", [None, "0.5.24"])
 def test_register_refuses_other_versions_with_one_line(monkeypatch, caplog, version):
     monkeypatch.setattr(ks, "sglang_version", lambda: version)

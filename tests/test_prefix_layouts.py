@@ -32,7 +32,8 @@ def roundtrip(c, prompt=900, out=20):
 
 @pytest.mark.parametrize("layout", V4)
 def test_every_v4_layout(layout):
-    p = kvatlas.plan("tiny-v4", "64MiB", max_model_len=2048, max_running_requests=2, prefix_checkpoints=4,
+    memory = "128MiB" if layout == "fp64" else "64MiB"   # fp64 rows: 4,096 B an entry
+    p = kvatlas.plan("tiny-v4", memory, max_model_len=2048, max_running_requests=2, prefix_checkpoints=4,
                      kv_layout=layout, chunked_prefill_tokens=1024)
     assert roundtrip(kvatlas.allocate(p)) == [0, 768]
 

@@ -87,6 +87,12 @@ class Allocator(Release, Sharing):
         self._grouped = 0
         self._init_sharing(plan, free_list)
 
+    @property
+    def epoch(self) -> int:
+        """Bumped by every admission and finish: what was resolved for a set of slots in an earlier
+        epoch may name another request's slot now."""
+        return self._epoch
+
     # ---------------------------------------------------------------- admission
     def _validate_lengths(self, prompt_tokens, max_new_tokens) -> int:
         total = whole("prompt_tokens", prompt_tokens, 1) + whole("max_new_tokens", max_new_tokens, 0)

@@ -44,7 +44,7 @@ def cuda_segment_bytes(nbytes: int) -> int:
     return round_up(size, _ROUND_LARGE)
 
 
-_TORCH_DTYPES = ("uint8", "int32", "float32", "bfloat16")
+_TORCH_DTYPES = ("uint8", "int32", "float32", "bfloat16", "float64")
 
 
 def torch_dtype(name: str):

@@ -134,6 +134,38 @@ class KVCache:
     def flush(self) -> None:
         self.allocator.flush()
 
+    def copy_contents(self, src_ids, dst_ids) -> None:
+        """Each request of dst_ids takes over what the request at the same place of src_ids holds
+        (beam search: a beam continues another's history), in every pool: its pages' entries, its
+        SWA pages, its rings. Requests of one length, none reading pages of the prefix cache; every
+        source is read before any destination is written, so the pairs may overlap."""
+        a = self.allocator
+        src, dst = ([a.slot_of[r] if r in a.slot_of else -1 for r in ids] for ids in (src_ids, dst_ids))
+        if -1 in src or -1 in dst or len(src) != len(dst):
+            raise RequestStateError("copy_contents: give two equally long lists of running request ids")
+        src, dst = np.asarray(src, np.int64), np.asarray(dst, np.int64)
+        both = np.concatenate((src, dst))
+        if len(set(a.length[both].tolist())) > 1 or (a.full is not None and a.full_shared[both].any()):
+            raise RequestStateError("copy_contents: requests of one length only, none resumed from the prefix cache")
+        if not self.arena.backend.holds_memory or not len(src):
+            return
+        units = {REQUEST_SLOTS: (src, dst)}
+        if a.full is not None:
+            n = int(a.full_held[src[0]])
+            units[FULL_PAGES] = (a.full_table[src, :n].ravel(), a.full_table[dst, :n].ravel())
+        if a.swa is not None:
+            cols = np.arange(a.swa_lo[src[0]], a.swa_hi[src[0]]) % a.ring
+            units[SWA_PAGES] = (a.swa_table[src][:, cols].ravel(), a.swa_table[dst][:, cols].ravel())
+        for b in self.plan.buffers:
+            if b.group in units and b.role != "table":
+                s_units, d_units = (self._device_index(u) for u in units[b.group])
+                t = self.arena.regions[b.name].tensor
+                t[d_units] = t[s_units]
+
+    def _device_index(self, ids):
+        import torch
+        return torch.as_tensor(ids, device=self.device)
+
     def _clear_state(self, slot: int) -> None:
         """A new request's rings start cleared: kv = 0, score = -inf (online C128: max = -inf).
         A bookkeeping cache (backend "none") holds no rows to clear."""

@@ -133,9 +133,9 @@ def add_deployment_args(p: argparse.ArgumentParser) -> None:
                    "without --memory: from the config's shapes and quantization, split over --tp/--pp); not with --memory")
     g = p.add_argument_group("cache layout")
     g.add_argument("--layout", dest="kv_layout", help="v4 (fp8_ds_mla, default), bf16, uniform-fp8, unified-bf16, "
-                   "unified-fp8; V4.1: v4.1 (default), v4.1-bf16")
-    g.add_argument("--indexer", help="indexer key format: fp8, fp4, bf16 (default: the layout's)")
-    g.add_argument("--state-dtype", default="fp32", help="compressor state dtype: fp32 (default) or bf16")
+                   "unified-fp8, fp32, fp64 (a float model's rows as it computes them); V4.1: v4.1 (default), v4.1-bf16")
+    g.add_argument("--indexer", help="indexer key format: fp8, fp4, bf16, fp32, fp64 (default: the layout's)")
+    g.add_argument("--state-dtype", default="fp32", help="compressor state dtype: fp32, bf16 or fp64")
     g.add_argument("--online-c128", action="store_true", help="keep C128 state as running max/sum/kv")
     g.add_argument("--page-tokens", type=count(1), default=256, help="full-token page size, a multiple of 128 "
                    "(default 256)")

@@ -9,6 +9,8 @@ Paged pools (buffers of `buffers.py`: uint8 [units, n_layers, page_bytes]):
   `layers` is a layer position (values [n, width]) or a range (values [len, n, width]);
   slot = page_id * entries_per_page + offset; `parallel` is unified fp8's "<pool>.rope" buffer.
   compressed_slots(block_table, req_slots, block_ids, entries) maps compressed blocks to slots.
+    entries_view(geom, buffer, layer)  a raw format's (bf16, fp32, fp64) entries as values
+    PagedTarget.store / .gather        one layer of a pool, checked once, no per-call checks
 
 Compressor state (state [slots, n_layers, ring, 2·coff·D], SPEC §4):
     clear_rows(state, req_slots, layers=...)                      a new request's rings
@@ -33,7 +35,7 @@ from .compressor import Blocks, CompressorSpec, clear_rows, compress_batch, comp
 from .errors import DataPathError, NonFiniteError, OutOfRangeError, RingOverrunError, SlotError
 from .geometry import PageGeometry, compressed_slots, entries_for_page_bytes
 from .online import online_compress_batch
-from .paged import gather, store
+from .paged import entries_view, gather, store
 from .step import LayerTargets, PagedTarget, RingTarget, StepIndices
 from .write import write_layer
 
@@ -41,6 +43,6 @@ __all__ = [
     "CODECS", "Codec", "codec_for", "Blocks", "CompressorSpec", "clear_rows", "compress_batch",
     "compress_sequence", "rollback", "online_compress_batch", "DataPathError", "NonFiniteError",
     "OutOfRangeError", "RingOverrunError", "SlotError", "PageGeometry", "compressed_slots",
-    "entries_for_page_bytes", "gather", "store", "LayerTargets", "PagedTarget", "RingTarget", "StepIndices",
+    "entries_for_page_bytes", "entries_view", "gather", "store", "LayerTargets", "PagedTarget", "RingTarget", "StepIndices",
     "write_layer",
 ]

@@ -20,8 +20,10 @@ Scale conventions (all documented choices):
   the same, since the stored scale is a full fp32).
 - indexer fp4 (68, MXFP4): per 32 a ue8m0 scale 2^ceil(log2(amax/6)), amax >= 6·2^-126 (official
   `fp4_act_quant`); e2m1 round half to even.
-Dequantized values are exactly representable in bf16 for every format, so gather adds no rounding.
-Values so large that rounding would carry them to 2^128 (|x| near bf16 max) are refused.
+- fp32 / fp64 (a float model's own rows, kvatlas.formats FP32_KV / FP64_KV and the indexer's): the
+  values' bits as they are; these codecs take and give their own dtype (`Codec.dtype`), not bf16.
+Dequantized values are exactly representable in bf16 for every other format, so gather adds no
+rounding. Values so large that rounding would carry them to 2^128 (|x| near bf16 max) are refused.
 """
 
 from __future__ import annotations
@@ -59,8 +61,10 @@ class Codec:
     fmt: formats.RowFormat
     width: int
     encode: Callable[[torch.Tensor], Rows]      # bf16 [n, width] -> Rows
-    decode: Callable[[Rows], torch.Tensor]      # Rows -> bf16 [n, width]
+    decode: Callable[[Rows], torch.Tensor]      # Rows -> dtype [n, width]
     max_abs: float = float("inf")               # largest |x| stored without clamping
+    dtype: torch.dtype = torch.bfloat16         # what encode takes (values are cast to it) and decode gives
+    raw: bool = False                           # an entry's data bytes are its values in dtype, nothing else
 
 
 def _empty(n: int, like: torch.Tensor) -> torch.Tensor:
@@ -179,6 +183,13 @@ def _bf16_decode(r: Rows):
     return _from_bf16_bytes(r.data)
 
 
+def _raw_codec(fmt: formats.RowFormat, width: int, dtype: torch.dtype) -> Codec:
+    """A float row stored bit for bit in its own dtype (no quantization, no scale)."""
+    enc = lambda x: Rows(x.to(dtype).contiguous().view(torch.uint8), _empty(x.shape[0], x), _empty(x.shape[0], x))
+    dec = lambda r: r.data.contiguous().view(dtype)
+    return Codec(fmt, width, enc, dec, dtype=dtype, raw=True)
+
+
 def uniform_fp8_codec(scale: float = 1.0) -> Codec:
     """Uniform fp8 with a fixed per-pool scale: x = e4m3 · scale."""
     enc = lambda x: Rows(nm.to_e4m3_bytes(x.float() / scale), _empty(x.shape[0], x), _empty(x.shape[0], x))
@@ -189,7 +200,7 @@ def uniform_fp8_codec(scale: float = 1.0) -> Codec:
 _IDX = formats.INDEXER_FORMATS
 CODECS: dict[str, Codec] = {c.fmt.name: c for c in (
     Codec(formats.FP8_DS_MLA, KV_WIDTH, _ds_mla_encode, _ds_mla_decode, POW2_FP8_MAX_ABS),
-    Codec(formats.BF16_KV, KV_WIDTH, _bf16_encode, _bf16_decode),
+    Codec(formats.BF16_KV, KV_WIDTH, _bf16_encode, _bf16_decode, raw=True),
     uniform_fp8_codec(1.0),
     Codec(formats.UNIFIED_FP8_KV, KV_WIDTH, _unified_encode, _unified_decode, POW2_FP8_MAX_ABS),
     Codec(formats.V41_SWA_KV, KV_WIDTH, _v41_fp8_encode, _v41_fp8_decode, POW2_FP8_MAX_ABS),
@@ -197,7 +208,11 @@ CODECS: dict[str, Codec] = {c.fmt.name: c for c in (
           max_abs=nm.E2M1_MAX * nm.E4M3_MAX),
     Codec(_IDX["fp8"], INDEX_WIDTH, _index_fp8_encode, _index_fp8_decode, POW2_FP8_MAX_ABS),
     Codec(_IDX["fp4"], INDEX_WIDTH, _mxfp4_encode, _mxfp4_decode, MXFP4_MAX_ABS),
-    Codec(_IDX["bf16"], INDEX_WIDTH, _bf16_encode, _bf16_decode),
+    Codec(_IDX["bf16"], INDEX_WIDTH, _bf16_encode, _bf16_decode, raw=True),
+    _raw_codec(formats.FP32_KV, KV_WIDTH, torch.float32),
+    _raw_codec(formats.FP64_KV, KV_WIDTH, torch.float64),
+    _raw_codec(_IDX["fp32"], INDEX_WIDTH, torch.float32),
+    _raw_codec(_IDX["fp64"], INDEX_WIDTH, torch.float64),
 )}
 
 

@@ -1,4 +1,5 @@
-"""store / gather: quantize rows into a paged pool buffer and read them back as bf16.
+"""store / gather: quantize rows into a paged pool buffer and read them back as bf16 (the float
+formats fp32 / fp64 keep and give their own dtype, bit for bit).
 
 Buffers are the unit-major tensors of `buffers.py`: uint8 [units, n_layers, page_bytes], and for
 formats with parallel rows a second uint8 [units, n_layers, P * parallel_bytes]. `layers` is one
@@ -67,40 +68,53 @@ def _shape_check(codec: Codec, values, slots, n_layers: int, multi: bool) -> Non
         raise DataPathError("values", f"shape {tuple(values.shape)} with slots {tuple(slots.shape)}",
                             f"pass 1-D slots and values of shape {want}")
     if not values.is_floating_point():
-        raise DataPathError("values", f"dtype {values.dtype}", "pass bf16 (or fp32, rounded to bf16 first)")
+        raise DataPathError("values", f"dtype {values.dtype}",
+                            f"pass {codec.dtype} (or any float dtype, rounded to {codec.dtype} first)")
 
 
-def _cols(starts, width: int):
-    return starts[:, None] + torch.arange(width, device=starts.device)
+_WIDE = ((8, torch.int64), (4, torch.int32), (2, torch.int16))
 
 
-def _put(view, pages, starts, rows) -> None:
-    if rows.shape[1]:
-        view[pages[:, None], _cols(starts, rows.shape[1])] = rows
+def _region(view, start: int, entries: int, width: int):
+    """Entries [units, entries, width] of a region of one layer's pages ([units, page_bytes]): each
+    entry's bytes are contiguous in its region, so a row is one index, not `width` byte indices;
+    and they are moved as the widest integers their width and alignment allow (a copy of 8-byte
+    words, not of single bytes). Returns (entries, the integer dtype or None for bytes)."""
+    r = view[:, start:start + entries * width]
+    for k, dt in _WIDE:
+        if width % k == 0 and r.storage_offset() % k == 0 and r.stride(0) % k == 0:
+            return r.view(dt).unflatten(-1, (entries, width // k)), dt
+    return r.unflatten(-1, (entries, width)), None
 
 
-def _take(view, pages, starts, width: int):
-    return view[pages[:, None], _cols(starts, width)]
+def _put(view, start: int, entries: int, pages, offs, rows) -> None:
+    region, dt = _region(view, start, entries, rows.shape[1])
+    region[pages, offs] = rows.contiguous().view(dt) if dt is not None else rows
+
+
+def _take(view, start: int, entries: int, pages, offs, width: int):
+    region, dt = _region(view, start, entries, width)
+    got = region[pages, offs]
+    return got.view(torch.uint8) if dt is not None else got
 
 
 def _store_torch(codec, geom, buffer, layer: int, slots, values, parallel) -> None:
-    rows = codec.encode(values.to(torch.bfloat16))
+    rows = codec.encode(values.to(codec.dtype))
     pages, offs = geom.split(slots.long())
-    fmt = geom.fmt
-    view = buffer[:, layer]
-    _put(view, pages, offs * fmt.data_bytes, rows.data)
-    _put(view, pages, geom.scale_region + offs * fmt.scale_bytes, rows.scale)
+    fmt, view, P = geom.fmt, buffer[:, layer], geom.entries
+    _put(view, 0, P, pages, offs, rows.data)
+    if fmt.scale_bytes:
+        _put(view, geom.scale_region, P, pages, offs, rows.scale)
     if fmt.parallel_bytes:
-        _put(parallel[:, layer], pages, offs * fmt.parallel_bytes, rows.parallel)
+        _put(parallel[:, layer], 0, P, pages, offs, rows.parallel)
 
 
 def _gather_torch(codec, geom, buffer, layer: int, slots, parallel):
     pages, offs = geom.split(slots.long())
-    fmt, view = geom.fmt, buffer[:, layer]
-    data = _take(view, pages, offs * fmt.data_bytes, fmt.data_bytes)
-    scale = _take(view, pages, geom.scale_region + offs * fmt.scale_bytes, fmt.scale_bytes)
-    par = (_take(parallel[:, layer], pages, offs * fmt.parallel_bytes, fmt.parallel_bytes)
-           if fmt.parallel_bytes else data[:, :0])
+    fmt, view, P = geom.fmt, buffer[:, layer], geom.entries
+    data = _take(view, 0, P, pages, offs, fmt.data_bytes)
+    scale = _take(view, geom.scale_region, P, pages, offs, fmt.scale_bytes) if fmt.scale_bytes else data[:, :0]
+    par = _take(parallel[:, layer], 0, P, pages, offs, fmt.parallel_bytes) if fmt.parallel_bytes else data[:, :0]
     return codec.decode(Rows(data, scale, par))
 
 
@@ -133,26 +147,51 @@ def store(geom: PageGeometry, buffer, layers, slots, values, *, parallel=None, c
     _shape_check(codec, values, slots, len(lr), multi)
     if validate:
         _check_store(codec, geom, buffer, slots, values, allow_null)
+    store_checked(codec, geom, buffer, lr, slots, values if multi else values[None], parallel, impl)
+
+
+def store_checked(codec: Codec, geom: PageGeometry, buffer, lr: range, slots, vals, parallel=None,
+                  impl: str = "auto") -> None:
+    """`store` past its checks (vals [len(lr), n, width]): for callers that checked the target once
+    (a PagedTarget) and write a pass's rows layer by layer."""
     if slots.numel() == 0:
         return
-    vals = values if multi else values[None]
     if use_triton(codec, buffer, impl, "store"):
         return kernels.store(codec, geom, buffer, lr, slots, vals)
     for i, layer in enumerate(lr):
         _store_torch(codec, geom, buffer, layer, slots, vals[i], parallel)
 
 
+def gather_checked(codec: Codec, geom: PageGeometry, buffer, lr: range, flat, parallel=None, impl: str = "auto"):
+    """`gather` past its checks: [len(lr), len(flat), width] from 1-D slots `flat`."""
+    if use_triton(codec, buffer, impl, "gather"):
+        return kernels.gather(codec, geom, buffer, lr, flat)
+    return torch.stack([_gather_torch(codec, geom, buffer, l, flat, parallel) for l in lr])
+
+
 def gather(geom: PageGeometry, buffer, layers, slots, *, parallel=None, codec: Codec | None = None,
            validate: bool = True, impl: str = "auto"):
-    """bf16 [*slots.shape, width] (or [len(layers), *slots.shape, width]) read from `slots`."""
+    """codec.dtype (bf16 but for the float formats) [*slots.shape, width] (or [len(layers),
+    *slots.shape, width]) read from `slots`."""
     codec = _setup(geom, buffer, parallel, codec, impl)
     lr = _layer_range(layers, buffer)
     if validate:
         _check_slots(geom, buffer, slots)
-    flat = slots.reshape(-1)
-    if use_triton(codec, buffer, impl, "gather"):
-        out = kernels.gather(codec, geom, buffer, lr, flat)
-    else:
-        out = torch.stack([_gather_torch(codec, geom, buffer, l, flat, parallel) for l in lr])
+    out = gather_checked(codec, geom, buffer, lr, slots.reshape(-1), parallel, impl)
     out = out.reshape(len(lr), *slots.shape, codec.width)
     return out if not isinstance(layers, int) else out[0]
+
+
+def entries_view(geom: PageGeometry, buffer, layer: int, *, codec: Codec | None = None):
+    """One layer's entries as values, [units, entries per page, width] in the codec's dtype, for
+    formats that store values as they are (bf16, fp32, fp64: `Codec.raw`); None for the others.
+    Indexing it with (page, offset) pairs is `gather` for those formats, assigning to it `store`
+    without the checks: a caller that writes a pass's rows layer by layer with slots it split once
+    pays one indexing operation a call instead of the checks and the split each time."""
+    codec = codec or codec_for(geom.fmt)
+    geom.check_buffer(buffer)
+    if not codec.raw:
+        return None
+    return buffer[:, layer, : geom.entries * geom.fmt.data_bytes].view(codec.dtype).unflatten(
+        -1, (geom.entries, codec.width))
+

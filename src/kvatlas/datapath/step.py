@@ -25,6 +25,7 @@ from .codecs import Codec, codec_for
 from .compressor import CompressorSpec
 from .errors import DataPathError, SlotError
 from .geometry import PageGeometry
+from .paged import gather_checked, store_checked
 
 REQ, POS, FIRST, LAST, SWA = range(5)
 _FIXED_ROWS = 5   # then per ratio: entry of each token, completing tokens; last row: their counts
@@ -135,6 +136,18 @@ class PagedTarget:
             raise SlotError("layer", f"{self.layer} outside 0..{self.buffer.shape[1] - 1}", "pass a layer position")
         if self.geom.fmt.parallel_bytes and self.parallel is None:
             raise SlotError("parallel", f"{self.geom.fmt.name} keeps rope rows apart", "pass the '<pool>.rope' buffer")
+
+    def store(self, slots: torch.Tensor, values: torch.Tensor) -> None:
+        """`paged.store` of rows [n, width] into this layer, without the per-call checks (this
+        target was checked when made; slots: int64 on the buffer's device, distinct)."""
+        store_checked(self.codec, self.geom, self.buffer, range(self.layer, self.layer + 1), slots, values[None],
+                      self.parallel)
+
+    def gather(self, slots: torch.Tensor) -> torch.Tensor:
+        """`paged.gather` of `slots` (any shape) from this layer, without the per-call checks."""
+        out = gather_checked(self.codec, self.geom, self.buffer, range(self.layer, self.layer + 1),
+                             slots.reshape(-1), self.parallel)
+        return out.view(*slots.shape, self.codec.width)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -126,6 +126,9 @@ def _check(model: ModelSpec, opts: ServeOptions, eng: dict) -> None:
         raise unsupported("indexer", ENGINE, f"has no {opts.indexer} indexer", "use fp8 (default) or fp4")
     if opts.online_c128:
         raise unsupported("online_c128", ENGINE, "its online C128 state is not modelled", "drop online_c128")
+    if opts.state_dtype not in ("fp32", "bf16"):
+        raise unsupported("state_dtype", ENGINE, f"keeps compressor state in fp32 or bf16, not {opts.state_dtype}",
+                          "use state_dtype='fp32' (default) or 'bf16'")
     if opts.page_tokens != 256:
         raise unsupported("page_tokens", ENGINE, "requires page 256 on CUDA", "use page_tokens=256")
     if opts.pp != 1 or opts.dp != 1:

@@ -287,7 +287,7 @@ def _check(model: ModelSpec, opts: ServeOptions, eng: dict) -> None:
                           "compare a deepseek-v4-flash or deepseek-v4-pro preset")
     if opts.state_dtype != "fp32":
         raise unsupported("state_dtype", ENGINE, "keeps compressor state in fp32 only (its state cache asserts it)",
-                          "drop state_dtype='bf16', or leave vllm out of the lineup (kvatlas,sglang)")
+                          f"drop state_dtype={opts.state_dtype!r}, or leave vllm out of the lineup (kvatlas,sglang)")
     if opts.online_c128:
         raise unsupported("online_c128", ENGINE, "has no online C128 state", "drop online_c128")
     if opts.kv_layout != "v4":

@@ -35,7 +35,7 @@ class BufferSpec:
     role: str               # kv / indexer / state / window / workspace / table
     layer_kind: str         # swa / c4 / c128 / r2 / r1 / all
     layers: tuple[int, ...]
-    dtype: str              # uint8 / float32 / bfloat16 / int32
+    dtype: str              # uint8 / float32 / bfloat16 / float64 / int32
     inner_shape: tuple[int, ...]  # per unit, in dtype elements, layer dimension first where layered
     unit_bytes: int         # bytes of one unit (all layers)
     unit_payload_bytes: int  # of those, bytes that can hold data (no page or row pad)
@@ -91,8 +91,8 @@ class BufferSpec:
         }
 
 
-_ITEMSIZE = {"uint8": 1, "int32": 4, "float32": 4, "bfloat16": 2}
-_STATE_DTYPE = {"fp32": "float32", "bf16": "bfloat16"}
+_ITEMSIZE = {"uint8": 1, "int32": 4, "float32": 4, "bfloat16": 2, "float64": 8}
+_STATE_DTYPE = {"fp32": "float32", "bf16": "bfloat16", "fp64": "float64"}
 
 
 def itemsize(dtype: str) -> int:

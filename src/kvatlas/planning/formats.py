@@ -55,6 +55,9 @@ class RowFormat:
 FP8_DS_MLA = RowFormat(name="fp8_ds_mla", data_bytes=448 + 128, scale_bytes=8, pad_bytes=1,
                        page_align=FP8_DS_MLA_PAGE_ALIGN)
 BF16_KV = RowFormat(name="bf16", data_bytes=1024)
+# the model's own float rows, bit for bit: what a float32 / float64 model computes, stored as it is
+FP32_KV = RowFormat(name="fp32", data_bytes=2048)
+FP64_KV = RowFormat(name="fp64", data_bytes=4096)
 UNIFORM_FP8_KV = RowFormat(name="uniform_fp8", data_bytes=512)
 # nope row: 448 fp8 + 7 exponent bytes + 57 pad in a 512-B row; rope 64 bf16 in a parallel buffer
 UNIFIED_FP8_KV = RowFormat(name="unified_fp8", data_bytes=512, pad_bytes=512 - 448 - 7, parallel_bytes=128)
@@ -66,9 +69,11 @@ INDEXER_FORMATS = {
     "fp8": RowFormat(name="indexer_fp8", data_bytes=128, scale_bytes=4),   # fp32 scale per 128
     "fp4": RowFormat(name="indexer_fp4", data_bytes=64, scale_bytes=4),    # ue8m0 per 32
     "bf16": RowFormat(name="indexer_bf16", data_bytes=256),
+    "fp32": RowFormat(name="indexer_fp32", data_bytes=512),
+    "fp64": RowFormat(name="indexer_fp64", data_bytes=1024),
 }
 
-STATE_DTYPES = {"fp32": 4, "bf16": 2}
+STATE_DTYPES = {"fp32": 4, "bf16": 2, "fp64": 8}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -87,6 +92,8 @@ LAYOUTS = {
     "v4": KVLayout(name="v4", swa=FP8_DS_MLA, compressed=FP8_DS_MLA),
     "bf16": KVLayout(name="bf16", swa=BF16_KV, compressed=BF16_KV),
     "uniform-fp8": KVLayout(name="uniform-fp8", swa=UNIFORM_FP8_KV, compressed=UNIFORM_FP8_KV),
+    "fp32": KVLayout(name="fp32", swa=FP32_KV, compressed=FP32_KV, default_indexer="fp32"),
+    "fp64": KVLayout(name="fp64", swa=FP64_KV, compressed=FP64_KV, default_indexer="fp64"),
     "unified-bf16": KVLayout(name="unified-bf16", swa=BF16_KV, compressed=BF16_KV),
     "unified-fp8": KVLayout(name="unified-fp8", swa=UNIFIED_FP8_KV, compressed=UNIFIED_FP8_KV),
     "v4.1": KVLayout(name="v4.1", swa=V41_SWA_KV, compressed=V41_COMPRESSED_KV, family="v4.1",
@@ -131,7 +138,7 @@ def indexer_format(name: str) -> RowFormat:
 
 def state_itemsize(dtype: str) -> int:
     if dtype not in STATE_DTYPES:
-        raise ConfigError("state_dtype", f"{dtype!r} is not supported", "use fp32 or bf16")
+        raise ConfigError("state_dtype", f"{dtype!r} is not supported", "use fp32, bf16 or fp64")
     return STATE_DTYPES[dtype]
 
 

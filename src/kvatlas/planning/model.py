@@ -125,6 +125,30 @@ def _short(value) -> str:
     return r if len(r) <= 80 else r[:60] + f"… ({len(r):,} characters)"
 
 
+# transformers' DeepseekV4Config names each layer's attention instead of its ratio
+_TRANSFORMERS_LAYER_TYPES = {"sliding_attention": None, "compressed_sparse_attention": 4,
+                             "heavily_compressed_attention": 128}
+
+
+def _from_layer_types(cfg: dict, where: str) -> dict:
+    """A transformers DeepseekV4Config (layer_types, compress_rates, partial_rotary_factor) as the
+    released config.json spells it: compress_ratios (draft layers appended as 0) and qk_rope_head_dim."""
+    types, rates = cfg["layer_types"], cfg.get("compress_rates") or {}
+    if not isinstance(types, list) or not isinstance(rates, dict):
+        raise ConfigError(f"{where}.layer_types", f"{types!r} is not a list of layer types", "fix the config")
+    ratios = []
+    for t in types:
+        if t not in _TRANSFORMERS_LAYER_TYPES:
+            raise ConfigError(f"{where}.layer_types", f"has {t!r}", f"use only {', '.join(_TRANSFORMERS_LAYER_TYPES)}")
+        default = _TRANSFORMERS_LAYER_TYPES[t]
+        ratios.append(0 if default is None else rates.get(t, default))
+    out = {**cfg, "compress_ratios": ratios + [0] * _need(cfg, "num_nextn_predict_layers", where, 0, 0)}
+    factor, head = cfg.get("partial_rotary_factor"), cfg.get("head_dim")
+    if "qk_rope_head_dim" not in out and isinstance(factor, (int, float)) and isinstance(head, int):
+        out["qk_rope_head_dim"] = int(head * factor)
+    return out
+
+
 def model_from_config(cfg: dict, name: str = "custom") -> ModelSpec:
     """Build a ModelSpec from a parsed HF config (V4.1 nests the text model under text_config)."""
     if not isinstance(cfg, dict):
@@ -132,9 +156,11 @@ def model_from_config(cfg: dict, name: str = "custom") -> ModelSpec:
     where = "config"
     if isinstance(cfg.get("text_config"), dict):
         cfg, where = cfg["text_config"], "config.text_config"
+    if "compress_ratios" not in cfg and "layer_types" in cfg:
+        cfg = _from_layer_types(cfg, where)
     if "compress_ratios" not in cfg:
         raise ConfigError(f"{where}.compress_ratios", "is missing",
-                          "this is not a DeepSeek-V4 family config (it needs compress_ratios)")
+                          "this is not a DeepSeek-V4 family config (it needs compress_ratios or layer_types)")
     ratios = _ints(cfg, "compress_ratios", where)
     layers = _need(cfg, "num_hidden_layers", where, 1)
     v41 = any(r in (1, 2) for r in ratios) or "kv_source_layer_ids" in cfg
@@ -185,7 +211,14 @@ def preset_names() -> list[str]:
 
 
 def load_model(name_or_path) -> ModelSpec:
-    """A preset name, a config.json file, or a model directory holding one."""
+    """A preset name, a config.json file, a model directory holding one, a parsed config (dict) or
+    a config object with to_dict() (a transformers DeepseekV4Config: `load_model(model.config)`)."""
+    if isinstance(name_or_path, dict):
+        return model_from_config(name_or_path)
+    if callable(getattr(name_or_path, "to_dict", None)) and not isinstance(name_or_path, (str, os.PathLike)):
+        cfg = name_or_path.to_dict()
+        return model_from_config(cfg, name=str(getattr(name_or_path, "_name_or_path", "") or cfg.get("model_type")
+                                               or "custom"))
     if not isinstance(name_or_path, (str, os.PathLike)):
         raise ConfigError("model", f"{name_or_path!r} is not a name or a path",
                           f"use one of {', '.join(preset_names())}, a config.json or a model directory")

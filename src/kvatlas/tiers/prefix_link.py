@@ -102,7 +102,9 @@ class HostLink:
     # ---------------------------------------------------------------- admission: back from host
     def prefetch(self, prompt_tokens: int, *, token_ids=None, page_keys=None):
         """Bring back the host pages (and the checkpoint) that extend this prompt's device match
-        to a deeper resume point. Returns a Ready (wait() before the first forward) or None."""
+        to a deeper resume point. Returns a Ready (wait() before the first forward) or None:
+        nothing to bring back, or no room on the device for it now (every page held by running
+        requests: try again at the next admission)."""
         self.prefix.alloc._validate_lengths(prompt_tokens, 0)
         keys = self.prefix._keys(prompt_tokens, token_ids, page_keys)
         cap = min(len(keys), (prompt_tokens - 1) // self.P)
@@ -138,38 +140,56 @@ class HostLink:
 
     def _bring_back(self, keys, device: int, j: int):
         """Claim the host entries first (so evictions the restore causes cannot drop them), then
-        make room on the device, then copy."""
+        make room on the device, then copy. A device with no room to give (every page and unit
+        held by running requests) brings back nothing now: None, the host entries kept for a
+        later prefetch (the admission then waits or computes the prefix itself); pages brought
+        back whose resume point finds no room stay cached, and the Ready covers their copies."""
         ks = [int(k) for k in keys[device:j]]
         key = int(keys[j - 1])
         node = self.prefix.tree.nodes.get(key)
         want_ck = (node is None or node.checkpoint is None) and self.tier.contains("checkpoint", key)
         pages_claim = self.tier.claim("page", ks) if ks else None
         ck_claim = self.tier.claim("checkpoint", [key]) if want_ck else None
-        transfers = []
+        transfers, resumes = [], True
         try:
             if ks:
-                pages = self.prefix.restore_pages(int(keys[device - 1]) if device else 0, ks)
+                try:
+                    pages = self.prefix.restore_pages(int(keys[device - 1]) if device else 0, ks)
+                except PoolExhaustedError:
+                    self._no_hit()
+                    return None   # (nothing changed; the claims are dropped below)
                 transfers.append(self.tier.restore(pages_claim, pages))
                 pages_claim = None
                 for k in ks:
                     self._unlink(k)
+                self.hits.restored_pages += len(ks)
             if ck_claim is not None:
-                unit, swa = self.prefix.restore_checkpoint(key, self.boundary[key])
-                transfers.append(self.tier.restore(ck_claim, [CheckpointAt(swa_pages=tuple(swa.tolist()), unit=unit)]))
-                ck_claim = None
-                self.boundary.pop(key, None)
-                self.hits.restored_checkpoints += 1
+                try:
+                    unit, swa = self.prefix.restore_checkpoint(key, self.boundary[key])
+                except PoolExhaustedError:
+                    resumes = False
+                else:
+                    transfers.append(self.tier.restore(ck_claim, [CheckpointAt(swa_pages=tuple(swa.tolist()),
+                                                                               unit=unit)]))
+                    ck_claim = None
+                    self.boundary.pop(key, None)
+                    self.hits.restored_checkpoints += 1
         finally:
             for c in (pages_claim, ck_claim):
                 if c is not None:
                     self.tier.unclaim(c)
-        self.hits.restored_pages += len(ks)
-        self._count_hit(ks, j - device)
-        return Ready(transfers)
+        if resumes:
+            self._count_hit(ks, j - device)
+        else:
+            self._no_hit()
+        return Ready(transfers) if transfers else None
 
     def _count_hit(self, keys, pages: int) -> None:
         self.hits.host_hit_tokens += pages * self.P
         self.hits.host_hit_requests += 1
+
+    def _no_hit(self) -> None:
+        """A bring-back that did not reach its resume point: no hit (a shared link forgets what it fetched)."""
 
     def _unlink(self, key) -> None:
         parent = self.parent.pop(key, None)

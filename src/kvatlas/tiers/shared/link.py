@@ -224,6 +224,9 @@ class SharedLink(HostLink):
             super()._count_hit(keys, pages - shared)
         self._fetched = set()
 
+    def _no_hit(self) -> None:
+        self._fetched = set()
+
     # ---------------------------------------------------------------- reports
     def shared_snapshot(self):
         snap = self.shared.snapshot()

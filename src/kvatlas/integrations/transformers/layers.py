@@ -1,0 +1,207 @@
+"""The per-layer cache objects the model reaches into (`past_key_values.layers[i]`), backed by
+kvatlas pools. transformers' DeepSeek-V4 calls, per layer and forward pass:
+
+- `update(kv, kv)` (every layer: the sliding window): the new rows go to the layer's SWA pages;
+  it returns the window before the pass and every new row, [B, 1, W + S, 512];
+- `store_compression_weights(name, kv, gate)` (C4: "compressor" and "indexer"; C128:
+  "compressor"): the new tokens' raw projections go to the compressor-state ring; it returns the
+  longest run of whole windows (what was buffered since the last window, then the new tokens) and
+  the position of its first token;
+- `update_overlap_state(name, chunk_kv, chunk_gate, head_dim)` (C4, when a window closes): the
+  first halves of the block before this pass's first window, kv and gate with its position bias;
+- `update_compressor_states(name, compressed)`: the new compressed entries go to their paged pool
+  (C4 / C128 KV, indexer keys); it returns exactly the T entries so far, [B, T, width].
+
+What each returns is read back from the pools (so the fp8 layout hands the model what an engine
+would read), in the dtype the model passed in.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import CacheLayerMixin
+
+from ...datapath import entries_view, store
+from ...errors import KvatlasError
+
+_STATE_POOLS = {("c4", "compressor"): "c4_state", ("c4", "indexer"): "c4_indexer_state",
+                ("c128", "compressor"): "c128_state"}
+
+
+class _Paged:
+    """One layer's slice of a paged pool. Raw formats (the exact layouts) are read and written
+    through their entries view with the pass's (page, offset) pairs: one indexing operation a
+    call, what the model's own cache spends on its concatenation; the others through gather and
+    store (the Triton kernels on CUDA)."""
+
+    __slots__ = ("target", "view")
+
+    def __init__(self, target) -> None:
+        self.target = target
+        self.view = entries_view(target.geom, target.buffer, target.layer, codec=target.codec)
+
+    def read(self, span):
+        if self.view is None:
+            return self.target.gather(span.slots)
+        B, n = span.pages.shape
+        got = self.view.index_select(0, span.pages.reshape(-1)).view(B, -1, self.view.shape[-1])
+        return got[:, span.start: span.start + span.count]
+
+    def write(self, where, rows, validate: bool) -> None:
+        t = self.target
+        if validate:
+            store(t.geom, t.buffer, t.layer, where.slots, rows, parallel=t.parallel, codec=t.codec)
+        elif self.view is not None:
+            self.view[where.at] = rows if rows.dtype == self.view.dtype else rows.to(self.view.dtype)
+        else:
+            t.store(where.slots, rows)
+
+
+class SlidingLayer(CacheLayerMixin):
+    """A sliding-window-only layer; the base of the compressed ones."""
+
+    is_sliding = True
+    kind = "swa"
+
+    def __init__(self, owner, layer_idx: int, targets) -> None:
+        super().__init__()
+        self.owner, self.layer_idx, self.swa = owner, layer_idx, _Paged(targets.swa)
+        self.window = owner.kv.allocator.window
+        self.is_initialized = True   # its storage is the pools, allocated already
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        pass
+
+    def update(self, key_states, value_states=None, *args, **kwargs):
+        p = self.owner.current
+        B, _, S, D = key_states.shape
+        self.swa.write(p.swa_store, key_states.reshape(B * S, D), self.owner.validate)
+        full = self.swa.read(p.swa_read)
+        full = (full if full.dtype == key_states.dtype else full.to(key_states.dtype)).unsqueeze(1)
+        return full, full
+
+    def get_seq_length(self) -> int:
+        return self.owner.seq_length()
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        """As transformers' sliding-window layer: keys seen before the query, then the query's."""
+        seen = self.owner.seq_length()
+        return min(seen, self.window - 1) + query_length, max(seen - self.window + 1, 0)
+
+    def get_max_length(self) -> int:
+        return self.window
+
+    def reset(self) -> None:   # the owner finishes its requests (KvatlasCache.reset)
+        pass
+
+    def reorder_cache(self, beam_idx) -> None:   # the owner moves whole requests (KvatlasCache.reorder_cache)
+        pass
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise KvatlasError("crop: a DeepSeek-V4 cache cannot be rolled back through transformers (its compressor "
+                           "windows are stateful); use KVCache.rollback on the requests instead")
+
+    def offload(self) -> None:
+        pass
+
+    def prefetch(self) -> None:
+        pass
+
+
+class CompressedLayer(SlidingLayer):
+    """A C128 layer ("heavily_compressed_attention"): one compressor, no overlap, no indexer."""
+
+    kind = "c128"
+    names = ("compressor",)
+
+    def __init__(self, owner, layer_idx: int, targets, modules: dict) -> None:
+        super().__init__(owner, layer_idx, targets)
+        kv = owner.kv
+        rings = {"compressor": targets.kv, "indexer": targets.index}
+        self.rings = {n: rings[n] for n in self.names}
+        self.states = {n: r.state[:, r.layer] for n, r in self.rings.items()}   # [slot, ring row, kv | gate]
+        self.pools = {n: _Paged(r.pool) for n, r in self.rings.items()}
+        self.modules = modules
+        self.ckpt = {}
+        for n in self.names:
+            ck = kv.pools.get(f"ckpt.{_STATE_POOLS[self.kind, n]}")
+            if ck is not None:
+                self.ckpt[n] = (ck.name, ck.tensor[:, ck.layer_position(layer_idx)])
+        self._prior: dict = {}
+        self._dtypes: dict = {}
+
+    def store_compression_weights(self, name: str, kv: torch.Tensor, gate: torch.Tensor):
+        ring = self.rings[name]
+        p = self.owner.current
+        rr = p.rings[ring.state.shape[2], ring.ratio]
+        state = self.states[name]
+        width = kv.shape[-1]
+        if state.shape[-1] != 2 * width:
+            raise KvatlasError(f"{name}: {width}-wide projections for a {state.shape[-1]}-wide ring row; the "
+                               "cache was planned for another model")
+        buffered = p.L0 % ring.ratio
+        usable = (buffered + kv.shape[1]) // ring.ratio * ring.ratio
+        # what the model pools: read before this pass's rows land in the ring, and only when a
+        # window closes (else the model looks at no row of it: most decode steps)
+        held = state[rr.buffer] if buffered and usable else None
+        if rr.overlap is not None and usable:          # the model reads the overlap only when a window closes
+            self._prior[name] = state[rr.overlap]
+            self._dtypes[name] = (kv.dtype, gate.dtype)
+        else:
+            self._prior[name] = None
+        rows = torch.cat((kv, gate), -1)
+        new = rows if not rr.write_from else rows[:, rr.write_from:]
+        state[rr.write] = new if new.dtype == state.dtype else new.to(state.dtype)
+        if name in self.ckpt:                        # prefix cache: rows a resume point keeps
+            saved = p.checkpoints.get(self.ckpt[name][0])
+            if saved is not None and saved[0].numel():
+                tok, unit, row = saved
+                dst = self.ckpt[name][1]
+                dst[unit, row] = rows.reshape(-1, 2 * width)[tok].to(dst.dtype)
+        first = p.L0 - buffered
+        if not usable:
+            return kv[:, :0], gate[:, :0], first
+        if held is not None:
+            kv = torch.cat((held[..., :width].to(kv.dtype), kv), 1)
+            gate = torch.cat((held[..., width:].to(gate.dtype), gate), 1)
+        if usable == kv.shape[1]:
+            return kv, gate, first
+        return kv[:, :usable], gate[:, :usable], first
+
+    def update_compressor_states(self, name: str, compressed: torch.Tensor) -> torch.Tensor:
+        pool, r = self.pools[name], self.rings[name].ratio
+        p = self.owner.current
+        B, n, D = compressed.shape
+        if n != p.new_counts[r]:
+            raise KvatlasError(f"{name}: the model closed {n} windows where the cache counts {p.new_counts[r]}; "
+                               "the cache and the model disagree on the sequence")
+        if n:
+            pool.write(p.new_entries[r], compressed.reshape(B * n, D), self.owner.validate)
+        span = p.read_entries[r]
+        if not span.count:
+            return compressed
+        out = pool.read(span)
+        return out if out.dtype == compressed.dtype else out.to(compressed.dtype)
+
+
+class SparseLayer(CompressedLayer):
+    """A C4 layer ("compressed_sparse_attention"): compressor and lightning indexer, overlapped windows."""
+
+    kind = "c4"
+    names = ("compressor", "indexer")
+
+    def update_overlap_state(self, name: str, chunk_kv, chunk_gate, head_dim: int):
+        """The block before this pass's first window (read from the ring before the pass wrote it):
+        kv and gate first halves, the gate with the position bias the window added."""
+        prior = self._prior.pop(name, None)
+        if prior is None:
+            return None, None
+        kv_dtype, gate_dtype = self._dtypes[name]
+        width = prior.shape[-1] // 2
+        bias = self.modules[name].position_bias.detach()
+        gate = prior[..., width:width + head_dim].to(gate_dtype) + bias[:, :head_dim]
+        return prior[..., :head_dim].to(kv_dtype), gate
+
+
+CLASSES = {"sliding_attention": SlidingLayer, "heavily_compressed_attention": CompressedLayer,
+           "compressed_sparse_attention": SparseLayer}

@@ -1,0 +1,233 @@
+"""One forward pass of the model over kvatlas requests: where its new rows go and what its layers
+read back, made once per pass (numpy on the host, one copy to the device) and shared by every
+layer. Nothing here imports transformers: it speaks kvatlas's allocator and pools only.
+
+The model hands a cache, per layer and pass, B rows of S new tokens each (every row at the same
+length L0: transformers' DeepSeek-V4 keeps one compression window position per layer for the whole
+batch). What the layers read back, per row:
+- the SWA keys of positions max(0, L0 - (window - 1)) .. L0 + S - 1 (the window before the pass
+  and every new row, however long the chunk);
+- every compressed entry so far, 0 .. (L0 + S) // r - 1, for each ratio r;
+- from the compressor-state rings: the raw projections of the L0 % r tokens since the last
+  window (the model's "buffer") and, for ratio 4, the 4 tokens of the block before that window
+  (the overlap the next window reads). The rings keep each token's raw kv and gate, exactly as
+  the model computed them; the overlap's position bias is added by the layer when it is read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+OVERLAP = 4   # the C4 window of 8 reads the 4 tokens of the block before it
+
+
+class Staging:
+    """Pinned host memory the index copies go through on CUDA. A copy from pageable memory makes
+    the stream wait for all the work queued before it, and the model runs launch-bound, its host
+    well ahead of the device: one such wait a pass lets the device run dry. From pinned memory the
+    copy is queued like a kernel. Buffers are taken in turn, each reused once the event of its last
+    copy has passed (copies of passes long over, in practice: a pass makes one, up to five when
+    what is kept between passes is made again)."""
+
+    RING = 8
+
+    def __init__(self, device) -> None:
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.hosts = [torch.empty(0, dtype=torch.int64) for _ in range(self.RING)]
+        self.done: list = [None] * self.RING
+        self.next = 0
+
+    def to_device(self, flat: np.ndarray) -> torch.Tensor:
+        if not self.cuda:
+            return torch.from_numpy(flat).to(self.device)
+        i = self.next
+        self.next = (i + 1) % self.RING
+        if self.done[i] is not None:
+            self.done[i].synchronize()
+        if self.hosts[i].numel() < flat.size:
+            self.hosts[i] = torch.empty(max(flat.size, 2 * self.hosts[i].numel()), dtype=torch.int64, pin_memory=True)
+        host = self.hosts[i][: flat.size]
+        host.numpy()[:] = flat
+        out = host.to(self.device, non_blocking=True)
+        self.done[i] = torch.cuda.Event()
+        self.done[i].record()
+        return out
+
+
+class _Packer:
+    """Index arrays gathered on the host, moved to the device in one copy, handed out as views."""
+
+    def __init__(self) -> None:
+        self.parts: list[np.ndarray] = []
+
+    def add(self, a) -> int:
+        self.parts.append(np.ascontiguousarray(a, dtype=np.int64))
+        return len(self.parts) - 1
+
+    def device(self, staging: Staging) -> list[torch.Tensor]:
+        flat = np.concatenate([p.ravel() for p in self.parts]) if self.parts else np.zeros(0, np.int64)
+        flat = staging.to_device(flat)
+        out, at = [], 0
+        for p in self.parts:
+            out.append(flat[at:at + p.size].view(p.shape))
+            at += p.size
+        return out
+
+
+@dataclass(slots=True)
+class Where:
+    """Entries to write: their slots (for store), and the same split into (page, offset in the
+    page) (for a raw format's entries_view)."""
+    slots: torch.Tensor
+    at: tuple
+
+
+@dataclass(slots=True)
+class Span:
+    """Entries to read, per row: `count` consecutive ones, `start` entries into the pages `pages`
+    ([B, n], in the row's order). `slots` ([B, count]) for gather; a raw format's view reads the
+    whole pages in one index_select and keeps the span."""
+    slots: torch.Tensor
+    pages: torch.Tensor
+    start: int
+    count: int
+
+
+def _where(pk: _Packer, slots: np.ndarray, per_page: int) -> tuple:
+    return pk.add(slots), pk.add(slots // per_page), pk.add(slots % per_page)
+
+
+def _made(t: list, ids: tuple) -> Where:
+    return Where(t[ids[0]], (t[ids[1]], t[ids[2]]))
+
+
+@dataclass(slots=True)
+class RingRows:
+    """Rows of one ring size: (slot column [B, 1], ring rows [n]) index pairs, broadcast to [B, n]."""
+    buffer: tuple            # the L0 % r tokens since the last window
+    overlap: tuple | None    # ratio 4: the block before that window (None at its first window)
+    write: tuple             # the last min(S, ring) tokens of the pass: their rows are (over)written
+    write_from: int          # the token offset (0..S-1) of the first of those
+
+
+class _Kept(dict):
+    """Index tensors kept on the device between passes, for the last few sets of bound rows (a
+    serving loop runs its requests in turn, one pass each)."""
+
+    MOST = 64
+
+    def keep(self, key, value):
+        if len(self) >= self.MOST:
+            del self[next(iter(self))]
+        self[key] = value
+        return value
+
+
+class EntrySlots:
+    """The slots of every compressed entry of the bound rows' held pages, on the device, kept
+    between passes: a request's pages only grow (a page every 256 tokens), so most passes read a
+    prefix of the same tensor instead of making and copying tens of thousands of slots (a 256K
+    context has 65,536 C4 entries). Made again when pages are added or requests come or go."""
+
+    def __init__(self) -> None:
+        self.kept = _Kept()
+
+    def read(self, kv, slots: np.ndarray, r: int, count: int, staging: Staging) -> Span:
+        a = kv.allocator
+        key, valid = (slots.tobytes(), r), (a.epoch, a.full_held[slots].tobytes())
+        per = a.P // r
+        got = self.kept.get(key)
+        if got is None or got[0] != valid:
+            pages = a.full_table[slots, : int(a.full_held[slots].max(initial=0))]
+            pk = _Packer()
+            ids = pk.add(pages), pk.add((pages[:, :, None] * per + np.arange(per)).reshape(len(slots), -1))
+            t = pk.device(staging)
+            got = self.kept.keep(key, (valid, t[ids[0]], t[ids[1]]))
+        _, pages, table = got
+        return Span(table[:, :count], pages[:, : -(-count // per)], 0, count)
+
+
+class Pass:
+    """The indices of one pass. `tokens`: B * S; arrays over tokens are row-major (row b's S tokens
+    together), as the allocator wrote them."""
+
+    def __init__(self, kv, slots: np.ndarray, L0: int, S: int, w, entries: "EntrySlots", rings: "Rings",
+                 staging: Staging) -> None:
+        a = kv.allocator
+        self.B, self.S, self.L0, self.L1 = len(slots), S, L0, L0 + S
+        pk = _Packer()
+        lo = max(0, L0 - (a.window - 1))   # the first key the pass's rows read
+        read_pages, read_slots = self._swa_read(a, slots, lo)
+        ids = {"swa_store": _where(pk, w.swa_slots, a.Ps), "swa_read": (pk.add(read_slots), pk.add(read_pages))}
+        self.new_counts = {}
+        for r in a.ratios:
+            mask, entry = w.compressed[r]
+            ids[("new", r)] = _where(pk, entry[mask], a.P // r)
+            self.new_counts[r] = self.L1 // r - L0 // r
+        ckpt = {}
+        for name, (tok, row) in w.checkpoint_rows.items():
+            rows = kv.pools[name].spec.entries_per_unit
+            ckpt[name] = (pk.add(tok), pk.add(row // rows), pk.add(row % rows))
+        t = pk.device(staging)
+        self.swa_store = _made(t, ids["swa_store"])
+        sr = ids["swa_read"]
+        self.swa_read = Span(t[sr[0]], t[sr[1]], lo % a.Ps, self.L1 - lo)
+        self.new_entries = {r: _made(t, ids["new", r]) for r in a.ratios}
+        self.read_entries = {r: entries.read(kv, slots, r, self.L1 // r, staging) for r in a.ratios}
+        self.rings = {(ring, r): rings.get(slots, L0, S, ring, r, staging) for ring, r in self._rings(kv)}
+        self.checkpoints = {n: tuple(t[i] for i in v) for n, v in ckpt.items()}
+
+    @property
+    def window_rows(self) -> int:
+        """Keys each row reads in the SWA: the window before the pass and the pass's own."""
+        return self.swa_read.slots.shape[1]
+
+    def _swa_read(self, a, slots, lo: int) -> tuple[np.ndarray, np.ndarray]:
+        """The SWA pages holding positions lo .. L1 - 1 of each row, and those positions' slots."""
+        first, last = lo // a.Ps, (self.L1 - 1) // a.Ps
+        pages = a.swa_table[slots[:, None], np.arange(first, last + 1) % a.ring]
+        pos = np.arange(lo, self.L1) - first * a.Ps
+        return pages, pages[:, pos // a.Ps] * a.Ps + pos % a.Ps
+
+    @staticmethod
+    def _rings(kv):
+        """(ring rows, ratio) of every ring the cache keeps: the C4 and C128 rings."""
+        seen = []
+        for pool in kv.pools.values():
+            if pool.role == "state":
+                key = (pool.ring_rows, 4 if pool.spec.layer_kind == "c4" else 128)
+                if key not in seen:
+                    seen.append(key)
+        return seen
+
+
+class Rings:
+    """The ring rows of a pass, kept between passes: they depend only on the bound rows, the
+    pass's length and the position modulo the ring (once a ring has filled), so a decode step
+    takes them from here instead of making and copying them again."""
+
+    def __init__(self) -> None:
+        self.kept = _Kept()
+
+    def get(self, slots: np.ndarray, L0: int, S: int, ring: int, r: int, staging: Staging) -> RingRows:
+        steady = L0 >= ring
+        key = (slots.tobytes(), ring, r, S, L0 % ring)
+        if steady and key in self.kept:
+            return self.kept[key]
+        pk = _Packer()
+        column = pk.add(slots[:, None])   # [B, 1]: indexing broadcasts it over each row's ring rows
+
+        def rows(first: int, n: int):
+            return column, pk.add(np.arange(first, first + n) % ring)
+        fw = L0 - L0 % r   # the first position of the next window
+        overlap = rows(fw - OVERLAP, OVERLAP) if r == OVERLAP and fw >= OVERLAP else None
+        k = min(S, ring)
+        b, w = rows(fw, L0 % r), rows(L0 + S - k, k)
+        t = pk.device(staging)
+        got = RingRows(buffer=(t[b[0]], t[b[1]]), overlap=None if overlap is None else (t[overlap[0]], t[overlap[1]]),
+                       write=(t[w[0]], t[w[1]]), write_from=S - k)
+        return self.kept.keep(key, got) if steady else got
