@@ -274,7 +274,8 @@ def _entries():
             store(geom, pool.tensor, 0, torch.tensor(slots), torch.zeros(len(slots), 512).bfloat16())
         return call
     out = [(f"plan({m!r})", lambda p, c, m=m: kvatlas.plan(m, "1GiB"), "model")
-           for m in (None, 5, 1.5, b"tiny-v4", ["tiny-v4"], {})]
+           for m in (None, 5, 1.5, b"tiny-v4", ["tiny-v4"])]
+    out += [("plan({})", lambda p, c: kvatlas.plan({}, "1GiB"), "config.compress_ratios")]   # a parsed config.json
     out += [(f"budget_for({m!r})", lambda p, c, m=m: kvatlas.budget_for(m, 2, 100), "model") for m in (None, 5)]
     out += [(f"budget_for(n={n!r})", lambda p, c, n=n: kvatlas.budget_for("tiny-v4", n, 100), "num_requests")
             for n in (True, None, "2", 2.5, -1)]

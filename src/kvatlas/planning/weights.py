@@ -219,8 +219,9 @@ def _mtp_tensors(model, a: WeightArch, n: int) -> list[Tensor]:
 
 def _arch(model) -> WeightArch:
     if model.weights is None:
-        raise ConfigError("weights", f"{model.name}'s config has no MoE/vocabulary fields, so its weights are unknown",
-                          "give --weights BYTES (the weights' share of one rank), or use a released config.json")
+        raise ConfigError("weights_bytes", f"{model.name}'s config has no MoE/vocabulary fields, so its weights are "
+                          "unknown", "give weights_bytes=BYTES (the weights' share of one rank), or the budget as "
+                          "memory_bytes, or use a released config.json")
     return model.weights
 
 
