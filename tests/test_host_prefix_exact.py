@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import test_prefix_exact as exact
+import kvatlas.prefix
 from kvatlas import allocate, plan
 from kvatlas.errors import KvatlasError
 from kvatlas.tiers import attach_host_tier
@@ -152,3 +153,37 @@ def test_a_plan_without_prefix_cache_is_refused():
     cache = allocate(plan("tiny-v4", "64MiB", max_running_requests=2))
     with pytest.raises(KvatlasError, match="prefix_checkpoints"):
         attach_host_tier(cache, HOST)
+
+
+def test_prefetch_into_a_device_with_no_room_brings_back_nothing_yet():
+    """Every page held by running requests: a prefetch finds no room for the host pages a prompt
+    reaches. It brings back nothing and changes nothing (it raised PoolExhaustedError out of the
+    admission path before); once the pages are free it brings them back and the prompt hits."""
+    p = plan("tiny-v4", "64MiB", max_model_len=2048, max_running_requests=2, prefix_checkpoints=2,
+             chunked_prefill_tokens=512)
+    cache = allocate(p)
+    link = attach_host_tier(cache, HOST, checkpoint_share=0.5)
+    rng = np.random.default_rng(0)
+    first = rng.integers(0, 50_000, 1000)
+    for i, seq in enumerate([first] + [rng.integers(0, 50_000, 1500) for _ in range(4)]):   # first goes to host
+        cache.admit(f"r{i}", len(seq), 4, token_ids=seq)
+        for n in range(0, len(seq), 512):
+            cache.extend(f"r{i}", min(512, len(seq) - n))
+        cache.finish(f"r{i}", token_ids=seq)
+    assert link.tier.contains("page", int(kvatlas.prefix.page_keys(first, 256)[0]))
+    for rid in ("big", "big2"):   # two requests reserve every full page; nothing cached is left to evict
+        cache.admit(rid, 10, 2030, token_ids=rng.integers(0, 50_000, 10))
+    assert cache.allocator.free_full_pages() == 0 and cache.prefix.tree.idle_pages == 0
+    before = link.snapshot()
+    assert link.prefetch(len(first), token_ids=first) is None
+    assert link.snapshot().groups == before.groups and link.snapshot().hits == before.hits
+    cache.check_integrity()
+    link.tier.check_integrity()
+    for rid in ("big", "big2"):
+        cache.finish(rid)
+    ready = link.prefetch(len(first), token_ids=first)
+    assert ready is not None
+    ready.wait()
+    assert cache.admit("again", len(first), 4, token_ids=first).cached_tokens == 768
+    cache.check_integrity()
+    link.tier.check_integrity()

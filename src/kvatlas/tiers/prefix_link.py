@@ -126,35 +126,47 @@ class HostLink:
 
     def _bring_back(self, keys, device: int, j: int):
         """Claim the host entries first (so evictions the restore causes cannot drop them), then
-        make room on the device, then copy."""
+        make room on the device, then copy. A device with no room to give (every page and unit
+        held by running requests) brings back nothing now: None, the host entries kept for a
+        later prefetch (the admission then waits or computes the prefix itself); pages brought
+        back whose resume point finds no room stay cached, and the Ready covers their copies."""
         ks = [int(k) for k in keys[device:j]]
         key = int(keys[j - 1])
         node = self.prefix.tree.nodes.get(key)
         want_ck = (node is None or node.checkpoint is None) and self.tier.contains("checkpoint", key)
         pages_claim = self.tier.claim("page", ks) if ks else None
         ck_claim = self.tier.claim("checkpoint", [key]) if want_ck else None
-        transfers = []
+        transfers, resumes = [], True
         try:
             if ks:
-                pages = self.prefix.restore_pages(int(keys[device - 1]) if device else 0, ks)
+                try:
+                    pages = self.prefix.restore_pages(int(keys[device - 1]) if device else 0, ks)
+                except PoolExhaustedError:
+                    return None   # (nothing changed; the claims are dropped below)
                 transfers.append(self.tier.restore(pages_claim, pages))
                 pages_claim = None
                 for k in ks:
                     self._unlink(k)
+                self.hits.restored_pages += len(ks)
             if ck_claim is not None:
-                unit, swa = self.prefix.restore_checkpoint(key, self.boundary[key])
-                transfers.append(self.tier.restore(ck_claim, [CheckpointAt(swa_pages=tuple(swa.tolist()), unit=unit)]))
-                ck_claim = None
-                self.boundary.pop(key, None)
-                self.hits.restored_checkpoints += 1
+                try:
+                    unit, swa = self.prefix.restore_checkpoint(key, self.boundary[key])
+                except PoolExhaustedError:
+                    resumes = False
+                else:
+                    transfers.append(self.tier.restore(ck_claim, [CheckpointAt(swa_pages=tuple(swa.tolist()),
+                                                                               unit=unit)]))
+                    ck_claim = None
+                    self.boundary.pop(key, None)
+                    self.hits.restored_checkpoints += 1
         finally:
             for c in (pages_claim, ck_claim):
                 if c is not None:
                     self.tier.unclaim(c)
-        self.hits.restored_pages += len(ks)
-        self.hits.host_hit_tokens += (j - device) * self.P
-        self.hits.host_hit_requests += 1
-        return Ready(transfers)
+        if resumes:
+            self.hits.host_hit_tokens += (j - device) * self.P
+            self.hits.host_hit_requests += 1
+        return Ready(transfers) if transfers else None
 
     def _unlink(self, key) -> None:
         parent = self.parent.pop(key, None)
