@@ -100,7 +100,9 @@ class HostLink:
     # ---------------------------------------------------------------- admission: back from host
     def prefetch(self, prompt_tokens: int, *, token_ids=None, page_keys=None):
         """Bring back the host pages (and the checkpoint) that extend this prompt's device match
-        to a deeper resume point. Returns a Ready (wait() before the first forward) or None."""
+        to a deeper resume point. Returns a Ready (wait() before the first forward) or None:
+        nothing to bring back, or no room on the device for it now (every page held by running
+        requests: try again at the next admission)."""
         self.prefix.alloc._validate_lengths(prompt_tokens, 0)
         keys = self.prefix._keys(prompt_tokens, token_ids, page_keys)
         cap = min(len(keys), (prompt_tokens - 1) // self.P)
