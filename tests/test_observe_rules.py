@@ -243,6 +243,16 @@ def test_a_real_prometheus_records_the_rules_and_answers_every_panel(prometheus,
             assert e2e.query(prom, grafana(q)), q    # every panel has data, the plugins' included
 
 
+def test_docs_explain_every_record_and_alert():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "docs", "observe.md")) as fh:
+        doc = fh.read()
+    names = re.findall(r"^\s*- (?:record|alert): (\S+)$", shipped.read("rules"), re.M)
+    assert len(names) > 20
+    missing = [n for n in names if f"`{n}`" not in doc]
+    assert not missing, f"docs/observe.md does not explain {missing}"
+
+
 def test_package_data_ships_every_asset():
     tomllib = pytest.importorskip("tomllib")
     import fnmatch
