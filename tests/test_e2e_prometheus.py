@@ -64,14 +64,17 @@ def query(prom: str, q: str) -> list:
 
 
 @contextlib.contextmanager
-def running_prometheus(tmp_path, target_port: int, rule_files=()):
-    """A Prometheus on loopback scraping 127.0.0.1:target_port every second (rules evaluated every
-    second too); yields its URL once ready, and stops it by its PID."""
+def running_prometheus(tmp_path, target_port: int, rule_files=(), more_jobs=None):
+    """A Prometheus on loopback scraping 127.0.0.1:target_port (job kvatlas), and each port of
+    `more_jobs` ({job: port}), every second (rules evaluated every second too); yields its URL
+    once ready, and stops it by its PID."""
     port = free_port()
     cfg = tmp_path / "prometheus.yml"
     rules = "rule_files:\n" + "".join(f"  - {json.dumps(str(f))}\n" for f in rule_files) if rule_files else ""
-    cfg.write_text("global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n" + rules + "scrape_configs:\n"
-                   f"  - job_name: kvatlas\n    static_configs:\n      - targets: ['127.0.0.1:{target_port}']\n")
+    jobs = {"kvatlas": target_port, **(more_jobs or {})}
+    cfg.write_text("global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n" + rules + "scrape_configs:\n" +
+                   "".join(f"  - job_name: {job}\n    static_configs:\n      - targets: ['127.0.0.1:{p}']\n"
+                           for job, p in jobs.items()))
     proc = subprocess.Popen([PROMETHEUS, f"--config.file={cfg}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
                              f"--web.listen-address=127.0.0.1:{port}"], stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)

@@ -1,9 +1,12 @@
 """The shipped dashboard and Prometheus rules: promtool accepts the rules and passes their unit
 tests; every dashboard query parses; every metric and label they name exists in a real scrape of
-a running `kvatlas serve` (prefix cache and host tier on) or among the SGLang plugin's families.
+a running `kvatlas serve` (prefix cache, host tier and shared tier on) or among the SGLang and vLLM
+plugins' families; every metric family kvatlas or a plugin writes has a panel; a real Prometheus
+scraping the serve and both plugins' exporters answers every panel.
 
 promtool comes with Debian's `prometheus` package (.ci/run installs it); without it the promtool
-tests skip, saying so. The serve runs on loopback, is stopped by its PID, and every wait is bounded."""
+tests skip, saying so. The serve and the plugins' exporters run on loopback, the serve is stopped
+by its PID, the exporters' threads by their server, and every wait is bounded."""
 
 from __future__ import annotations
 
@@ -14,12 +17,15 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvatlas.observing import shipped
+from kvatlas.observing.metrics import HELP
 
 import test_e2e_prometheus as e2e
 
@@ -30,6 +36,7 @@ METRIC = re.compile(r"\bkvatlas_[a-z0-9_]+\b")
 # what Grafana substitutes before a query reaches Prometheus
 GRAFANA_VARS = {"$__rate_interval": "1m", "$job": ".*", "$instance": ".*"}
 TARGET_LABELS = {"job", "instance"}   # added by Prometheus to every scraped sample
+ENGINES = ("sglang", "vllm")          # the plugins' panels select engine="sglang" / engine="vllm"
 
 
 def dashboard_queries() -> list[str]:
@@ -82,20 +89,47 @@ def test_every_dashboard_query_parses(tmp_path):
 SERVE = ["tiny-v4", "--memory", "96MiB", "--max-model-len", "2048", "--max-running-requests", "8",
          "--prefix-checkpoints", "8", "--host-memory", "4MiB", "--system-prompts", "2", "--system-prompt-len", "600",
          "--rate", "4", "--duration", "8", "--prompt-len", "uniform:32:300", "--output-len", "uniform:4:16",
-         "--linger", "-1", "--progress-s", "60"]
+         "--linger", "-1", "--progress-s", "60", "--shared-tier", "memory://observe"]
+
+
+class _Quiet(WSGIRequestHandler):
+    def log_message(self, *args):
+        pass
 
 
 @pytest.fixture(scope="module")
-def prometheus(tmp_path_factory):
+def engines():
+    """{job: port} of one loopback /metrics per plugin, exporting what it adds to its engine's."""
+    from prometheus_client import make_wsgi_app
+    from plugin_ledger import plugin_registries
+    with plugin_registries() as regs:
+        servers = {f"{engine}-plugin": make_server("127.0.0.1", 0, make_wsgi_app(reg), WSGIServer, _Quiet)
+                   for engine, reg in regs.items()}
+        threads = [threading.Thread(target=srv.serve_forever, daemon=True) for srv in servers.values()]
+        for t in threads:
+            t.start()
+        try:
+            yield {job: srv.server_address[1] for job, srv in servers.items()}
+        finally:
+            for srv, t in zip(servers.values(), threads):
+                srv.shutdown()
+                srv.server_close()
+                t.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def prometheus(tmp_path_factory, engines):
     """(URL of a Prometheus loaded with the shipped rules or None without the binary, the port it
-    scrapes): started first, so it sees the serve's workload from its start."""
+    scrapes for job kvatlas): started first, so it sees the serve's workload from its start; it
+    scrapes the plugins' exporters too."""
     port = e2e.free_port()
     if e2e.PROMETHEUS is None:
         yield None, port
         return
     folder = tmp_path_factory.mktemp("prometheus")
     shipped.write_all(str(folder / "assets"))
-    with e2e.running_prometheus(folder, port, [folder / "assets" / "prometheus" / "kvatlas-rules.yml"]) as prom:
+    with e2e.running_prometheus(folder, port, [folder / "assets" / "prometheus" / "kvatlas-rules.yml"],
+                                more_jobs=engines) as prom:
         yield prom, port
 
 
@@ -129,36 +163,54 @@ def scrape(serve):
 
 
 def plugin_families():
-    """(sample names, label names) the SGLang plugin writes, from a ledger built as it builds one."""
-    from prometheus_client import CollectorRegistry, generate_latest
-    from plugin_ledger import sglang_like_ledger
-    from kvatlas.integrations import foreign
-    ledger = sglang_like_ledger()
-    foreign.write_gauges(ledger.snapshot())
-    reg = CollectorRegistry(auto_describe=False)
-    for g in foreign._GAUGES.values():
-        reg.register(g)
-    samples = [s for fam in text_string_to_metric_families(generate_latest(reg).decode()) for s in fam.samples]
-    return {s.name for s in samples}, {k for s in samples for k in s.labels}
+    """{engine: (sample names, label names)} the SGLang and vLLM plugins write, from ledgers built
+    as they build them, exported as they export them."""
+    from prometheus_client import generate_latest
+    from plugin_ledger import plugin_registries
+    out = {}
+    with plugin_registries() as regs:
+        for engine, reg in regs.items():
+            samples = [s for fam in text_string_to_metric_families(generate_latest(reg).decode()) for s in fam.samples]
+            out[engine] = {s.name for s in samples}, {k for s in samples for k in s.labels}
+    return out
 
 
 def test_every_metric_and_label_the_dashboard_and_rules_name_exists(scrape):
     names, labels = scrape
-    assert "kvatlas_prefix_hit_tokens_total" in names and "kvatlas_host_tier_restore_seconds_count" in names
+    assert {"kvatlas_prefix_hit_tokens_total", "kvatlas_host_tier_restore_seconds_count",
+            "kvatlas_shared_tier_op_seconds_count"} <= names
     rules = shipped.read("rules")
     queries = dashboard_queries()
-    used = set(METRIC.findall(rules)) | {m for q in queries for m in METRIC.findall(q)}
-    assert len(used) > 25
+    plugins = plugin_families()
+    engine_query = {q for q in queries if any(f'engine="{e}"' in q for e in ENGINES)}
+    used = set(METRIC.findall(rules)) | {m for q in set(queries) - engine_query for m in METRIC.findall(q)}
+    assert len(used) > 40
     assert not used - names, sorted(used - names)
-    plugin_names, plugin_labels = plugin_families()
-    sglang = {m for q in queries if 'engine="sglang"' in q for m in METRIC.findall(q)}
-    assert sglang and not sglang - plugin_names, sorted(sglang - plugin_names)
+    plugin_labels = set()
+    for engine, (plugin_names, engine_labels) in plugins.items():
+        drawn = {m for q in queries if f'engine="{engine}"' in q for m in METRIC.findall(q)}
+        assert drawn and not drawn - plugin_names, (engine, sorted(drawn - plugin_names))
+        plugin_labels |= engine_labels
     known = labels | plugin_labels | TARGET_LABELS
     referred = label_names(rules) | {n for q in queries for n in label_names(q)}
     referred |= {n for p in json.loads(shipped.read("dashboard"))["panels"]
                  for t in p.get("targets", ()) for n in label_names(t.get("legendFormat", ""))}
     assert not referred - known, sorted(referred - known)
     assert {"engine", "tp_rank", "pp_rank", "dp_rank"} <= plugin_labels
+
+
+def test_every_metric_family_kvatlas_or_a_plugin_writes_has_a_panel():
+    """Each family of kvatlas's table (a counter as NAME_total, a summary as NAME_sum and
+    NAME_count; the build info `kvatlas` is the table panel's kvatlas_info) and each family a
+    plugin writes appears in a dashboard query."""
+    drawn = {m for q in dashboard_queries() for m in METRIC.findall(q)}
+    forms = {name: {name, f"{name}_total", f"{name}_sum", f"{name}_count"} for name in HELP if name != "kvatlas"}
+    assert len(forms) > 50
+    missing = sorted(name for name, f in forms.items() if not f & drawn)
+    assert not missing, f"no dashboard panel draws {missing}"
+    for engine, (plugin_names, _) in plugin_families().items():
+        assert len(plugin_names) > 5 and not plugin_names - drawn, (engine, sorted(plugin_names - drawn))
+    assert "kvatlas_info" in drawn
 
 
 @pytest.mark.skipif(e2e.PROMETHEUS is None, reason="prometheus binary not found: install Debian's 'prometheus' "
@@ -168,20 +220,37 @@ def test_a_real_prometheus_records_the_rules_and_answers_every_panel(prometheus,
     e2e.wait_for("the workload to finish", lambda: e2e.get_json(serve + "/state")["workload"]["done"], 30)
     done_at = time.time()
     e2e.wait_for("a rule evaluation after a scrape after the end",
-                 lambda: e2e.query(prom, f"timestamp(kvatlas:kv_cache_free:ratio) > {done_at + 1.5}"), 15)
-    totals = e2e.get_json(serve + "/state")["caches"][0]["ledger"]["totals"]
-    (free,) = e2e.query(prom, "kvatlas:kv_cache_free:ratio")
+                 lambda: e2e.query(prom, f'timestamp(kvatlas:kv_cache_free:ratio{{job="kvatlas"}}) > {done_at + 1.5}'),
+                 15)
+    state = e2e.get_json(serve + "/state")["caches"][0]
+    totals = state["ledger"]["totals"]
+    (free,) = e2e.query(prom, 'kvatlas:kv_cache_free:ratio{job="kvatlas"}')
     want = 1 - (totals["occupied"] - totals["evictable"]) / totals["addressable"]
-    assert float(free["value"][1]) == pytest.approx(want, rel=1e-12) and free["metric"]["job"] == "kvatlas"
+    assert float(free["value"][1]) == pytest.approx(want, rel=1e-12)
     (hit,) = e2e.query(prom, "kvatlas:prefix_hit:ratio_rate15m")
     assert 0 < float(hit["value"][1]) < 1      # the shared system prompts hit
     missed = e2e.query(prom, "kvatlas:prefix_missed:ratio_rate15m")
     assert {m["metric"]["reason"] for m in missed} == {"no_cached_prefix", "no_checkpoint", "evicted",
                                                        "partial_page"}
+    shared = e2e.query(prom, 'kvatlas:shared_tier_missed:ratio_rate15m{kind="page"}')
+    assert {m["metric"]["reason"] for m in shared} == set(state["shared_tier"]["misses"]["page"])
+    (breaker,) = e2e.query(prom, "kvatlas_shared_tier_breaker_open")
+    assert breaker["value"][1] == "0" and not state["shared_tier"]["breaker"]["open"]
+    (blocks,) = e2e.query(prom, 'kvatlas_pool_total_blocks{job="vllm-plugin",engine="vllm"}')
+    assert blocks["value"][1] == "16"            # the vLLM-like pool's 17 blocks less the null block
     for q in dashboard_queries():
-        if q.startswith("label_values(") or 'engine="sglang"' in q:
-            continue
-        assert e2e.query(prom, grafana(q)), q        # every kvatlas panel has data
+        if not q.startswith("label_values("):
+            assert e2e.query(prom, grafana(q)), q    # every panel has data, the plugins' included
+
+
+def test_docs_explain_every_record_and_alert():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "docs", "observe.md")) as fh:
+        doc = fh.read()
+    names = re.findall(r"^\s*- (?:record|alert): (\S+)$", shipped.read("rules"), re.M)
+    assert len(names) > 20
+    missing = [n for n in names if f"`{n}`" not in doc]
+    assert not missing, f"docs/observe.md does not explain {missing}"
 
 
 def test_package_data_ships_every_asset():

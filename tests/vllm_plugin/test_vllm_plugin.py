@@ -127,6 +127,17 @@ def test_metrics_reach_the_api_servers_metrics_from_the_engine_core(roles):
     assert r["after_exit"] == 0   # the engine core gone, its board is too
 
 
+def test_the_dashboards_vllm_panels_read_families_the_api_server_serves(roles):
+    import re
+    from kvatlas.observing import shipped
+    served = {key.split("{", 1)[0] for key in roles["one_api_server"]}
+    dash = json.loads(shipped.read("dashboard"))
+    queries = [t["expr"] for p in dash["panels"] for t in p.get("targets", ()) if 'engine="vllm"' in t["expr"]]
+    drawn = {m for q in queries for m in re.findall(r"\bkvatlas_[a-z0-9_]+\b", q)}
+    assert {"kvatlas_pool_used_blocks", "kvatlas_pool_free_blocks"} <= drawn <= served, sorted(drawn - served)
+    assert all("engine=vllm" in key and "dp_rank=" in key for key in roles["one_api_server"])
+
+
 def test_other_version_refused_with_one_line(roles):
     r = roles["other_version"]
     assert r["registered"] is False and r["hooked"] is False and r["metrics_dir"] is False
