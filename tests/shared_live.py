@@ -162,7 +162,10 @@ def test_eviction_under_a_small_store(servers, tmp_path):
         dst = np.zeros_like(src)
         store.register(src)
         store.register(dst)
-        tier = SharedTier(store, Layout(namespace="evict", layout_hash=7, payload_bytes={"page": size, "checkpoint": 8}))
+        # a deadline far past any read here: this test is about eviction (a 32 MiB get on a loaded
+        # 2-core machine can take longer than the default 500 ms, which is the deadline test's subject)
+        tier = SharedTier(store, Layout(namespace="evict", layout_hash=7, payload_bytes={"page": size, "checkpoint": 8}),
+                          deadline_s=30.0)
         for i in range(0, n, 8):
             tier.put([Entry("page", k, 0, (src[k],)) for k in range(i, i + 8)])
             tier.flush(30.0)
