@@ -61,7 +61,8 @@ def make_plan(gib: int, share: float):
     return kvatlas.plan("deepseek-v4-flash", budget, prefix_checkpoints=n)
 
 
-def simulate(p, policy: str, trace) -> dict:
+def simulate(p, policy: str, trace, on_admit=None) -> dict:
+    """One policy through the trace; `on_admit(i, cached_tokens)`, if given, hears each request's hit."""
     a = Allocator(p)
     pc = PrefixCache(a, policy=policy)
     chunk = p.options.chunked_prefill_tokens
@@ -71,6 +72,8 @@ def simulate(p, policy: str, trace) -> dict:
         rid = i
         adm = pc.admit(rid, prompt, out, page_keys=keys)
         done = adm.cached_tokens
+        if on_admit is not None:
+            on_admit(i, done)
         clock += prompt - done
         while done < prompt + out:   # decode written as chunks: the same pages and boundaries
             n = min(chunk, prompt + out - done)
