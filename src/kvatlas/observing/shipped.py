@@ -26,8 +26,7 @@ FILES = {
     "rules-test": "prometheus/kvatlas-rules.test.yml",
 }
 
-# (schema, version) -> file under schemas/, or None for a document whose schema is not shipped
-# in this build yet (none today)
+# (schema, version) -> file under schemas/
 SCHEMAS = {
     ("kvatlas.plan", 1): "kvatlas.plan.v1.schema.json",
     ("kvatlas.compare", 1): "kvatlas.compare.v1.schema.json",
@@ -46,17 +45,17 @@ SCHEMAS = {
 
 def names() -> list[str]:
     """Every name `path` and `read` take: the files, then the schemas (`kvatlas.plan`, …)."""
-    return list(FILES) + sorted({s for (s, _), f in SCHEMAS.items() if f is not None})
+    return list(FILES) + sorted({s for s, _ in SCHEMAS})
 
 
 def schema_path(schema: str, version: int | None = None) -> str:
     """The shipped schema file of a document's `schema` and `schema_version` (default: the newest)."""
-    versions = sorted(v for (s, v), f in SCHEMAS.items() if s == schema and f is not None)
+    versions = sorted(v for s, v in SCHEMAS if s == schema)
     if not versions:
         raise ConfigError("schema", f"{schema!r} has no shipped schema",
                           "use one of " + ", ".join(n for n in names() if n.startswith("kvatlas.")))
     v = versions[-1] if version is None else version
-    if (schema, v) not in SCHEMAS or SCHEMAS[(schema, v)] is None:
+    if (schema, v) not in SCHEMAS:
         raise ConfigError("schema_version", f"{schema} version {v!r} is not shipped",
                           f"use a version in {versions}, or a newer kvatlas")
     return os.path.join(ASSETS_DIR, "schemas", SCHEMAS[(schema, v)])
@@ -98,9 +97,8 @@ def validator(doc):
     from referencing import Registry, Resource
     resources = []
     for f in SCHEMAS.values():
-        if f is not None:
-            with open(os.path.join(ASSETS_DIR, "schemas", f), encoding="utf-8") as fh:
-                resources.append((f, Resource.from_contents(json.load(fh))))
+        with open(os.path.join(ASSETS_DIR, "schemas", f), encoding="utf-8") as fh:
+            resources.append((f, Resource.from_contents(json.load(fh))))
     schema = schema_for(doc)
     cls = jsonschema.validators.validator_for(schema)
     return cls(schema, registry=Registry().with_resources(resources))
@@ -110,7 +108,7 @@ def write_all(folder: str) -> list[str]:
     """Copy every shipped file into `folder` (grafana/, prometheus/, schemas/); the paths written."""
     out = []
     sources = [os.path.join(ASSETS_DIR, f) for f in FILES.values()]
-    sources += [os.path.join(ASSETS_DIR, "schemas", f) for f in SCHEMAS.values() if f is not None]
+    sources += [os.path.join(ASSETS_DIR, "schemas", f) for f in SCHEMAS.values()]
     for src in sources:
         dst = os.path.join(folder, os.path.relpath(src, ASSETS_DIR))
         os.makedirs(os.path.dirname(dst), exist_ok=True)
