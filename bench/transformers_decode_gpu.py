@@ -122,6 +122,8 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=129280)
     ap.add_argument("--json")
     ap.add_argument("--profile", help="write a profile of a few steps per cache to this file")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="after the timing, the host time of each cache method a step (wrapped timers), per cache")
     args = ap.parse_args()
     from transformers import DynamicCache
     from kvatlas.integrations.transformers import kvatlas_cache_for
@@ -177,6 +179,44 @@ def main() -> None:
         Path(args.json).write_text(json.dumps(results, indent=1))
     if args.profile:
         profile(m, caches, args.profile)
+    if args.breakdown:
+        breakdown(m, caches)
+
+
+METHODS = ("update", "store_compression_weights", "update_overlap_state", "update_compressor_states")
+
+
+def breakdown(model, caches, n: int = 30) -> None:
+    """Host time a step in each method the model calls on a cache (and kvatlas's per-pass index
+    building, `_begin`), by timers wrapped around them: what the adapter's Python and launches cost
+    on the host, where the step's time goes when the model is launch-bound."""
+    for name, c in caches.items():
+        spent: dict = {}
+
+        def timed(obj, attr, label):
+            f = getattr(obj, attr)
+
+            def wrapper(*a, **k):
+                t = time.perf_counter()
+                try:
+                    return f(*a, **k)
+                finally:
+                    spent[label] = spent.get(label, 0.0) + time.perf_counter() - t
+            setattr(obj, attr, wrapper)
+        if hasattr(c, "_begin"):
+            timed(c, "_begin", "pass indices (_begin)")
+        for i, layer in enumerate(c.layers):
+            for meth in METHODS:
+                if hasattr(layer, meth):
+                    timed(layer, meth, f"{type(layer).__name__}.{meth}")
+        total = sum(steps(model, c, n))
+        for layer in c.layers:
+            for meth in METHODS:
+                layer.__dict__.pop(meth, None)
+        c.__dict__.pop("_begin", None)
+        cells = ", ".join(f"{k} {v / n * 1e3:.3f}" for k, v in sorted(spent.items()))
+        print(f"breakdown {name}: step {total / n * 1e3:.2f} ms; in the cache {sum(spent.values()) / n * 1e3:.3f} ms "
+              f"({cells})", flush=True)
 
 
 def profile(model, caches, out: str) -> None:
