@@ -35,7 +35,7 @@ from .compressor import Blocks, CompressorSpec, clear_rows, compress_batch, comp
 from .errors import DataPathError, NonFiniteError, OutOfRangeError, RingOverrunError, SlotError
 from .geometry import PageGeometry, compressed_slots, entries_for_page_bytes
 from .online import online_compress_batch
-from .paged import entries_view, gather, store
+from .paged import entries_view, gather, layer_ops, store
 from .step import LayerTargets, PagedTarget, RingTarget, StepIndices
 from .write import write_layer
 
@@ -43,6 +43,6 @@ __all__ = [
     "CODECS", "Codec", "codec_for", "Blocks", "CompressorSpec", "clear_rows", "compress_batch",
     "compress_sequence", "rollback", "online_compress_batch", "DataPathError", "NonFiniteError",
     "OutOfRangeError", "RingOverrunError", "SlotError", "PageGeometry", "compressed_slots",
-    "entries_for_page_bytes", "entries_view", "gather", "store", "LayerTargets", "PagedTarget", "RingTarget", "StepIndices",
+    "entries_for_page_bytes", "entries_view", "gather", "layer_ops", "store", "LayerTargets", "PagedTarget", "RingTarget", "StepIndices",
     "write_layer",
 ]

@@ -182,6 +182,15 @@ def gather(geom: PageGeometry, buffer, layers, slots, *, parallel=None, codec: C
     return out if not isinstance(layers, int) else out[0]
 
 
+def layer_ops(target):
+    """For a PagedTarget whose format has Triton kernels and lives on CUDA: an object whose
+    `store(slots, values)` and `gather(slots)` (1-D int64 slots) are `target.store`/`gather` with
+    the fixed arguments made once (kernels.codec_triton.LayerOps); None elsewhere."""
+    if not use_triton(target.codec, target.buffer, "auto", "store"):
+        return None
+    return kernels.layer_ops(target.codec, target.geom, target.buffer, target.layer)
+
+
 def entries_view(geom: PageGeometry, buffer, layer: int, *, codec: Codec | None = None):
     """One layer's entries as values, [units, entries per page, width] in the codec's dtype, for
     formats that store values as they are (bf16, fp32, fp64: `Codec.raw`); None for the others.

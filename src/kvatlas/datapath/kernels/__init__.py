@@ -36,6 +36,11 @@ def gather(codec, geom, buffer, layers: range, slots):
     return codec_triton.gather(codec, geom, buffer, layers, slots)
 
 
+def layer_ops(codec, geom, buffer, layer: int):
+    from . import codec_triton
+    return codec_triton.LayerOps(codec, geom, buffer, layer)
+
+
 def compress(*args, **kwargs):
     from . import compress_triton
     return compress_triton.compress(*args, **kwargs)

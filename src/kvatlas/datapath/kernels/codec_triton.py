@@ -184,34 +184,147 @@ def _common(geom, buffer, layers: range, slots):
             geom.entries, geom.scale_region)
 
 
+# Launches past triton's per-call dispatch (binding, specialization and cache-key strings: about
+# 13 of the 19 us a launch costs the host on an H200 machine, where the model that calls a layer's
+# store and gather a dozen times a step is launch-bound). A kernel is compiled and launched the
+# first time through triton for each specialization key below, which refines triton's own (16-byte
+# alignment of every tensor, and of each int: 1, a multiple of 16, 32 or 64 bits), and launched
+# straight through its compiled launcher after. Only on the Triton line this was checked on (the
+# launcher's arguments are triton's internals), without launch hooks, and unless
+# KVATLAS_TRITON_DIRECT=0.
+DIRECT = (HW_CAST and triton.__version__.startswith("3.6.")
+          and os.environ.get("KVATLAS_TRITON_DIRECT", "1") != "0")
+
+
+def _key(a):
+    if type(a) is int:
+        return (a == 1, a % 16 == 0, -2**31 <= a < 2**31)
+    if isinstance(a, torch.Tensor):
+        return (a.dtype, a.data_ptr() % 16 == 0)
+    return (type(a), a)
+
+
+def _hooked() -> bool:
+    rt = triton.knobs.runtime
+    return bool(getattr(rt.launch_enter_hook, "calls", rt.launch_enter_hook)
+                or getattr(rt.launch_exit_hook, "calls", rt.launch_exit_hook))
+
+
+class Launch:
+    """One kernel with its meta-parameters fixed (constexprs and num_warps): `launch(grid, *args)`
+    with the kernel's leading, non-constexpr arguments."""
+
+    __slots__ = ("fn", "meta", "tail", "compiled")
+
+    def __init__(self, fn, **meta) -> None:
+        self.fn, self.meta = fn, meta
+        self.tail: tuple | None = None
+        self.compiled: dict = {}
+
+    def __call__(self, grid, *args) -> None:
+        if not DIRECT or _hooked():
+            self.fn[grid](*args, **self.meta)
+            return
+        key = tuple(map(_key, args))
+        ck = self.compiled.get(key)
+        if ck is None:
+            self.compiled[key] = self.fn[grid](*args, **self.meta)
+            return
+        if self.tail is None:   # the constexprs in the kernel's order, after the leading arguments
+            self.tail = tuple(self.meta[n] for n in self.fn.arg_names[len(args):])
+        drv = triton.runtime.driver.active
+        ck.run(grid[0], grid[1], 1, drv.get_current_stream(drv.get_current_device()), ck.function,
+               ck.packed_metadata, None, None, None, *args, *self.tail)
+
+
+_LAUNCHES: dict = {}
+
+
+def _launch(fn, bt: int, warps: int, geom, **const) -> Launch:
+    key = (fn, bt, warps, geom.fmt.data_bytes, geom.fmt.scale_bytes)
+    got = _LAUNCHES.get(key)
+    if got is None:
+        got = _LAUNCHES[key] = Launch(fn, DATA=geom.fmt.data_bytes, SCALE=geom.fmt.scale_bytes, BT=bt,
+                                      num_warps=warps, **const)
+    return got
+
+
+def _store_launch(codec, geom, layers: range, n: int):
+    if codec.fmt.name == "fp8_ds_mla":
+        bt, warps = _config("ds_mla_store", layers, n)
+        return bt, _launch(_ds_mla_store, bt, warps, geom, NOPE=NOPE, ROPE=ROPE, TILE=DS_MLA_TILE, NT=8,
+                           Q_EXP=_E4M3_EXP, Q_MANT=_Q_MANT, HW=HW_CAST)
+    bt, warps = _config("index_store", layers, n)
+    return bt, _launch(_index_fp8_store, bt, warps, geom, WIDTH=INDEX_WIDTH, Q_EXP=_E4M3_EXP, Q_MANT=_Q_MANT,
+                       HW=HW_CAST)
+
+
+def _gather_launch(codec, geom, layers: range, n: int):
+    if codec.fmt.name == "fp8_ds_mla":
+        bt, warps = _config("ds_mla_gather", layers, n)
+        return bt, _launch(_ds_mla_gather, bt, warps, geom, NOPE=NOPE, ROPE=ROPE, TILE=DS_MLA_TILE, NT=8)
+    bt, warps = _config("index_gather", layers, n)
+    return bt, _launch(_index_fp8_gather, bt, warps, geom, WIDTH=INDEX_WIDTH)
+
+
 def store(codec, geom, buffer, layers: range, slots, values) -> None:
     vals = values.to(torch.bfloat16).contiguous()          # [L, n, width]
-    args = (vals, vals.stride(0), vals.stride(1), *_common(geom, buffer, layers, slots))
-    if codec.fmt.name == "fp8_ds_mla":
-        bt, warps = _config("ds_mla_store", layers, slots.numel())
-        _ds_mla_store[(triton.cdiv(vals.shape[1], bt), vals.shape[0])](
-            *args, NOPE=NOPE, ROPE=ROPE, TILE=DS_MLA_TILE, NT=8, DATA=geom.fmt.data_bytes,
-            SCALE=geom.fmt.scale_bytes, Q_EXP=_E4M3_EXP, Q_MANT=_Q_MANT, BT=bt, HW=HW_CAST, num_warps=warps)
-    else:
-        bt, warps = _config("index_store", layers, slots.numel())
-        _index_fp8_store[(triton.cdiv(vals.shape[1], bt), vals.shape[0])](
-            *args, WIDTH=INDEX_WIDTH, DATA=geom.fmt.data_bytes, SCALE=geom.fmt.scale_bytes,
-            Q_EXP=_E4M3_EXP, Q_MANT=_Q_MANT, BT=bt, HW=HW_CAST, num_warps=warps)
+    bt, launch = _store_launch(codec, geom, layers, slots.numel())
+    launch((triton.cdiv(vals.shape[1], bt), vals.shape[0]), vals, vals.stride(0), vals.stride(1),
+           *_common(geom, buffer, layers, slots))
 
 
 def gather(codec, geom, buffer, layers: range, slots):
     out = torch.empty((len(layers), slots.numel(), codec.width), dtype=torch.bfloat16, device=buffer.device)
     if slots.numel() == 0:
         return out
-    args = (out, out.stride(0), out.stride(1), *_common(geom, buffer, layers, slots))
-    if codec.fmt.name == "fp8_ds_mla":
-        bt, warps = _config("ds_mla_gather", layers, slots.numel())
-        _ds_mla_gather[(triton.cdiv(slots.numel(), bt), len(layers))](
-            *args, NOPE=NOPE, ROPE=ROPE, TILE=DS_MLA_TILE, NT=8, DATA=geom.fmt.data_bytes,
-            SCALE=geom.fmt.scale_bytes, BT=bt, num_warps=warps)
-    else:
-        bt, warps = _config("index_gather", layers, slots.numel())
-        _index_fp8_gather[(triton.cdiv(slots.numel(), bt), len(layers))](
-            *args, WIDTH=INDEX_WIDTH, DATA=geom.fmt.data_bytes, SCALE=geom.fmt.scale_bytes,
-            BT=bt, num_warps=warps)
+    bt, launch = _gather_launch(codec, geom, layers, slots.numel())
+    launch((triton.cdiv(slots.numel(), bt), len(layers)), out, out.stride(0), out.stride(1),
+           *_common(geom, buffer, layers, slots))
     return out
+
+
+class LayerOps:
+    """store and gather of one layer of one pool with everything fixed made once: what a caller
+    that writes and reads a layer a few times a step (the transformers adapter) calls instead of
+    `paged.store`/`gather`. Slots: int64, 1-D, contiguous, on the buffer's device; values
+    [n, width]."""
+
+    __slots__ = ("codec", "geom", "layers", "fixed", "width", "device", "made")
+
+    def __init__(self, codec, geom, buffer, layer: int) -> None:
+        if buffer.stride(2) != 1:
+            raise ValueError("pool buffer must be contiguous along its page bytes")
+        self.codec, self.geom, self.layers = codec, geom, range(layer, layer + 1)
+        self.fixed = (buffer, buffer.stride(0), buffer.stride(1))
+        self.width, self.device = codec.width, buffer.device
+        self.made: dict = {}   # (op, a chunk's size or not): (tokens a program, Launch)
+
+    def _made(self, op: str, n: int):
+        key = (op, n >= CHUNK_TOKENS)
+        got = self.made.get(key)
+        if got is None:
+            got = self.made[key] = (_store_launch if op == "store" else _gather_launch)(
+                self.codec, self.geom, self.layers, n)
+        return got
+
+    def store(self, slots, values) -> None:
+        n = slots.numel()
+        if not n:
+            return
+        if values.dtype != torch.bfloat16 or not values.is_contiguous():
+            values = values.to(torch.bfloat16).contiguous()
+        bt, launch = self._made("store", n)
+        g = self.geom
+        launch((triton.cdiv(n, bt), 1), values, 0, values.stride(0), *self.fixed, slots, n, self.layers.start,
+               g.entries, g.scale_region)
+
+    def gather(self, slots):
+        n = slots.numel()
+        out = torch.empty((n, self.width), dtype=torch.bfloat16, device=self.device)
+        if n:
+            bt, launch = self._made("gather", n)
+            g = self.geom
+            launch((triton.cdiv(n, bt), 1), out, 0, out.stride(0), *self.fixed, slots, n, self.layers.start,
+                   g.entries, g.scale_region)
+        return out
