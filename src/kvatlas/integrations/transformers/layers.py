@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from ...datapath import entries_view, store
+from ...datapath import entries_view, layer_ops, store
 from ...errors import KvatlasError
 
 _STATE_POOLS = {("c4", "compressor"): "c4_state", ("c4", "indexer"): "c4_indexer_state",
@@ -31,17 +31,20 @@ _STATE_POOLS = {("c4", "compressor"): "c4_state", ("c4", "indexer"): "c4_indexer
 class _Paged:
     """One layer's slice of a paged pool. Raw formats (the exact layouts) are read and written
     through their entries view with the pass's (page, offset) pairs: one indexing operation a
-    call, what the model's own cache spends on its concatenation; the others through gather and
-    store (the Triton kernels on CUDA)."""
+    call, what the model's own cache spends on its concatenation; the others through the Triton
+    kernels with their fixed arguments made once (`layer_ops`, CUDA), else gather and store."""
 
-    __slots__ = ("target", "view")
+    __slots__ = ("target", "view", "ops")
 
     def __init__(self, target) -> None:
         self.target = target
         self.view = entries_view(target.geom, target.buffer, target.layer, codec=target.codec)
+        self.ops = None if self.view is not None else layer_ops(target)
 
     def read(self, span):
         if self.view is None:
+            if self.ops is not None:
+                return self.ops.gather(span.slots.reshape(-1)).view(*span.slots.shape, -1)
             return self.target.gather(span.slots)
         B, n = span.pages.shape
         got = self.view.index_select(0, span.pages.reshape(-1)).view(B, -1, self.view.shape[-1])
@@ -53,6 +56,8 @@ class _Paged:
             store(t.geom, t.buffer, t.layer, where.slots, rows, parallel=t.parallel, codec=t.codec)
         elif self.view is not None:
             self.view[where.at] = rows if rows.dtype == self.view.dtype else rows.to(self.view.dtype)
+        elif self.ops is not None:
+            self.ops.store(where.slots, rows)
         else:
             t.store(where.slots, rows)
 
@@ -150,8 +155,11 @@ class CompressedLayer(SlidingLayer):
         else:
             self._prior[name] = None
         rows = torch.cat((kv, gate), -1)
-        new = rows if not rr.write_from else rows[:, rr.write_from:]
-        state[rr.write] = new if new.dtype == state.dtype else new.to(state.dtype)
+        if rr.one is not None:      # a decode step of one row: a copy into the row, no scatter
+            state[rr.one].copy_(rows[0, 0])
+        else:
+            new = rows if not rr.write_from else rows[:, rr.write_from:]
+            state[rr.write] = new if new.dtype == state.dtype else new.to(state.dtype)
         if name in self.ckpt:                        # prefix cache: rows a resume point keeps
             saved = p.checkpoints.get(self.ckpt[name][0])
             if saved is not None and saved[0].numel():

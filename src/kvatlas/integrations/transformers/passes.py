@@ -38,7 +38,7 @@ class Staging:
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         self.hosts = [torch.empty(0, dtype=torch.int64) for _ in range(self.RING)]
-        self.done: list = [None] * self.RING
+        self.done: list = [None] * self.RING   # each buffer's event, made once, recorded at each copy
         self.next = 0
 
     def to_device(self, flat: np.ndarray) -> torch.Tensor:
@@ -53,7 +53,8 @@ class Staging:
         host = self.hosts[i][: flat.size]
         host.numpy()[:] = flat
         out = host.to(self.device, non_blocking=True)
-        self.done[i] = torch.cuda.Event()
+        if self.done[i] is None:
+            self.done[i] = torch.cuda.Event()
         self.done[i].record()
         return out
 
@@ -73,7 +74,8 @@ class _Packer:
         flat = staging.to_device(flat)
         out, at = [], 0
         for p in self.parts:
-            out.append(flat[at:at + p.size].view(p.shape))
+            part = flat[at:at + p.size]
+            out.append(part if p.ndim == 1 else part.view(p.shape))
             at += p.size
         return out
 
@@ -112,16 +114,19 @@ class RingRows:
     overlap: tuple | None    # ratio 4: the block before that window (None at its first window)
     write: tuple             # the last min(S, ring) tokens of the pass: their rows are (over)written
     write_from: int          # the token offset (0..S-1) of the first of those
+    one: tuple | None = None  # one bound row writing one token (a decode step): (slot, ring row) as ints
 
 
 class _Kept(dict):
     """Index tensors kept on the device between passes, for the last few sets of bound rows (a
-    serving loop runs its requests in turn, one pass each)."""
+    serving loop runs its requests in turn, one pass each): at most `most`, the oldest dropped."""
 
-    MOST = 64
+    def __init__(self, most: int = 64) -> None:
+        super().__init__()
+        self.most = most
 
     def keep(self, key, value):
-        if len(self) >= self.MOST:
+        if len(self) >= self.most:
             del self[next(iter(self))]
         self[key] = value
         return value
@@ -165,9 +170,10 @@ class Pass:
         ids = {"swa_store": _where(pk, w.swa_slots, a.Ps), "swa_read": (pk.add(read_slots), pk.add(read_pages))}
         self.new_counts = {}
         for r in a.ratios:
-            mask, entry = w.compressed[r]
-            ids[("new", r)] = _where(pk, entry[mask], a.P // r)
             self.new_counts[r] = self.L1 // r - L0 // r
+            if self.new_counts[r]:   # most decode steps close no window: nothing to index
+                mask, entry = w.compressed[r]
+                ids[("new", r)] = _where(pk, entry[mask], a.P // r)
         ckpt = {}
         for name, (tok, row) in w.checkpoint_rows.items():
             rows = kv.pools[name].spec.entries_per_unit
@@ -176,7 +182,7 @@ class Pass:
         self.swa_store = _made(t, ids["swa_store"])
         sr = ids["swa_read"]
         self.swa_read = Span(t[sr[0]], t[sr[1]], lo % a.Ps, self.L1 - lo)
-        self.new_entries = {r: _made(t, ids["new", r]) for r in a.ratios}
+        self.new_entries = {r: _made(t, ids["new", r]) for r in a.ratios if ("new", r) in ids}
         self.read_entries = {r: entries.read(kv, slots, r, self.L1 // r, staging) for r in a.ratios}
         self.rings = {(ring, r): rings.get(slots, L0, S, ring, r, staging) for ring, r in self._rings(kv)}
         self.checkpoints = {n: tuple(t[i] for i in v) for n, v in ckpt.items()}
@@ -211,7 +217,9 @@ class Rings:
     takes them from here instead of making and copying them again."""
 
     def __init__(self) -> None:
-        self.kept = _Kept()
+        # a steady decode keys one set of rows by its position in each ring: a C128 ring's 128
+        # positions (and the C4 ring's) must fit, else every step of it is made and copied again
+        self.kept = _Kept(1024)
 
     def get(self, slots: np.ndarray, L0: int, S: int, ring: int, r: int, staging: Staging) -> RingRows:
         steady = L0 >= ring
@@ -229,5 +237,6 @@ class Rings:
         b, w = rows(fw, L0 % r), rows(L0 + S - k, k)
         t = pk.device(staging)
         got = RingRows(buffer=(t[b[0]], t[b[1]]), overlap=None if overlap is None else (t[overlap[0]], t[overlap[1]]),
-                       write=(t[w[0]], t[w[1]]), write_from=S - k)
+                       write=(t[w[0]], t[w[1]]), write_from=S - k,
+                       one=(int(slots[0]), (L0 + S - 1) % ring) if len(slots) == 1 and S == 1 else None)
         return self.kept.keep(key, got) if steady else got
