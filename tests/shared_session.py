@@ -79,7 +79,10 @@ def admit_only(s, seq) -> int:
     if ready is not None:
         ready.wait()
     s.next_id += 1
-    return s.hot.admit(f"a{s.next_id}", len(seq), 2, token_ids=seq).cached_tokens
+    rid = f"a{s.next_id}"
+    cached = s.hot.admit(rid, len(seq), 2, token_ids=seq).cached_tokens
+    s.hot.finish(rid)   # a caller that retries until a hit must not run out of request slots
+    return cached
 
 
 def write_through(store, seqs, max_new: int = 2, prefetch: bool = True, **link_options):
