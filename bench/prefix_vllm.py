@@ -319,6 +319,26 @@ def gaps(rows: list[dict], trace_path: Path) -> None:
         print(line + f"; kvatlas misses: {kv['missed_tokens']}")
 
 
+def ceiling(path: Path, block: int = 512) -> tuple[float, float]:
+    """The most any prefix cache can hit on the trace, one request at a time with unbounded
+    memory: per request, its leading whole blocks whose content (a block id, chained over its
+    prefix) an earlier request had, at least one prompt token left to compute. (hit ratio in
+    prompt tokens, in blocks)."""
+    seen: set = set()
+    tokens = blocks = hit = 0
+    with open(path) as f:
+        for line in f:
+            r = json.loads(line)
+            ids, n = r["hash_ids"], int(r["input_length"])
+            k = 0
+            while k < len(ids) and ids[k] in seen:
+                k += 1
+            hit += min(k, (n - 1) // block)
+            tokens, blocks = tokens + n, blocks + len(ids)
+            seen.update(ids)
+    return hit * block / tokens, hit / blocks
+
+
 def parse_retention(text: str) -> list[int | None]:
     return [None if x.strip() == "None" else int(x) for x in text.split(",")]
 
@@ -351,6 +371,10 @@ def main() -> None:
                        args.engines.split(","), tm, rows, save)
     table(rows)
     gaps(rows, args.trace)
+    if not args.limit:
+        tok, blk = ceiling(args.trace)
+        print(f"the most any cache can hit on this trace (unbounded memory, one request at a time, whole blocks): "
+              f"{tok:.2%} of prompt tokens, {blk:.2%} in blocks")
 
 
 if __name__ == "__main__":
