@@ -200,3 +200,37 @@ def test_simulate_with_a_shared_tier_has_its_own_summary_line(tmp_path, capsys):
     import re
     assert re.search(r"hit tokens [1-9][\d,]* \(\d+ requests\)", line), line
     assert "misses: none" in line and "errors 0" in line and "breaker closed" in line
+
+
+class _ZeroCopyMemory(MemoryStore):
+    """The in-process store read as a zero-copy store is (Mooncake): whole values into the inbox."""
+    zero_copy = True
+
+
+@pytest.mark.parametrize("chunk_bytes", [None, 3 * (64 + 4096)])
+def test_zero_copy_reads_through_the_inbox_whole_or_in_chunks(chunk_bytes):
+    """A batch that fits the inbox is one read call into it; a larger one (here: an inbox of
+    3 pages a half) goes in chunks alternating halves. Either way every hit is the bytes written,
+    a damaged value is a miss (corrupt) whose parts are left untouched, and the rest still hit."""
+    store = _ZeroCopyMemory()
+    tier, _ = _tier(store)
+    if chunk_bytes is not None:
+        tier._inbox.chunk_bytes = chunk_bytes
+        tier._inbox.buf = np.zeros((2, chunk_bytes), np.uint8)
+    srcs = [_page(10 + i) for i in range(8)]
+    tier.put([Entry("page", 100 + i, 0, (s,)) for i, s in enumerate(srcs)])
+    tier.flush()
+    key = LAYOUT.key("page", 103)
+    damaged = bytearray(store.values[key])
+    damaged[64 + 7] ^= 0x10
+    store.values[key] = bytes(damaged)
+    dsts = [np.full(4096, 0xAB, np.uint8) for _ in srcs]
+    calls = []
+    get_many = store.get_many
+    store.get_many = lambda keys, dests: calls.append(len(keys)) or get_many(keys, dests)
+    got = tier.get([Entry("page", 100 + i, 0, (d,)) for i, d in enumerate(dsts)])
+    assert got.reasons == [None, None, None, "corrupt", None, None, None, None]
+    assert calls == ([8] if chunk_bytes is None else [3, 3, 2])
+    for i, (s, d) in enumerate(zip(srcs, dsts)):
+        assert np.array_equal(d, s) if i != 3 else (d == 0xAB).all()
+    assert tier.snapshot().misses["page"]["corrupt"] == 1

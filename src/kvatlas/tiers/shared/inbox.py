@@ -11,6 +11,7 @@ modeled payloads) read into the parts themselves, a header slot first."""
 
 from __future__ import annotations
 
+import ctypes
 import time
 from concurrent.futures import TimeoutError as FutureTimeout
 
@@ -19,6 +20,17 @@ import numpy as np
 from .store import StoreUnavailable
 
 CHUNK_BYTES = 16 << 20    # one read call: a chunk of values up to this many bytes (one value at least)
+
+
+def copy_payload(dst: np.ndarray, src: np.ndarray) -> None:
+    """dst[:] = src for a hit's payload range: memmove where both are contiguous bytes of one size
+    (2.95 ms for a 20 MB batch against numpy's copyto 6.5-6.9 ms on CI's 2-core machine, measured
+    from the inbox into the host tier's buffers), else numpy."""
+    if (dst.nbytes == src.nbytes and dst.flags.c_contiguous and src.flags.c_contiguous
+            and dst.dtype == src.dtype == np.uint8):
+        ctypes.memmove(dst.ctypes.data, src.ctypes.data, dst.nbytes)
+    else:
+        np.copyto(dst, src)
 
 
 def _timed(fn, *args):
@@ -48,8 +60,23 @@ class Inbox:
         store.register(self.buf)
 
     def views(self, k: int, sizes) -> list:
-        cut = np.cumsum([0, *sizes]).tolist()
-        return [self.buf[k % 2, a:b] for a, b in zip(cut[:-1], cut[1:])]
+        return _packed(self.buf[k % 2], sizes)
+
+    def plan(self, sizes):
+        """(spans, views(k, sizes of chunk k)): a batch that fits in both halves together is one
+        read call into the whole inbox, checked once it has landed (Mooncake's batch read of 16
+        pages and a resume point: 24.7 ms as one call, and the same two chunks read while the
+        first was being checked took 34-39 ms on CI's 2-core machine, the checks and the store's
+        transfer threads sharing the cores); a larger one goes in chunks, alternating halves."""
+        if sum(sizes) <= self.buf.size:
+            whole = self.buf.reshape(-1)
+            return [(0, len(sizes))], lambda k, part: _packed(whole, part)
+        return spans_of(sizes, self.chunk_bytes), self.views
+
+
+def _packed(buf, sizes) -> list:
+    cut = np.cumsum([0, *sizes]).tolist()
+    return [buf[a:b] for a, b in zip(cut[:-1], cut[1:])]
 
 
 def read_chunks(pool, get_many, keys, dests_of, spans, end_s: float, on_chunk):

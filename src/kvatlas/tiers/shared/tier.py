@@ -33,7 +33,7 @@ import numpy as np
 from ...errors import ConfigError
 from .breaker import Breaker
 from .counters import SHARED_SCHEMA_VERSION, SharedCounters, SharedSnapshot
-from .inbox import Inbox, _timed, read_chunks, spans_of
+from .inbox import Inbox, _timed, copy_payload, read_chunks, spans_of
 from .store import ABSENT, EXISTS, GET_FAILED, STORED, WRONG_SIZE, StoreUnavailable
 from .values import HEADER_BYTES, check, checksum, header
 
@@ -198,8 +198,8 @@ class SharedTier:
         keys = [self.layout.key(e.kind, e.page_key) for e in entries]
         sizes = [self.value_bytes(e.kind) for e in entries]
         if staged:
-            spans = spans_of(sizes, self._inbox.chunk_bytes)
-            dests_of = lambda k, a, b: [[v] for v in self._inbox.views(k, sizes[a:b])]  # noqa: E731
+            spans, views = self._inbox.plan(sizes)
+            dests_of = lambda k, a, b: [[v] for v in views(k, sizes[a:b])]  # noqa: E731
         else:
             spans = [(a, min(a + READ_CHUNK, len(entries))) for a in range(0, len(entries), READ_CHUNK)]
             dests_of = lambda k, a, b: [[self._headers[ids[i]]] + self._parts(entries[i]) for i in range(a, b)]  # noqa: E731
@@ -208,7 +208,7 @@ class SharedTier:
         def judged(k, a, b, codes, secs):
             self.c.op_count["get"] += 1
             self.c.op_seconds["get"] += secs
-            got = self._inbox.views(k, sizes[a:b]) if staged else None
+            got = views(k, sizes[a:b]) if staged else None
             for j, (i, code) in enumerate(zip(range(a, b), codes)):
                 reasons.append(self._staged(entries[i], code, got[j]) if staged
                                else self._judge(entries[i], code, self._headers[ids[i]], dests_of(0, i, i + 1)[0][1:]))
@@ -239,7 +239,7 @@ class SharedTier:
         why = self._judge(e, code, value[:HEADER_BYTES], parts)
         if why is None:
             for dst, src in zip(e.parts, parts):
-                np.copyto(dst, src)
+                copy_payload(dst, src)
         return why
 
     def _judge(self, e: Entry, code: int, raw_header, parts) -> str | None:
