@@ -96,6 +96,29 @@ def test_beam_search_is_bit_identical(monkeypatch):
     c.kv.check_integrity()
 
 
+@pytest.mark.parametrize("layout", ["exact", "fp8"])
+def test_long_decode_takes_its_indices_from_kept_tensors(monkeypatch, layout):
+    """A decode step derives every index from tensors kept on the device (the SWA pages' slots,
+    the entries' slots): over 150 steps (the window filling and sliding, SWA pages retired and
+    taken, C4 windows every 4 tokens, C128 windows at 128 and 256) each derived slot equals the
+    allocator's own, and the tokens and logits equal the model's own cache's (exact layout)."""
+    from kvatlas.integrations.transformers import passes
+    monkeypatch.setattr(passes, "CHECK_DECODE", True)
+    m = tiny_model(torch.float32, seed=6)
+    ids = prompt(110, seed=7)
+    c = cache_for(m, layout)
+    got = m.generate(ids, past_key_values=c, max_new_tokens=150, do_sample=False, output_logits=True,
+                     return_dict_in_generate=True)
+    c.kv.check_integrity()
+    if layout == "exact":
+        want = m.generate(ids, max_new_tokens=150, do_sample=False, output_logits=True, return_dict_in_generate=True)
+        assert torch.equal(got.sequences, want.sequences)
+        assert all(torch.equal(a, b) for a, b in zip(got.logits, want.logits))
+        beams = cache_for(m, layout)
+        kw = dict(num_beams=2, num_return_sequences=2, max_new_tokens=40, do_sample=False, return_dict_in_generate=True)
+        assert torch.equal(m.generate(ids, past_key_values=beams, **kw).sequences, m.generate(ids, **kw).sequences)
+
+
 def test_fp8_layout_against_the_bf16_layout():
     """What engines store (fp8_ds_mla KV, fp8 indexer keys) against the exact bf16 layout: stated,
     no target (the figures are in bench/RESULTS.md): greedy agreement and the logits' error."""

@@ -20,7 +20,7 @@ from ...datapath import LayerTargets
 from ...errors import KvatlasError, RequestStateError
 from .layers import CLASSES
 from .model import compressors, model_spec
-from .passes import EntrySlots, Pass, Rings, Staging
+from .passes import EntrySlots, Pass, Rings, Staging, SwaSlots
 
 _names = itertools.count()
 
@@ -64,7 +64,7 @@ class KvatlasCache(Cache):
             layers.append(cls(self, i, targets) if kind == "sliding_attention" else cls(self, i, targets, mods[i]))
         super().__init__(layers=layers)
         self.current: Pass | None = None
-        self._entries, self._rings = EntrySlots(), Rings()
+        self._entries, self._rings, self._swa = EntrySlots(), Rings(), SwaSlots()
         self._staging = Staging(kv.device)
         self.request_ids: tuple = ()
         self._batch = None
@@ -125,7 +125,7 @@ class KvatlasCache(Cache):
                     w = _Merged([kv.extend(rid, tokens) for rid in self.request_ids], tokens)
             slots = np.fromiter((a.slot_of[r] for r in self.request_ids), np.int64, rows)
         self.current = Pass(kv, slots, int(a.length[slots[0]]) - tokens, tokens, w, self._entries, self._rings,
-                            self._staging)
+                            self._staging, self._swa)
 
     # ---------------------------------------------------------------- the Cache interface
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):

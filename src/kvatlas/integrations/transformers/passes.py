@@ -103,6 +103,11 @@ def _where(pk: _Packer, slots: np.ndarray, per_page: int) -> tuple:
     return pk.add(slots), pk.add(slots // per_page), pk.add(slots % per_page)
 
 
+def _column(t: torch.Tensor, j: int) -> torch.Tensor:
+    """Column j of [B, n] as a contiguous [B] (a view for one row)."""
+    return t[:, j] if t.shape[0] == 1 else t[:, j].contiguous()
+
+
 def _made(t: list, ids: tuple) -> Where:
     return Where(t[ids[0]], (t[ids[1]], t[ids[2]]))
 
@@ -156,14 +161,46 @@ class EntrySlots:
         return Span(table[:, :count], pages[:, : -(-count // per)], 0, count)
 
 
+class SwaSlots:
+    """The slots of every entry of the SWA pages a decode step reads, on the device, kept between
+    passes and keyed by those pages: the window moves a token a step but its pages change once
+    every `swa_page_tokens`, so a decode step takes its read span, and the slot it writes, as
+    slices of the same tensor. Also a small arange on the device, for in-page offsets."""
+
+    def __init__(self) -> None:
+        self.kept = _Kept()
+        self.ar: torch.Tensor | None = None
+
+    def table(self, pages: np.ndarray, per: int, staging: Staging):
+        key = (pages.shape, per, pages.tobytes())
+        got = self.kept.get(key)
+        if got is None:
+            pk = _Packer()
+            ids = pk.add(pages), pk.add((pages[:, :, None] * per + np.arange(per)).reshape(len(pages), -1))
+            t = pk.device(staging)
+            got = self.kept.keep(key, (t[ids[0]], t[ids[1]]))
+        return got
+
+    def offsets(self, n: int, staging: Staging) -> torch.Tensor:
+        if self.ar is None or self.ar.numel() < n:
+            self.ar = staging.to_device(np.arange(max(n, 256), dtype=np.int64)).clone()
+        return self.ar
+
+
+# set by tests: a decode pass's derived indices are checked against the allocator's own
+CHECK_DECODE = False
+
+
 class Pass:
     """The indices of one pass. `tokens`: B * S; arrays over tokens are row-major (row b's S tokens
     together), as the allocator wrote them."""
 
     def __init__(self, kv, slots: np.ndarray, L0: int, S: int, w, entries: "EntrySlots", rings: "Rings",
-                 staging: Staging) -> None:
+                 staging: Staging, swa: "SwaSlots | None" = None) -> None:
         a = kv.allocator
         self.B, self.S, self.L0, self.L1 = len(slots), S, L0, L0 + S
+        if S == 1 and swa is not None and not w.checkpoint_rows and a.swa is not None:
+            return self._decode(kv, slots, w, entries, rings, staging, swa)
         pk = _Packer()
         lo = max(0, L0 - (a.window - 1))   # the first key the pass's rows read
         read_pages, read_slots = self._swa_read(a, slots, lo)
@@ -186,6 +223,42 @@ class Pass:
         self.read_entries = {r: entries.read(kv, slots, r, self.L1 // r, staging) for r in a.ratios}
         self.rings = {(ring, r): rings.get(slots, L0, S, ring, r, staging) for ring, r in self._rings(kv)}
         self.checkpoints = {n: tuple(t[i] for i in v) for n, v in ckpt.items()}
+
+    def _decode(self, kv, slots, w, entries, rings, staging, swa) -> None:
+        """A decode step (one token a row, no resume-point rows to save): every index is a slice
+        of tensors kept on the device (the SWA pages' slots, every compressed entry's slots), so
+        a steady step copies nothing to the device. The slot each row writes is the last of its
+        read span; a window that closes adds the last entry of the entries span."""
+        a, B, L0, L1 = kv.allocator, self.B, self.L0, self.L1
+        lo = max(0, L0 - (a.window - 1))
+        first, last = lo // a.Ps, L0 // a.Ps
+        pages, table = swa.table(a.swa_table[slots[:, None], np.arange(first, last + 1) % a.ring], a.Ps, staging)
+        start = lo - first * a.Ps
+        ar = swa.offsets(max(a.Ps, a.P), staging)
+        self.swa_read = Span(table[:, start: start + L1 - lo], pages, start, L1 - lo)
+        at = L0 - first * a.Ps
+        self.swa_store = Where(_column(table, at), (_column(pages, last - first), ar[L0 % a.Ps].expand(B)))
+        self.read_entries = {r: entries.read(kv, slots, r, L1 // r, staging) for r in a.ratios}
+        self.new_counts, self.new_entries = {}, {}
+        for r in a.ratios:
+            self.new_counts[r] = L1 // r - L0 // r
+            if self.new_counts[r]:
+                e, per, span = L1 // r - 1, a.P // r, self.read_entries[r]
+                self.new_entries[r] = Where(_column(span.slots, e), (_column(span.pages, e // per),
+                                                                     ar[e % per].expand(B)))
+        self.rings = {(ring, r): rings.get(slots, L0, 1, ring, r, staging) for ring, r in self._rings(kv)}
+        self.checkpoints = {}
+        if CHECK_DECODE:
+            self._check_decode(w)
+
+    def _check_decode(self, w) -> None:
+        """The derived slots equal the allocator's (tests)."""
+        got = self.swa_store.slots.cpu().numpy()
+        assert np.array_equal(got, w.swa_slots), (got, w.swa_slots)
+        for r, (mask, entry) in w.compressed.items():
+            want = entry[mask]
+            have = self.new_entries[r].slots.cpu().numpy() if r in self.new_entries else np.zeros(0, np.int64)
+            assert np.array_equal(have, want), (r, have, want)
 
     @property
     def window_rows(self) -> int:
