@@ -73,6 +73,33 @@ def test_layer_ops_repeated_launches_match_reference(name, entries):
         assert any(len(v.compiled) > 1 for v in ct._LAUNCHES.values())   # several keys were made and launched
 
 
+def test_layer_ops_step_is_store_then_gather():
+    """A decode step's window in one launch (LayerOps.step: the row stored at the last slot, every
+    slot read, the new one from registers) leaves the same bytes and returns the same values as
+    store then gather, for windows of 1 to 200 slots at aligned and unaligned addresses."""
+    from kvatlas.datapath.kernels import codec_triton as ct
+    codec = CODECS["fp8_ds_mla"]
+    geom = PageGeometry(codec.fmt, 64)
+    units, layers = 40, 3
+    ref, fused = slab_buffer(geom, units, layers), slab_buffer(geom, units, layers)
+    g = torch.Generator(device="cuda").manual_seed(2)
+    fill = torch.randperm(units * 64 - 64, device="cuda", generator=g)[:600] + 64
+    x = values(600, codec.width, layers)
+    store(geom, ref, range(0, layers), fill, x, impl="torch")
+    fused.copy_(ref)
+    ops = ct.LayerOps(codec, geom, fused, 2)
+    for step, n in enumerate((1, 2, 7, 128, 128, 200, 33)):
+        pool = torch.randperm(units * 64 - 64, device="cuda", generator=g) + 64
+        flat = torch.cat([torch.zeros(step % 2, dtype=torch.int64, device="cuda"), pool[:n]])
+        slots = flat[step % 2:]
+        row = values(2, codec.width)[1:]                  # a row with nonzero tiles
+        store(geom, ref, 2, slots[-1:], row, impl="torch")
+        want = gather(geom, ref, 2, slots, impl="torch")
+        got = ops.step(slots, row)
+        assert torch.equal(ref, fused), f"bytes, step {step}"
+        assert torch.equal(got, want), f"values, step {step}"
+
+
 @pytest.mark.parametrize("ratio,ring,d,state_dtype", [
     (4, 8, 512, torch.float32), (4, 16, 128, torch.float32), (128, 128, 512, torch.float32),
     (128, 256, 512, torch.bfloat16), (4, 8, 512, torch.bfloat16)])

@@ -89,6 +89,15 @@ def ds_mla_store_rows(row, ok, base, off, scale_region, NOPE: tl.constexpr, ROPE
                       Q_EXP: tl.constexpr, Q_MANT: tl.constexpr, HW: tl.constexpr):
     """Quantize the bf16 rows at `row` [BT] (masked by `ok`) into entries `off` of pages `base`.
     Both loads are issued before any store: a load after a store waits a second memory trip."""
+    q, e, rope = _ds_mla_quantize(row, ok, NOPE, ROPE, TILE, NT, Q_EXP, Q_MANT, HW)
+    _ds_mla_put(q, e, rope, ok, base, off, scale_region, NOPE, ROPE, TILE, NT, DATA, SCALE)
+
+
+@triton.jit
+def _ds_mla_quantize(row, ok, NOPE: tl.constexpr, ROPE: tl.constexpr, TILE: tl.constexpr, NT: tl.constexpr,
+                     Q_EXP: tl.constexpr, Q_MANT: tl.constexpr, HW: tl.constexpr):
+    """The rows at `row` [BT] as stored: fp8 tiles [BT, NT, TILE], their exponents [BT, NT] and
+    the rope part's bf16 bits [BT, ROPE]."""
     r = tl.arange(0, NT)
     c = tl.arange(0, TILE)
     idx = (r[:, None] * TILE + c[None, :])[None, :, :]                               # [1, NT, TILE]
@@ -100,6 +109,17 @@ def ds_mla_store_rows(row, ok, base, off, scale_region, NOPE: tl.constexpr, ROPE
     e = _e4m3_exponent(amax, Q_EXP, Q_MANT)                                          # [BT, NT]
     inv = ((254 - e) << 23).to(tl.float32, bitcast=True)
     q = _to_e4m3(tl.minimum(tl.maximum(x * inv[:, :, None], -448.0), 448.0), HW)
+    return q, e, rope
+
+
+@triton.jit
+def _ds_mla_put(q, e, rope, ok, base, off, scale_region, NOPE: tl.constexpr, ROPE: tl.constexpr,
+                TILE: tl.constexpr, NT: tl.constexpr, DATA: tl.constexpr, SCALE: tl.constexpr):
+    r = tl.arange(0, NT)
+    c = tl.arange(0, TILE)
+    idx = (r[:, None] * TILE + c[None, :])[None, :, :]
+    m = ok[:, None, None] & (r < NOPE // TILE)[None, :, None]
+    k = tl.arange(0, ROPE)[None, :]
     data = base + off * DATA
     tl.store(data[:, None, None] + idx, q, mask=m)
     tl.store((data + NOPE).to(tl.pointer_type(tl.uint16))[:, None] + k, rope, mask=ok[:, None])
@@ -108,11 +128,16 @@ def ds_mla_store_rows(row, ok, base, off, scale_region, NOPE: tl.constexpr, ROPE
 
 
 @triton.jit
-def _ds_mla_gather(out_ptr, o_sl, o_sn, buf_ptr, b_su, b_sl, slots_ptr, n, layer0, P: tl.constexpr, scale_region,
-                   NOPE: tl.constexpr, ROPE: tl.constexpr, TILE: tl.constexpr, NT: tl.constexpr,
-                   DATA: tl.constexpr, SCALE: tl.constexpr, BT: tl.constexpr):
-    t, ok, base, off = _tokens(slots_ptr, n, buf_ptr, b_su, b_sl, layer0, P, BT)
-    row = out_ptr + tl.program_id(1).to(tl.int64) * o_sl + t * o_sn
+def _ds_mla_values(q, e):
+    """Stored tiles and exponents as the values a read returns (fp32 [BT, NT, TILE])."""
+    scale = (e << 23).to(tl.float32, bitcast=True)                   # byte 0 reads as 0
+    return q.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale[:, :, None]
+
+
+@triton.jit
+def _ds_mla_take(ok, base, off, scale_region, NOPE: tl.constexpr, ROPE: tl.constexpr, TILE: tl.constexpr,
+                 NT: tl.constexpr, DATA: tl.constexpr, SCALE: tl.constexpr):
+    """The entries `off` of pages `base` (masked by `ok`) as values [BT, NT, TILE] and rope bits."""
     r = tl.arange(0, NT)
     c = tl.arange(0, TILE)
     idx = (r[:, None] * TILE + c[None, :])[None, :, :]
@@ -122,10 +147,48 @@ def _ds_mla_gather(out_ptr, o_sl, o_sn, buf_ptr, b_su, b_sl, slots_ptr, n, layer
     e = tl.load((base + scale_region + off * SCALE)[:, None] + r[None, :], mask=ok[:, None], other=0).to(tl.int32)
     k = tl.arange(0, ROPE)[None, :]
     rope = tl.load((data + NOPE).to(tl.pointer_type(tl.uint16))[:, None] + k, mask=ok[:, None])
-    scale = (e << 23).to(tl.float32, bitcast=True)                   # byte 0 reads as 0
-    y = q.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale[:, :, None]
+    return _ds_mla_values(q, e), rope
+
+
+@triton.jit
+def _ds_mla_emit(row, y, rope, ok, NOPE: tl.constexpr, ROPE: tl.constexpr, TILE: tl.constexpr, NT: tl.constexpr):
+    r = tl.arange(0, NT)
+    c = tl.arange(0, TILE)
+    idx = (r[:, None] * TILE + c[None, :])[None, :, :]
+    m = ok[:, None, None] & (r < NOPE // TILE)[None, :, None]
+    k = tl.arange(0, ROPE)[None, :]
     tl.store(row[:, None, None] + idx, y.to(tl.bfloat16), mask=m)
     tl.store(row.to(tl.pointer_type(tl.uint16))[:, None] + NOPE + k, rope, mask=ok[:, None])
+
+
+@triton.jit
+def _ds_mla_gather(out_ptr, o_sl, o_sn, buf_ptr, b_su, b_sl, slots_ptr, n, layer0, P: tl.constexpr, scale_region,
+                   NOPE: tl.constexpr, ROPE: tl.constexpr, TILE: tl.constexpr, NT: tl.constexpr,
+                   DATA: tl.constexpr, SCALE: tl.constexpr, BT: tl.constexpr):
+    t, ok, base, off = _tokens(slots_ptr, n, buf_ptr, b_su, b_sl, layer0, P, BT)
+    row = out_ptr + tl.program_id(1).to(tl.int64) * o_sl + t * o_sn
+    y, rope = _ds_mla_take(ok, base, off, scale_region, NOPE, ROPE, TILE, NT, DATA, SCALE)
+    _ds_mla_emit(row, y, rope, ok, NOPE, ROPE, TILE, NT)
+
+
+@triton.jit
+def _ds_mla_swa_step(val_ptr, out_ptr, o_sn, buf_ptr, b_su, b_sl, slots_ptr, n, layer0, P: tl.constexpr,
+                     scale_region, NOPE: tl.constexpr, ROPE: tl.constexpr, TILE: tl.constexpr, NT: tl.constexpr,
+                     DATA: tl.constexpr, SCALE: tl.constexpr, Q_EXP: tl.constexpr, Q_MANT: tl.constexpr,
+                     BT: tl.constexpr, HW: tl.constexpr):
+    """One decode step of one request's window in one launch: the row at `val_ptr` is stored at
+    the last of the `n` slots, and the n entries are read into `out`, the last from the row as
+    quantized in registers (what a read of it returns, bit for bit) rather than from memory, so
+    no program reads what another writes."""
+    t, ok, base, off = _tokens(slots_ptr, n, buf_ptr, b_su, b_sl, layer0, P, BT)
+    new = t == n - 1
+    old = ok & ~new
+    y, rope = _ds_mla_take(old, base, off, scale_region, NOPE, ROPE, TILE, NT, DATA, SCALE)
+    q, e, rope_new = _ds_mla_quantize(val_ptr + t * 0, new, NOPE, ROPE, TILE, NT, Q_EXP, Q_MANT, HW)
+    _ds_mla_put(q, e, rope_new, new, base, off, scale_region, NOPE, ROPE, TILE, NT, DATA, SCALE)
+    y = tl.where(new[:, None, None], _ds_mla_values(q, e), y)
+    rope = tl.where(new[:, None], rope_new, rope)
+    _ds_mla_emit(out_ptr + t * o_sn, y, rope, ok, NOPE, ROPE, TILE, NT)
 
 
 @triton.jit
@@ -221,11 +284,14 @@ class Launch:
         self.tail: tuple | None = None
         self.compiled: dict = {}
 
-    def __call__(self, grid, *args) -> None:
+    def __call__(self, grid, *args, key=None) -> None:
+        """`key`: the specialization key of `args` when the caller made it (it must be what
+        `tuple(map(_key, args))` is, or finer)."""
         if not DIRECT or _hooked():
             self.fn[grid](*args, **self.meta)
             return
-        key = tuple(map(_key, args))
+        if key is None:
+            key = tuple(map(_key, args))
         ck = self.compiled.get(key)
         if ck is None:
             self.compiled[key] = self.fn[grid](*args, **self.meta)
@@ -267,6 +333,12 @@ def _gather_launch(codec, geom, layers: range, n: int):
     return bt, _launch(_index_fp8_gather, bt, warps, geom, WIDTH=INDEX_WIDTH)
 
 
+def _step_launch(codec, geom, layers: range, n: int):
+    bt, warps = _config("ds_mla_gather", layers, n)
+    return bt, _launch(_ds_mla_swa_step, bt, warps, geom, NOPE=NOPE, ROPE=ROPE, TILE=DS_MLA_TILE, NT=8,
+                       Q_EXP=_E4M3_EXP, Q_MANT=_Q_MANT, HW=HW_CAST)
+
+
 def store(codec, geom, buffer, layers: range, slots, values) -> None:
     vals = values.to(torch.bfloat16).contiguous()          # [L, n, width]
     bt, launch = _store_launch(codec, geom, layers, slots.numel())
@@ -290,13 +362,16 @@ class LayerOps:
     `paged.store`/`gather`. Slots: int64, 1-D, contiguous, on the buffer's device; values
     [n, width]."""
 
-    __slots__ = ("codec", "geom", "layers", "fixed", "width", "device", "made")
+    __slots__ = ("codec", "geom", "layers", "fixed", "tail", "fixed_key", "width", "device", "made")
 
     def __init__(self, codec, geom, buffer, layer: int) -> None:
         if buffer.stride(2) != 1:
             raise ValueError("pool buffer must be contiguous along its page bytes")
         self.codec, self.geom, self.layers = codec, geom, range(layer, layer + 1)
         self.fixed = (buffer, buffer.stride(0), buffer.stride(1))
+        self.tail = (layer, geom.entries, geom.scale_region)
+        # the key of the arguments that never change, made once: each launch keys only its own
+        self.fixed_key = (tuple(map(_key, self.fixed)), tuple(map(_key, self.tail)))
         self.width, self.device = codec.width, buffer.device
         self.made: dict = {}   # (op, a chunk's size or not): (tokens a program, Launch)
 
@@ -304,9 +379,28 @@ class LayerOps:
         key = (op, n >= CHUNK_TOKENS)
         got = self.made.get(key)
         if got is None:
-            got = self.made[key] = (_store_launch if op == "store" else _gather_launch)(
+            got = self.made[key] = {"store": _store_launch, "gather": _gather_launch, "step": _step_launch}[op](
                 self.codec, self.geom, self.layers, n)
         return got
+
+    @property
+    def steps(self) -> bool:
+        """Whether `step` is there (fp8_ds_mla: the SWA's format in the fp8 layout)."""
+        return self.codec.fmt.name == "fp8_ds_mla"
+
+    def step(self, slots, row):
+        """One request's decode step on a window in one launch: `row` [1, width] stored at the
+        last of `slots` (1-D, n), and the n entries read back [n, width] — the same bytes and the
+        same values as `store` of the row then `gather` of the slots. The new slot must not be
+        among the others (a window's slots are distinct)."""
+        n = slots.numel()
+        out = torch.empty((n, self.width), dtype=torch.bfloat16, device=self.device)
+        if row.dtype != torch.bfloat16 or not row.is_contiguous():
+            row = row.to(torch.bfloat16).contiguous()
+        bt, launch = self._made("step", n)
+        launch((triton.cdiv(n, bt), 1), row, out, self.width, *self.fixed, slots, n, *self.tail,
+               key=(_key(row), _key(out), self.fixed_key, _key(slots), _key(n)))
+        return out
 
     def store(self, slots, values) -> None:
         n = slots.numel()
@@ -315,16 +409,20 @@ class LayerOps:
         if values.dtype != torch.bfloat16 or not values.is_contiguous():
             values = values.to(torch.bfloat16).contiguous()
         bt, launch = self._made("store", n)
-        g = self.geom
-        launch((triton.cdiv(n, bt), 1), values, 0, values.stride(0), *self.fixed, slots, n, self.layers.start,
-               g.entries, g.scale_region)
+        vs = values.stride(0)
+        launch((triton.cdiv(n, bt), 1), values, 0, vs, *self.fixed, slots, n, *self.tail,
+               key=self._key(values, vs, slots, n))
 
     def gather(self, slots):
         n = slots.numel()
         out = torch.empty((n, self.width), dtype=torch.bfloat16, device=self.device)
         if n:
             bt, launch = self._made("gather", n)
-            g = self.geom
-            launch((triton.cdiv(n, bt), 1), out, 0, out.stride(0), *self.fixed, slots, n, self.layers.start,
-                   g.entries, g.scale_region)
+            launch((triton.cdiv(n, bt), 1), out, 0, self.width, *self.fixed, slots, n, *self.tail,
+                   key=self._key(out, self.width, slots, n))
         return out
+
+    def _key(self, rows, row_stride: int, slots, n: int) -> tuple:
+        """The specialization key of a launch's arguments (`Launch`): the rows tensor, 0 (the
+        layer stride of one layer's launch), the row stride, the fixed ones, the slots, n."""
+        return (_key(rows), (False, True, True), _key(row_stride), self.fixed_key, _key(slots), _key(n))
