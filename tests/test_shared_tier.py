@@ -203,7 +203,7 @@ def test_simulate_with_a_shared_tier_has_its_own_summary_line(tmp_path, capsys):
 
 
 class _ZeroCopyMemory(MemoryStore):
-    """The in-process store read as a zero-copy store is (Mooncake): whole values into the inbox."""
+    """The in-process store as a zero-copy store (Mooncake): with inbox=True, whole values into the inbox."""
     zero_copy = True
 
 
@@ -213,7 +213,8 @@ def test_zero_copy_reads_through_the_inbox_whole_or_in_chunks(chunk_bytes):
     3 pages a half) goes in chunks alternating halves. Either way every hit is the bytes written,
     a damaged value is a miss (corrupt) whose parts are left untouched, and the rest still hit."""
     store = _ZeroCopyMemory()
-    tier, _ = _tier(store)
+    tier, _ = _tier(store, inbox=True)
+    assert tier._inbox is not None and _tier(_ZeroCopyMemory())[0]._inbox is None   # straight into the parts by default
     if chunk_bytes is not None:
         tier._inbox.chunk_bytes = chunk_bytes
         tier._inbox.buf = np.zeros((2, chunk_bytes), np.uint8)

@@ -2,12 +2,13 @@
 checks the chunk before (the store's calls release the interpreter lock: measured, a read and a
 checksum of the same size overlap).
 
-With a zero-copy store (Mooncake) each value lands whole, as one range, in the inbox (registered
-memory, two chunks of up to 16 MiB): a value read straight into its host buffers is four ranges (its header
-and one per host buffer) and the store moves each separately (25-35% slower than one range,
-measured). The caller checks it there and copies the payload of a hit into its parts; a read past
-its deadline writes only into the inbox, never into a caller's memory. Other stores (and
-modeled payloads) read into the parts themselves, a header slot first."""
+By default every store reads into the parts themselves, a header slot first (four ranges a page:
+its header and one per host buffer). With `SharedTier(inbox=True)` and a zero-copy store (Mooncake)
+each value lands whole, as one range, in the inbox (registered memory, two chunks of up to 16
+MiB), is checked there, and a hit's payload is copied into its parts; a read past its deadline
+then writes only into the inbox, never into a caller's memory. Which is faster depends on the
+machine: on CI's 2-core machine loaded, four ranges a value read 25-35% slower than one; idle,
+as fast, and the copy then costs more than it saves (bench/RESULTS.md, issue 24)."""
 
 from __future__ import annotations
 
