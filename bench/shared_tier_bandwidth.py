@@ -8,7 +8,9 @@ keys as one contiguous value each); a second process reads both back, interleave
 times: the tier's read (into the host tier's slots, one range per host buffer, size, header and
 checksum checked) against the store's plain read of the same values into one registered buffer.
 Each read is checked byte for byte against what was written. Ratio = plain seconds / tier seconds
-(1.0: the tier costs nothing over the store). Servers on loopback (Mooncake in a network namespace
+(1.0: the tier costs nothing over the store). Also timed: the store's own read of the tier's values
+straight into the host buffers (a header slot and one range per host buffer, nothing checked), and
+the tier against that. Servers on loopback (Mooncake in a network namespace
 with only `lo`, started here; redis-server with every bind on 127.0.0.1).
 
     python bench/shared_tier_bandwidth.py [--store mooncake|redis|both] [--pages 16] [--repeats 7] [--json FILE]
@@ -80,7 +82,13 @@ def read(url: str, namespace: str, pages: int, seed: int, repeats: int) -> dict:
     dests = [[flat[a:b]] for a, b in zip(cuts[:-1], cuts[1:])]
     keys = [f"raw/{namespace}/{i}" for i in range(len(entries))]
     slab = host.memory.slab.numpy()
-    tier_s, plain_s = [], []
+    # the store's own read of the tier's values straight into the host buffers (a header slot and
+    # one range per host buffer): the layout's cost without any of the tier's checks
+    heads = np.zeros((len(entries), 64), np.uint8)
+    store.register(heads)
+    tkeys = [tier.layout.key(e.kind, e.page_key) for e in entries]
+    into = [[heads[i]] + list(e.parts) for i, e in enumerate(entries)]
+    tier_s, plain_s, into_s = [], [], []
     for _ in range(repeats):
         slab[:] = 0
         t = time.perf_counter()
@@ -93,10 +101,15 @@ def read(url: str, namespace: str, pages: int, seed: int, repeats: int) -> dict:
         got = store.get_many(keys, dests)
         plain_s.append(time.perf_counter() - t)
         assert got == sizes
+        t = time.perf_counter()
+        got = store.get_many(tkeys, into)
+        into_s.append(time.perf_counter() - t)
+        assert got == [64 + n for n in sizes]
     assert np.array_equal(flat, np.concatenate([np.concatenate(e.parts) for e in entries]))
-    t, pl = statistics.median(tier_s), statistics.median(plain_s)
+    t, pl, it = statistics.median(tier_s), statistics.median(plain_s), statistics.median(into_s)
     return {"bytes": nbytes, "entries": len(entries), "tier_s": t, "plain_s": pl, "tier_GBps": nbytes / t / 1e9,
-            "plain_GBps": nbytes / pl / 1e9, "ratio": pl / t, "tier_all_s": tier_s, "plain_all_s": plain_s}
+            "plain_GBps": nbytes / pl / 1e9, "ratio": pl / t, "tier_all_s": tier_s, "plain_all_s": plain_s,
+            "into_host_s": it, "into_host_GBps": nbytes / it / 1e9, "ratio_into_host": it / t}
 
 
 def _span(host, e):
@@ -141,9 +154,11 @@ def main() -> None:
     if ss.only_loopback_here():
         ss.loopback_up()
     rows = [run_store(k, args) for k in (("mooncake", "redis") if args.store == "both" else (args.store,))]
-    print(f"{'store':>9} {'bytes':>12} {'tier GB/s':>10} {'store GB/s':>11} {'ratio':>6}")
+    print(f"{'store':>9} {'bytes':>12} {'tier GB/s':>10} {'store GB/s':>11} {'ratio':>6} "
+          f"{'store into host GB/s':>21} {'ratio':>6}")
     for r in rows:
-        print(f"{r['store']:>9} {r['bytes']:>12,} {r['tier_GBps']:>10.3f} {r['plain_GBps']:>11.3f} {r['ratio']:>6.3f}")
+        print(f"{r['store']:>9} {r['bytes']:>12,} {r['tier_GBps']:>10.3f} {r['plain_GBps']:>11.3f} {r['ratio']:>6.3f} "
+              f"{r['into_host_GBps']:>21.3f} {r['ratio_into_host']:>6.3f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
