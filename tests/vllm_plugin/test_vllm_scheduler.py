@@ -100,8 +100,10 @@ SEEN = {"min_free": 1 << 30, "hits": 0, "preempted": 0}
 def test_interleaved_requests_census_exact_at_every_step(engine):
     global ENGINE
     ENGINE = engine
+    # derandomized: the coverage asserted below (hits, a nearly full pool) must not hang on the
+    # draw (a random run once reached no hit); every step's census is checked either way
     run_state_machine_as_test(Serving, settings=settings(max_examples=12, stateful_step_count=30, deadline=None,
-                                                         suppress_health_check=list(HealthCheck)))
+                                                         derandomize=True, suppress_health_check=list(HealthCheck)))
     # the run reached what it is for: prefix hits, and a pool so full that cached blocks were reused
     assert SEEN["hits"] > 0 and SEEN["min_free"] < engine[0].kv_cache_config.num_blocks // 4, SEEN
 
