@@ -63,6 +63,15 @@ for name, entries in [("fp8_ds_mla", 4), ("fp8_ds_mla", 2), ("indexer_fp8", 4)]:
     assert torch.equal(ref, tri), name
     got = codec_triton.gather(codec, geom, ref, range(0, layers), slots)
     assert torch.equal(got, gather(geom, ref, range(0, layers), slots, impl="torch")), name
+    ops = codec_triton.LayerOps(codec, geom, tri, 1)       # one layer, its fixed arguments made once
+    ops.store(slots[:4], x[1, 5:9])
+    store(geom, ref, 1, slots[:4], x[1, 5:9], impl="torch")
+    assert torch.equal(ref, tri), name
+    assert torch.equal(ops.gather(slots), gather(geom, ref, 1, slots, impl="torch")), name
+    if ops.steps:                                          # the SWA's decode step: store then gather, one launch
+        store(geom, ref, 1, slots[-1:], x[2, :1], impl="torch")
+        assert torch.equal(ops.step(slots, x[2, :1]), gather(geom, ref, 1, slots, impl="torch")), name
+        assert torch.equal(ref, tri), name
 
 for ratio, ring, d, dt in [(4, 8, 64, torch.float32), (4, 16, 32, torch.bfloat16),
                            (128, 128, 32, torch.float32), (128, 256, 32, torch.bfloat16)]:

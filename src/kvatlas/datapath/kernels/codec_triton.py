@@ -94,16 +94,24 @@ def ds_mla_store_rows(row, ok, base, off, scale_region, NOPE: tl.constexpr, ROPE
 
 
 @triton.jit
+def _ds_mla_lanes(ok, NOPE: tl.constexpr, ROPE: tl.constexpr, TILE: tl.constexpr, NT: tl.constexpr):
+    """An fp8_ds_mla row's lanes for BT rows masked by `ok`: the tile numbers [NT], each tile
+    element's offset [1, NT, TILE], the mask of the NOPE tiles [BT, NT, TILE], the rope lanes
+    [1, ROPE]."""
+    r = tl.arange(0, NT)
+    c = tl.arange(0, TILE)
+    idx = (r[:, None] * TILE + c[None, :])[None, :, :]
+    m = ok[:, None, None] & (r < NOPE // TILE)[None, :, None]
+    return r, idx, m, tl.arange(0, ROPE)[None, :]
+
+
+@triton.jit
 def _ds_mla_quantize(row, ok, NOPE: tl.constexpr, ROPE: tl.constexpr, TILE: tl.constexpr, NT: tl.constexpr,
                      Q_EXP: tl.constexpr, Q_MANT: tl.constexpr, HW: tl.constexpr):
     """The rows at `row` [BT] as stored: fp8 tiles [BT, NT, TILE], their exponents [BT, NT] and
     the rope part's bf16 bits [BT, ROPE]."""
-    r = tl.arange(0, NT)
-    c = tl.arange(0, TILE)
-    idx = (r[:, None] * TILE + c[None, :])[None, :, :]                               # [1, NT, TILE]
-    m = ok[:, None, None] & (r < NOPE // TILE)[None, :, None]
+    r, idx, m, k = _ds_mla_lanes(ok, NOPE, ROPE, TILE, NT)
     x = tl.load(row[:, None, None] + idx, mask=m, other=0.0).to(tl.float32)
-    k = tl.arange(0, ROPE)[None, :]
     rope = tl.load(row.to(tl.pointer_type(tl.uint16))[:, None] + NOPE + k, mask=ok[:, None])  # bf16 bits
     amax = tl.maximum(tl.max(tl.abs(x), axis=2), 1e-4)   # official act_quant floor on amax
     e = _e4m3_exponent(amax, Q_EXP, Q_MANT)                                          # [BT, NT]
@@ -115,11 +123,7 @@ def _ds_mla_quantize(row, ok, NOPE: tl.constexpr, ROPE: tl.constexpr, TILE: tl.c
 @triton.jit
 def _ds_mla_put(q, e, rope, ok, base, off, scale_region, NOPE: tl.constexpr, ROPE: tl.constexpr,
                 TILE: tl.constexpr, NT: tl.constexpr, DATA: tl.constexpr, SCALE: tl.constexpr):
-    r = tl.arange(0, NT)
-    c = tl.arange(0, TILE)
-    idx = (r[:, None] * TILE + c[None, :])[None, :, :]
-    m = ok[:, None, None] & (r < NOPE // TILE)[None, :, None]
-    k = tl.arange(0, ROPE)[None, :]
+    r, idx, m, k = _ds_mla_lanes(ok, NOPE, ROPE, TILE, NT)
     data = base + off * DATA
     tl.store(data[:, None, None] + idx, q, mask=m)
     tl.store((data + NOPE).to(tl.pointer_type(tl.uint16))[:, None] + k, rope, mask=ok[:, None])
@@ -138,25 +142,17 @@ def _ds_mla_values(q, e):
 def _ds_mla_take(ok, base, off, scale_region, NOPE: tl.constexpr, ROPE: tl.constexpr, TILE: tl.constexpr,
                  NT: tl.constexpr, DATA: tl.constexpr, SCALE: tl.constexpr):
     """The entries `off` of pages `base` (masked by `ok`) as values [BT, NT, TILE] and rope bits."""
-    r = tl.arange(0, NT)
-    c = tl.arange(0, TILE)
-    idx = (r[:, None] * TILE + c[None, :])[None, :, :]
-    m = ok[:, None, None] & (r < NOPE // TILE)[None, :, None]
+    r, idx, m, k = _ds_mla_lanes(ok, NOPE, ROPE, TILE, NT)
     data = base + off * DATA
     q = tl.load(data[:, None, None] + idx, mask=m, other=0)
     e = tl.load((base + scale_region + off * SCALE)[:, None] + r[None, :], mask=ok[:, None], other=0).to(tl.int32)
-    k = tl.arange(0, ROPE)[None, :]
     rope = tl.load((data + NOPE).to(tl.pointer_type(tl.uint16))[:, None] + k, mask=ok[:, None])
     return _ds_mla_values(q, e), rope
 
 
 @triton.jit
 def _ds_mla_emit(row, y, rope, ok, NOPE: tl.constexpr, ROPE: tl.constexpr, TILE: tl.constexpr, NT: tl.constexpr):
-    r = tl.arange(0, NT)
-    c = tl.arange(0, TILE)
-    idx = (r[:, None] * TILE + c[None, :])[None, :, :]
-    m = ok[:, None, None] & (r < NOPE // TILE)[None, :, None]
-    k = tl.arange(0, ROPE)[None, :]
+    r, idx, m, k = _ds_mla_lanes(ok, NOPE, ROPE, TILE, NT)
     tl.store(row[:, None, None] + idx, y.to(tl.bfloat16), mask=m)
     tl.store(row.to(tl.pointer_type(tl.uint16))[:, None] + NOPE + k, rope, mask=ok[:, None])
 
