@@ -137,6 +137,14 @@ class _Kept(dict):
         return value
 
 
+def _page_slots(pages: np.ndarray, per: int, staging: Staging) -> tuple:
+    """Pages [B, n] and the slots of every entry in them, [B, n * per], on the device, one copy."""
+    pk = _Packer()
+    ids = pk.add(pages), pk.add((pages[:, :, None] * per + np.arange(per)).reshape(len(pages), -1))
+    t = pk.device(staging)
+    return t[ids[0]], t[ids[1]]
+
+
 class EntrySlots:
     """The slots of every compressed entry of the bound rows' held pages, on the device, kept
     between passes: a request's pages only grow (a page every 256 tokens), so most passes read a
@@ -153,10 +161,7 @@ class EntrySlots:
         got = self.kept.get(key)
         if got is None or got[0] != valid:
             pages = a.full_table[slots, : int(a.full_held[slots].max(initial=0))]
-            pk = _Packer()
-            ids = pk.add(pages), pk.add((pages[:, :, None] * per + np.arange(per)).reshape(len(slots), -1))
-            t = pk.device(staging)
-            got = self.kept.keep(key, (valid, t[ids[0]], t[ids[1]]))
+            got = self.kept.keep(key, (valid, *_page_slots(pages, per, staging)))
         _, pages, table = got
         return Span(table[:, :count], pages[:, : -(-count // per)], 0, count)
 
@@ -175,10 +180,7 @@ class SwaSlots:
         key = (pages.shape, per, pages.tobytes())
         got = self.kept.get(key)
         if got is None:
-            pk = _Packer()
-            ids = pk.add(pages), pk.add((pages[:, :, None] * per + np.arange(per)).reshape(len(pages), -1))
-            t = pk.device(staging)
-            got = self.kept.keep(key, (t[ids[0]], t[ids[1]]))
+            got = self.kept.keep(key, _page_slots(pages, per, staging))
         return got
 
     def offsets(self, n: int, staging: Staging) -> torch.Tensor:
@@ -199,15 +201,16 @@ class Pass:
                  staging: Staging, swa: "SwaSlots | None" = None) -> None:
         a = kv.allocator
         self.B, self.S, self.L0, self.L1 = len(slots), S, L0, L0 + S
+        self.new_counts = {r: self.L1 // r - L0 // r for r in a.ratios}   # windows the pass closes
+        self.read_entries = {r: entries.read(kv, slots, r, self.L1 // r, staging) for r in a.ratios}
+        self.rings = {(ring, r): rings.get(slots, L0, S, ring, r, staging) for ring, r in self._rings(kv)}
         if S == 1 and swa is not None and not w.checkpoint_rows and a.swa is not None:
-            return self._decode(kv, slots, w, entries, rings, staging, swa)
+            return self._decode(kv, slots, w, swa, staging)
         pk = _Packer()
         lo = max(0, L0 - (a.window - 1))   # the first key the pass's rows read
         read_pages, read_slots = self._swa_read(a, slots, lo)
         ids = {"swa_store": _where(pk, w.swa_slots, a.Ps), "swa_read": (pk.add(read_slots), pk.add(read_pages))}
-        self.new_counts = {}
         for r in a.ratios:
-            self.new_counts[r] = self.L1 // r - L0 // r
             if self.new_counts[r]:   # most decode steps close no window: nothing to index
                 mask, entry = w.compressed[r]
                 ids[("new", r)] = _where(pk, entry[mask], a.P // r)
@@ -220,11 +223,9 @@ class Pass:
         sr = ids["swa_read"]
         self.swa_read = Span(t[sr[0]], t[sr[1]], lo % a.Ps, self.L1 - lo)
         self.new_entries = {r: _made(t, ids["new", r]) for r in a.ratios if ("new", r) in ids}
-        self.read_entries = {r: entries.read(kv, slots, r, self.L1 // r, staging) for r in a.ratios}
-        self.rings = {(ring, r): rings.get(slots, L0, S, ring, r, staging) for ring, r in self._rings(kv)}
         self.checkpoints = {n: tuple(t[i] for i in v) for n, v in ckpt.items()}
 
-    def _decode(self, kv, slots, w, entries, rings, staging, swa) -> None:
+    def _decode(self, kv, slots, w, swa, staging) -> None:
         """A decode step (one token a row, no resume-point rows to save): every index is a slice
         of tensors kept on the device (the SWA pages' slots, every compressed entry's slots), so
         a steady step copies nothing to the device. The slot each row writes is the last of its
@@ -238,15 +239,12 @@ class Pass:
         self.swa_read = Span(table[:, start: start + L1 - lo], pages, start, L1 - lo)
         at = L0 - first * a.Ps
         self.swa_store = Where(_column(table, at), (_column(pages, last - first), ar[L0 % a.Ps].expand(B)))
-        self.read_entries = {r: entries.read(kv, slots, r, L1 // r, staging) for r in a.ratios}
-        self.new_counts, self.new_entries = {}, {}
+        self.new_entries = {}
         for r in a.ratios:
-            self.new_counts[r] = L1 // r - L0 // r
             if self.new_counts[r]:
                 e, per, span = L1 // r - 1, a.P // r, self.read_entries[r]
                 self.new_entries[r] = Where(_column(span.slots, e), (_column(span.pages, e // per),
                                                                      ar[e % per].expand(B)))
-        self.rings = {(ring, r): rings.get(slots, L0, 1, ring, r, staging) for ring, r in self._rings(kv)}
         self.checkpoints = {}
         if CHECK_DECODE:
             self._check_decode(w)
