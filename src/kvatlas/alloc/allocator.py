@@ -39,6 +39,16 @@ from .release import Release
 from .sharing import Sharing
 
 
+# a one-token step of one request takes Allocator._write_one's scalar path (tests turn it off to
+# compare it with the general one)
+ONE_STEP = True
+
+
+def one(v: int) -> np.ndarray:
+    """[v] as int64."""
+    return np.array((v,), np.int64)
+
+
 def id_list(request_ids) -> tuple:
     """A batch's ids as a tuple; one string (or bytes) is refused, not split into characters."""
     if isinstance(request_ids, (str, bytes)) or not hasattr(request_ids, "__iter__"):
@@ -214,6 +224,15 @@ class Allocator(Release, Sharing):
         if (counts if isinstance(counts, int) else int(counts.max(initial=1))) > most:
             raise KvatlasError(f"tokens_each: a decode step writes at most 1 + draft_tokens = {most} tokens "
                                "(the state rings are sized for that); plan with more draft_tokens or use extend()")
+        if ONE_STEP and isinstance(counts, int) and counts == 1 and len(slots) == 1:
+            L0 = int(self.length[slots[0]])
+            if L0 + 1 > self.max_len:
+                self._check_length(np.array([L0 + 1]))
+            self._begin_forward()
+            w = self._write_one(slots, int(slots[0]), L0)
+            if w is not None:
+                return w
+            return self._write(slots, 1, self.length[slots], prefill=False)
         L0 = self.length[slots]   # retiring SWA pages below never changes lengths
         self._check_length(L0 + counts)
         self._begin_forward()   # only after the call is known valid: retiring is a state change
@@ -258,6 +277,10 @@ class Allocator(Release, Sharing):
     def _retire(self, slots: np.ndarray) -> None:
         if self.swa is None or len(slots) == 0:
             return
+        if len(slots) == 1 and ONE_STEP:   # one request's step (scalars): most retire nothing
+            s = int(slots[0])
+            if (int(self.length[s]) - (self.window - 1)) // self.Ps <= int(self.swa_lo[s]):
+                return
         k = div(self.length[slots] - (self.window - 1), self.Ps) - self.swa_lo[slots]
         i = np.flatnonzero(k > 0)
         if len(i) == 0:
@@ -382,26 +405,68 @@ class Allocator(Release, Sharing):
             self._take_full(*full)
         if self.swa is not None:
             self._take_swa(*swa)
+        progress = self._wrote(slots, counts, L1)
+        return self._counted(self._indices(slots, counts, L0, prefill, progress))
+
+    def _wrote(self, slots, counts, L1) -> int:
+        """What every write changes (lengths, the pass's written slots); returns the prefix
+        cache's progress: the most tokens a request has written since the last upkeep."""
         self.length[slots] = L1
         self.last_write[slots] = counts
         self._written.append(slots)
         self._written_epoch = self._epoch
-        progress = 0   # prefix cache: the most tokens a request has written since the last upkeep
         self._writes += 1
-        if self.resume_tokens:
-            most = counts if isinstance(counts, int) else int(counts.max())
-            if self._grouped:   # the pass may write a request more than once
-                self._pass_tokens += most
-            elif most > self._pass_tokens:
-                self._pass_tokens = most
-            progress = self._defer_tokens + self._pass_tokens
-        idx = self._indices(slots, counts, L0, prefill, progress)
+        if not self.resume_tokens:
+            return 0
+        most = counts if isinstance(counts, int) else int(counts.max())
+        if self._grouped:   # the pass may write a request more than once
+            self._pass_tokens += most
+        elif most > self._pass_tokens:
+            self._pass_tokens = most
+        return self._defer_tokens + self._pass_tokens
+
+    def _counted(self, idx: WriteIndices) -> WriteIndices:
         if self.ledger is not None:  # the block-completion masks already count new compressed entries
             if self.swa is not None:
                 self.ledger.add_entries("swa", idx.num_tokens)
             for r, (mask, _) in idx.compressed.items():
                 self.ledger.add_entries(ratio_key(r), int(np.count_nonzero(mask)))
         return idx
+
+    def _write_one(self, slots, s: int, L0: int) -> WriteIndices | None:
+        """_write of one decode token of one request (slot s, at L0) that needs no new page: the
+        same changes and the same indices, made from scalars (a lone request's decode step is
+        what a model waits on, and the arrays' per-call costs are most of it). None when a page
+        is due: then _write does the step."""
+        L1 = L0 + 1
+        if self.full is not None and -(-L1 // self.P) != self.full_held[s]:
+            return None
+        if self.swa is not None and -(-L1 // self.Ps) != self.swa_hi[s]:
+            return None
+        if self.backing is not None:
+            self._back([])
+        progress = self._wrote(slots, 1, L1)
+        P = self.P
+        compressed = {}
+        if self.full is not None:
+            f = int(self.full_table[s, L0 // P]) * P + L0 % P
+            full_slots = one(f)
+            for r in self.ratios:
+                compressed[r] = (np.array(((L0 + 1) % r == 0,)), one(f // r))
+        else:
+            full_slots = one(-1)
+        if self.swa is not None:
+            swa = int(self.swa_table[s, L0 // self.Ps % self.ring]) * self.Ps + L0 % self.Ps
+        else:
+            swa = s * self.window_rows + L0 % self.window_rows
+        by_ring = {ring: one(s * ring + L0 % ring) for ring in set(self.rings.values())}
+        tok_slots, pos = one(s), one(L0)
+        rows = {name: by_ring[ring] for name, ring in self.rings.items()}
+        ckpt = self._checkpoint_rows(tok_slots, pos, one(L0 % P), progress, slots) if progress else {}
+        return self._counted(WriteIndices(request_slots=tok_slots, positions=pos, swa_slots=one(swa),
+                                          full_slots=full_slots, compressed=compressed, state_rows=rows,
+                                          workspace_rows=EMPTY, checkpoint_rows=ckpt))
+
 
     def _count_entries(self, L0, L1, written: int, sign: int = 1) -> None:
         if self.ledger is None:

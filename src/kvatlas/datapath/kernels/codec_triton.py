@@ -384,13 +384,13 @@ class LayerOps:
         """Whether `step` is there (fp8_ds_mla: the SWA's format in the fp8 layout)."""
         return self.codec.fmt.name == "fp8_ds_mla"
 
-    def step(self, slots, row):
-        """One request's decode step on a window in one launch: `row` [1, width] stored at the
-        last of `slots` (1-D, n), and the n entries read back [n, width] — the same bytes and the
-        same values as `store` of the row then `gather` of the slots. The new slot must not be
-        among the others (a window's slots are distinct)."""
+    def step(self, slots, row, shape=None):
+        """One request's decode step on a window in one launch: `row` (width values, any shape)
+        stored at the last of `slots` (1-D, n), and the n entries read back, [n, width] or `shape`
+        — the same bytes and the same values as `store` of the row then `gather` of the slots.
+        The new slot must not be among the others (a window's slots are distinct)."""
         n = slots.numel()
-        out = torch.empty((n, self.width), dtype=torch.bfloat16, device=self.device)
+        out = torch.empty(shape or (n, self.width), dtype=torch.bfloat16, device=self.device)
         if row.dtype != torch.bfloat16 or not row.is_contiguous():
             row = row.to(torch.bfloat16).contiguous()
         bt, launch = self._made("step", n)
@@ -409,9 +409,10 @@ class LayerOps:
         launch((triton.cdiv(n, bt), 1), values, 0, vs, *self.fixed, slots, n, *self.tail,
                key=self._key(values, vs, slots, n))
 
-    def gather(self, slots):
+    def gather(self, slots, shape=None):
+        """The entries of `slots` (1-D, n), [n, width] or `shape` (of as many rows)."""
         n = slots.numel()
-        out = torch.empty((n, self.width), dtype=torch.bfloat16, device=self.device)
+        out = torch.empty(shape or (n, self.width), dtype=torch.bfloat16, device=self.device)
         if n:
             bt, launch = self._made("gather", n)
             launch((triton.cdiv(n, bt), 1), out, 0, self.width, *self.fixed, slots, n, *self.tail,

@@ -44,7 +44,7 @@ class _Paged:
     def read(self, span):
         if self.view is None:
             if self.ops is not None:
-                return self.ops.gather(span.slots.reshape(-1)).view(*span.slots.shape, -1)
+                return self.ops.gather(span.flat, (span.B, span.count, self.ops.width))
             return self.target.gather(span.slots)
         B, n = span.pages.shape
         got = self.view.index_select(0, span.pages.reshape(-1)).view(B, -1, self.view.shape[-1])
@@ -71,6 +71,7 @@ class SlidingLayer(CacheLayerMixin):
     def __init__(self, owner, layer_idx: int, targets) -> None:
         super().__init__()
         self.owner, self.layer_idx, self.swa = owner, layer_idx, _Paged(targets.swa)
+        self.stepped = self.swa.ops is not None and self.swa.ops.steps   # the one-launch decode step
         self.window = owner.kv.allocator.window
         self.is_initialized = True   # its storage is the pools, allocated already
 
@@ -80,11 +81,11 @@ class SlidingLayer(CacheLayerMixin):
     def update(self, key_states, value_states=None, *args, **kwargs):
         p = self.owner.current
         B, _, S, D = key_states.shape
-        ops = self.swa.ops
-        if B == 1 and S == 1 and ops is not None and ops.steps and not self.owner.validate:
+        if B == 1 and S == 1 and self.stepped and not self.owner.validate:
             # one request's decode step: the row stored and the window read in one launch (the
             # row's slot is the last of the window's)
-            full = ops.step(p.swa_read.slots.reshape(-1), key_states.reshape(1, D)).view(1, 1, -1, D)
+            span = p.swa_read
+            full = self.swa.ops.step(span.flat, key_states, (1, 1, span.count, D))
             full = full if full.dtype == key_states.dtype else full.to(key_states.dtype)
             return full, full
         self.swa.write(p.swa_store, key_states.reshape(B * S, D), self.owner.validate)
@@ -131,6 +132,7 @@ class CompressedLayer(SlidingLayer):
         kv = owner.kv
         rings = {"compressor": targets.kv, "indexer": targets.index}
         self.rings = {n: rings[n] for n in self.names}
+        self.ring_keys = {n: (r.state.shape[2], r.ratio) for n, r in self.rings.items()}   # a pass's RingRows
         self.states = {n: r.state[:, r.layer] for n, r in self.rings.items()}   # [slot, ring row, kv | gate]
         self.pools = {n: _Paged(r.pool) for n, r in self.rings.items()}
         self.modules = modules
@@ -142,11 +144,12 @@ class CompressedLayer(SlidingLayer):
         self._prior: dict = {}
         self._dtypes: dict = {}
         self._empty: dict = {}
+        self._rows: dict = {}    # (name, slot, ring row): that ring row as [1, 1, 2 * width] (a decode step's write)
 
     def store_compression_weights(self, name: str, kv: torch.Tensor, gate: torch.Tensor):
         ring = self.rings[name]
         p = self.owner.current
-        rr = p.rings[ring.state.shape[2], ring.ratio]
+        rr = p.rings[self.ring_keys[name]]
         state = self.states[name]
         width = kv.shape[-1]
         if state.shape[-1] != 2 * width:
@@ -162,10 +165,15 @@ class CompressedLayer(SlidingLayer):
             self._dtypes[name] = (kv.dtype, gate.dtype)
         else:
             self._prior[name] = None
-        rows = torch.cat((kv, gate), -1)
-        if rr.one is not None:      # a decode step of one row: a copy into the row, no scatter
-            state[rr.one].copy_(rows[0, 0])
+        if rr.one is not None:      # a decode step of one row: concatenated into its ring row, no scatter
+            rows = self._rows.get((name, *rr.one))
+            if rows is None:
+                if len(self._rows) >= 4096:
+                    self._rows.clear()
+                rows = self._rows[name, *rr.one] = state[rr.one].view(1, 1, -1)
+            torch.cat((kv, gate), -1, out=rows)
         else:
+            rows = torch.cat((kv, gate), -1)
             new = rows if not rr.write_from else rows[:, rr.write_from:]
             state[rr.write] = new if new.dtype == state.dtype else new.to(state.dtype)
         if name in self.ckpt:                        # prefix cache: rows a resume point keeps
@@ -176,7 +184,7 @@ class CompressedLayer(SlidingLayer):
                 dst[unit, row] = rows.reshape(-1, 2 * width)[tok].to(dst.dtype)
         first = p.L0 - buffered
         if not usable:   # no window closes (most decode steps): the same empty pair each time
-            key = (name, kv.shape, gate.shape, kv.dtype, gate.dtype, kv.device)
+            key = (name, kv.shape[0], kv.dtype, gate.dtype)
             got = self._empty.get(key)
             if got is None:
                 got = self._empty[key] = (kv[:, :0].clone(), gate[:, :0].clone())

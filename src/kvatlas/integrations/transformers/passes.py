@@ -88,15 +88,42 @@ class Where:
     at: tuple
 
 
-@dataclass(slots=True)
 class Span:
     """Entries to read, per row: `count` consecutive ones, `start` entries into the pages `pages`
-    ([B, n], in the row's order). `slots` ([B, count]) for gather; a raw format's view reads the
-    whole pages in one index_select and keeps the span."""
-    slots: torch.Tensor
-    pages: torch.Tensor
-    start: int
-    count: int
+    ([B, n], in the row's order; a raw format's view reads the whole pages in one index_select and
+    keeps the span). Their slots are columns `first` .. `first + count - 1` of `table` ([B, N]):
+    `slots` ([B, count]) for gather, `flat` the same in one dimension. Each is made when first
+    asked for (a pass's layers ask for one kind, and a decode step's host time is what the model
+    waits on); `row` is table[0] when kept, `per` the entries a page when `pages` are all of the
+    row's (then only those the span reaches are read)."""
+
+    __slots__ = ("B", "start", "count", "table", "first", "row", "per", "_pages", "_slots", "_flat")
+
+    def __init__(self, pages, start: int, count: int, table, first: int = 0, row=None, per: int = 0) -> None:
+        self.B, self.start, self.count = table.shape[0], start, count
+        self.table, self.first, self.row, self.per = table, first, row, per
+        self._pages = pages
+        self._slots = self._flat = None
+
+    @property
+    def slots(self) -> torch.Tensor:
+        if self._slots is None:
+            f = self.first
+            t = self.table
+            self._slots = t if f == 0 and t.shape[1] == self.count else t[:, f: f + self.count]
+        return self._slots
+
+    @property
+    def flat(self) -> torch.Tensor:
+        if self._flat is None:
+            self._flat = self.slots.reshape(-1) if self.row is None else self.row[self.first: self.first + self.count]
+        return self._flat
+
+    @property
+    def pages(self) -> torch.Tensor:
+        if self.per:
+            self._pages, self.per = self._pages[:, : -(-(self.start + self.count) // self.per)], 0
+        return self._pages
 
 
 def _where(pk: _Packer, slots: np.ndarray, per_page: int) -> tuple:
@@ -138,11 +165,13 @@ class _Kept(dict):
 
 
 def _page_slots(pages: np.ndarray, per: int, staging: Staging) -> tuple:
-    """Pages [B, n] and the slots of every entry in them, [B, n * per], on the device, one copy."""
+    """Pages [B, n], the slots of every entry in them, [B, n * per], on the device (one copy),
+    and that table's first row when B is 1 (else None)."""
     pk = _Packer()
     ids = pk.add(pages), pk.add((pages[:, :, None] * per + np.arange(per)).reshape(len(pages), -1))
     t = pk.device(staging)
-    return t[ids[0]], t[ids[1]]
+    table = t[ids[1]]
+    return t[ids[0]], table, table[0] if len(pages) == 1 else None
 
 
 class EntrySlots:
@@ -156,14 +185,18 @@ class EntrySlots:
 
     def read(self, kv, slots: np.ndarray, r: int, count: int, staging: Staging) -> Span:
         a = kv.allocator
-        key, valid = (slots.tobytes(), r), (a.epoch, a.full_held[slots].tobytes())
+        if len(slots) == 1:   # one request (scalars: a decode step's host time is what the model waits on)
+            s = int(slots[0])
+            key, valid = (s, r), (a.epoch, int(a.full_held[s]))
+        else:
+            key, valid = (slots.tobytes(), r), (a.epoch, a.full_held[slots].tobytes())
         per = a.P // r
         got = self.kept.get(key)
         if got is None or got[0] != valid:
             pages = a.full_table[slots, : int(a.full_held[slots].max(initial=0))]
             got = self.kept.keep(key, (valid, *_page_slots(pages, per, staging)))
-        _, pages, table = got
-        return Span(table[:, :count], pages[:, : -(-count // per)], 0, count)
+        _, pages, table, row = got
+        return Span(pages, 0, count, table, 0, row, per)
 
 
 class SwaSlots:
@@ -176,11 +209,20 @@ class SwaSlots:
         self.kept = _Kept()
         self.ar: torch.Tensor | None = None
 
-    def table(self, pages: np.ndarray, per: int, staging: Staging):
-        key = (pages.shape, per, pages.tobytes())
+    def table(self, a, slots: np.ndarray, first: int, last: int, staging: Staging):
+        """The SWA pages first .. last (logical) of the rows `slots`, and their entries' slots."""
+        if len(slots) == 1:
+            s = int(slots[0])
+            key = (a.Ps, *(int(a.swa_table[s, j % a.ring]) for j in range(first, last + 1)))
+            got = self.kept.get(key)
+            if got is None:
+                got = self.kept.keep(key, _page_slots(np.array([key[1:]], np.int64), a.Ps, staging))
+            return got
+        pages = a.swa_table[slots[:, None], np.arange(first, last + 1) % a.ring]
+        key = (pages.shape, a.Ps, pages.tobytes())
         got = self.kept.get(key)
         if got is None:
-            got = self.kept.keep(key, _page_slots(pages, per, staging))
+            got = self.kept.keep(key, _page_slots(pages, a.Ps, staging))
         return got
 
     def offsets(self, n: int, staging: Staging) -> torch.Tensor:
@@ -203,7 +245,7 @@ class Pass:
         self.B, self.S, self.L0, self.L1 = len(slots), S, L0, L0 + S
         self.new_counts = {r: self.L1 // r - L0 // r for r in a.ratios}   # windows the pass closes
         self.read_entries = {r: entries.read(kv, slots, r, self.L1 // r, staging) for r in a.ratios}
-        self.rings = {(ring, r): rings.get(slots, L0, S, ring, r, staging) for ring, r in self._rings(kv)}
+        self.rings = {(ring, r): rings.get(slots, L0, S, ring, r, staging) for ring, r in rings.kinds(kv)}
         if S == 1 and swa is not None and not w.checkpoint_rows and a.swa is not None:
             return self._decode(kv, slots, w, swa, staging)
         pk = _Packer()
@@ -219,9 +261,9 @@ class Pass:
             rows = kv.pools[name].spec.entries_per_unit
             ckpt[name] = (pk.add(tok), pk.add(row // rows), pk.add(row % rows))
         t = pk.device(staging)
-        self.swa_store = _made(t, ids["swa_store"])
+        self._swa_store = _made(t, ids["swa_store"])
         sr = ids["swa_read"]
-        self.swa_read = Span(t[sr[0]], t[sr[1]], lo % a.Ps, self.L1 - lo)
+        self.swa_read = Span(t[sr[1]], lo % a.Ps, self.L1 - lo, t[sr[0]])
         self.new_entries = {r: _made(t, ids["new", r]) for r in a.ratios if ("new", r) in ids}
         self.checkpoints = {n: tuple(t[i] for i in v) for n, v in ckpt.items()}
 
@@ -229,21 +271,22 @@ class Pass:
         """A decode step (one token a row, no resume-point rows to save): every index is a slice
         of tensors kept on the device (the SWA pages' slots, every compressed entry's slots), so
         a steady step copies nothing to the device. The slot each row writes is the last of its
-        read span; a window that closes adds the last entry of the entries span."""
+        read span (made only if a layer asks: the fp8 SWA's one-launch step takes the span); a
+        window that closes adds the last entry of the entries span."""
         a, B, L0, L1 = kv.allocator, self.B, self.L0, self.L1
         lo = max(0, L0 - (a.window - 1))
         first, last = lo // a.Ps, L0 // a.Ps
-        pages, table = swa.table(a.swa_table[slots[:, None], np.arange(first, last + 1) % a.ring], a.Ps, staging)
+        pages, table, row = swa.table(a, slots, first, last, staging)
         start = lo - first * a.Ps
         ar = swa.offsets(max(a.Ps, a.P), staging)
-        self.swa_read = Span(table[:, start: start + L1 - lo], pages, start, L1 - lo)
-        at = L0 - first * a.Ps
-        self.swa_store = Where(_column(table, at), (_column(pages, last - first), ar[L0 % a.Ps].expand(B)))
+        self.swa_read = Span(pages, start, L1 - lo, table, start, row)
+        self._swa_store = None
+        self._store = (table, pages, L0 - first * a.Ps, last - first, L0 % a.Ps, ar)
         self.new_entries = {}
         for r in a.ratios:
             if self.new_counts[r]:
                 e, per, span = L1 // r - 1, a.P // r, self.read_entries[r]
-                self.new_entries[r] = Where(_column(span.slots, e), (_column(span.pages, e // per),
+                self.new_entries[r] = Where(_column(span.table, e), (_column(span._pages, e // per),
                                                                      ar[e % per].expand(B)))
         self.checkpoints = {}
         if CHECK_DECODE:
@@ -259,9 +302,17 @@ class Pass:
             assert np.array_equal(have, want), (r, have, want)
 
     @property
+    def swa_store(self) -> Where:
+        """Where the pass's SWA rows go."""
+        if self._swa_store is None:
+            table, pages, at, page, offset, ar = self._store
+            self._swa_store = Where(_column(table, at), (_column(pages, page), ar[offset].expand(self.B)))
+        return self._swa_store
+
+    @property
     def window_rows(self) -> int:
         """Keys each row reads in the SWA: the window before the pass and the pass's own."""
-        return self.swa_read.slots.shape[1]
+        return self.swa_read.count
 
     def _swa_read(self, a, slots, lo: int) -> tuple[np.ndarray, np.ndarray]:
         """The SWA pages holding positions lo .. L1 - 1 of each row, and those positions' slots."""
@@ -269,17 +320,6 @@ class Pass:
         pages = a.swa_table[slots[:, None], np.arange(first, last + 1) % a.ring]
         pos = np.arange(lo, self.L1) - first * a.Ps
         return pages, pages[:, pos // a.Ps] * a.Ps + pos % a.Ps
-
-    @staticmethod
-    def _rings(kv):
-        """(ring rows, ratio) of every ring the cache keeps: the C4 and C128 rings."""
-        seen = []
-        for pool in kv.pools.values():
-            if pool.role == "state":
-                key = (pool.ring_rows, 4 if pool.spec.layer_kind == "c4" else 128)
-                if key not in seen:
-                    seen.append(key)
-        return seen
 
 
 class Rings:
@@ -291,10 +331,23 @@ class Rings:
         # a steady decode keys one set of rows by its position in each ring: a C128 ring's 128
         # positions (and the C4 ring's) must fit, else every step of it is made and copied again
         self.kept = _Kept(1024)
+        self._kinds: list | None = None
+
+    def kinds(self, kv) -> list:
+        """(ring rows, ratio) of every ring the cache keeps: the C4 and C128 rings."""
+        if self._kinds is None:
+            seen = []
+            for pool in kv.pools.values():
+                if pool.role == "state":
+                    key = (pool.ring_rows, 4 if pool.spec.layer_kind == "c4" else 128)
+                    if key not in seen:
+                        seen.append(key)
+            self._kinds = seen
+        return self._kinds
 
     def get(self, slots: np.ndarray, L0: int, S: int, ring: int, r: int, staging: Staging) -> RingRows:
         steady = L0 >= ring
-        key = (slots.tobytes(), ring, r, S, L0 % ring)
+        key = (int(slots[0]) if len(slots) == 1 else slots.tobytes(), ring, r, S, L0 % ring)
         if steady and key in self.kept:
             return self.kept[key]
         pk = _Packer()
