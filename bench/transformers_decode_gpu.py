@@ -16,7 +16,7 @@ everything the adapter does in Python included), the caches taking turns step by
 host's drift hits them alike; medians.
 
     python bench/transformers_decode_gpu.py [--contexts 8192,65536,262144] [--layouts fp8,exact]
-        [--steps 20] [--rounds 3] [--experts 16] [--layers csa,hca,csa,hca] [--json OUT.json]
+        [--steps 30] [--rounds 3] [--warmup 16] [--experts 16] [--layers csa,hca,csa,hca] [--json OUT.json]
     (--device cpu --vocab 512 --experts 2 --contexts 1024,2048: a dry run of the script on a CPU)
 """
 
@@ -116,6 +116,7 @@ def main() -> None:
     ap.add_argument("--layouts", default="fp8,exact")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=16, help="untimed steps per cache at each context")
     ap.add_argument("--experts", type=int, default=16)
     ap.add_argument("--layers", default="csa,hca,csa,hca")
     ap.add_argument("--device", default="cuda")
@@ -152,8 +153,12 @@ def main() -> None:
         with torch.no_grad():   # the same rows in every cache: the exact layout reads what the own cache reads
             logits = {n: m(input_ids=x, past_key_values=c, use_cache=True).logits.float() for n, c in caches.items()}
         check = {f"{lay}_logits_vs_own": float((logits[lay] - logits["own"]).abs().max()) for lay in layouts}
-        for name, c in caches.items():   # warm-up: allocator, kernels, the adapter's first passes
-            steps(m, c, 2)
+        # warm-up, at every context: the allocator, the adapter's first passes, the kernels'
+        # specializations (Triton compiles one per alignment and size class it meets: a window's
+        # slots start one entry further each step), the device allocator's blocks of this size
+        for _ in range(args.warmup):
+            for name, c in caches.items():
+                steps(m, c, 1)
         times = {name: [] for name in caches}
         order = list(caches)
         for i in range(args.rounds * args.steps):   # step by step, the caches in turn (rotating):

@@ -132,8 +132,10 @@ class CompressedLayer(SlidingLayer):
         kv = owner.kv
         rings = {"compressor": targets.kv, "indexer": targets.index}
         self.rings = {n: rings[n] for n in self.names}
-        self.ring_keys = {n: (r.state.shape[2], r.ratio) for n, r in self.rings.items()}   # a pass's RingRows
         self.states = {n: r.state[:, r.layer] for n, r in self.rings.items()}   # [slot, ring row, kv | gate]
+        # per name: the ratio, the ring, the key of a pass's RingRows for it, the projections' width
+        self.fixed = {n: (r.ratio, self.states[n], (r.state.shape[2], r.ratio), r.state.shape[-1] // 2)
+                      for n, r in self.rings.items()}
         self.pools = {n: _Paged(r.pool) for n, r in self.rings.items()}
         self.modules = modules
         self.ckpt = {}
@@ -147,16 +149,20 @@ class CompressedLayer(SlidingLayer):
         self._rows: dict = {}    # (name, slot, ring row): that ring row as [1, 1, 2 * width] (a decode step's write)
 
     def store_compression_weights(self, name: str, kv: torch.Tensor, gate: torch.Tensor):
-        ring = self.rings[name]
         p = self.owner.current
-        rr = p.rings[self.ring_keys[name]]
-        state = self.states[name]
-        width = kv.shape[-1]
-        if state.shape[-1] != 2 * width:
-            raise KvatlasError(f"{name}: {width}-wide projections for a {state.shape[-1]}-wide ring row; the "
+        ratio, state, ring_key, width = self.fixed[name]
+        rr = p.rings[ring_key]
+        if kv.shape[-1] != width:
+            raise KvatlasError(f"{name}: {kv.shape[-1]}-wide projections for a {2 * width}-wide ring row; the "
                                "cache was planned for another model")
-        buffered = p.L0 % ring.ratio
-        usable = (buffered + kv.shape[1]) // ring.ratio * ring.ratio
+        buffered = p.L0 % ratio
+        if rr.one is not None and buffered + 1 < ratio and not p.checkpoints:
+            # a decode step of one row that closes no window (most steps): the row into the ring,
+            # nothing for the model to pool
+            self._prior[name] = None
+            torch.cat((kv, gate), -1, out=self._ring_row(name, state, rr.one))
+            return (*self._none(name, kv, gate), p.L0 - buffered)
+        usable = (buffered + kv.shape[1]) // ratio * ratio
         # what the model pools: read before this pass's rows land in the ring, and only when a
         # window closes (else the model looks at no row of it: most decode steps)
         held = state[rr.buffer] if buffered and usable else None
@@ -166,11 +172,7 @@ class CompressedLayer(SlidingLayer):
         else:
             self._prior[name] = None
         if rr.one is not None:      # a decode step of one row: concatenated into its ring row, no scatter
-            rows = self._rows.get((name, *rr.one))
-            if rows is None:
-                if len(self._rows) >= 4096:
-                    self._rows.clear()
-                rows = self._rows[name, *rr.one] = state[rr.one].view(1, 1, -1)
+            rows = self._ring_row(name, state, rr.one)
             torch.cat((kv, gate), -1, out=rows)
         else:
             rows = torch.cat((kv, gate), -1)
@@ -183,18 +185,31 @@ class CompressedLayer(SlidingLayer):
                 dst = self.ckpt[name][1]
                 dst[unit, row] = rows.reshape(-1, 2 * width)[tok].to(dst.dtype)
         first = p.L0 - buffered
-        if not usable:   # no window closes (most decode steps): the same empty pair each time
-            key = (name, kv.shape[0], kv.dtype, gate.dtype)
-            got = self._empty.get(key)
-            if got is None:
-                got = self._empty[key] = (kv[:, :0].clone(), gate[:, :0].clone())
-            return got[0], got[1], first
+        if not usable:
+            return (*self._none(name, kv, gate), first)
         if held is not None:
             kv = torch.cat((held[..., :width].to(kv.dtype), kv), 1)
             gate = torch.cat((held[..., width:].to(gate.dtype), gate), 1)
         if usable == kv.shape[1]:
             return kv, gate, first
         return kv[:, :usable], gate[:, :usable], first
+
+    def _ring_row(self, name: str, state, one: tuple):
+        """The ring row `one` (slot, row) as [1, 1, 2 * width], a view kept between passes."""
+        rows = self._rows.get((name, *one))
+        if rows is None:
+            if len(self._rows) >= 4096:
+                self._rows.clear()
+            rows = self._rows[name, *one] = state[one].view(1, 1, -1)
+        return rows
+
+    def _none(self, name: str, kv, gate) -> tuple:
+        """No window closes (most decode steps): the same empty pair each time."""
+        key = (name, kv.shape[0], kv.dtype, gate.dtype)
+        got = self._empty.get(key)
+        if got is None:
+            got = self._empty[key] = (kv[:, :0].clone(), gate[:, :0].clone())
+        return got
 
     def update_compressor_states(self, name: str, compressed: torch.Tensor) -> torch.Tensor:
         pool, r = self.pools[name], self.rings[name].ratio
