@@ -10,7 +10,7 @@ import pytest
 from kvatlas.errors import ConfigError
 from kvatlas.tiers.shared import Breaker, Entry, SharedTier, open_store, parse_url
 from kvatlas.tiers.shared.memory_store import MemoryStore
-from kvatlas.tiers.shared.values import HEADER_BYTES, Layout, checksum, header, parse
+from kvatlas.tiers.shared.values import HEADER_BYTES, Layout, checksum, checksums, header, parse
 
 from shared_session import SharedSession, admit_only, prompts, write_through
 
@@ -43,6 +43,24 @@ def test_checksum_sees_flipped_zeroed_and_moved_bytes():
     assert checksum([flipped, b]) != base
     assert checksum([np.zeros_like(a), b]) != base
     assert checksum([b, a]) != base          # ranges swapped
+
+
+@pytest.mark.parametrize("shares", [1, 2, 3, 4, 7])
+def test_checksums_cut_across_threads_are_each_values_checksum(shares):
+    """A batch's checksums summed in runs on threads: each value's, to the bit, however the runs
+    cut its parts (sizes chosen so that runs end inside parts and between them; words near 2^64 so
+    that sums wrap)."""
+    from concurrent.futures import ThreadPoolExecutor
+    rng = np.random.default_rng(shares)
+    values = [[rng.integers(2**63, 2**64, n, dtype=np.uint64).view(np.uint8) for n in sizes]
+              for sizes in ([131072, 8, 250001], [0, 77777], [300000], [1, 2, 3])]
+    want = [checksum(v) for v in values]
+    assert want[0] == (int(values[0][0].view(np.uint64).sum(dtype=np.uint64))
+                       + 3 * int(values[0][1].view(np.uint64).sum(dtype=np.uint64))
+                       + 5 * int(values[0][2].view(np.uint64).sum(dtype=np.uint64))) % 2**64
+    with ThreadPoolExecutor(max(1, shares - 1)) as pool:
+        assert checksums(values, pool, shares) == want
+    assert checksums(values) == want and checksums([]) == []
 
 
 def test_put_then_get_is_exact_and_first_writer_wins():

@@ -23,6 +23,7 @@ the store's memory pressure, and count the real payload sizes as moved.
 
 from __future__ import annotations
 
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -35,10 +36,11 @@ from .breaker import Breaker
 from .counters import SHARED_SCHEMA_VERSION, SharedCounters, SharedSnapshot
 from .inbox import Inbox, _timed, copy_payload, read_chunks, spans_of
 from .store import ABSENT, EXISTS, GET_FAILED, STORED, WRONG_SIZE, StoreUnavailable
-from .values import HEADER_BYTES, check, checksum, header
+from .values import HEADER_BYTES, check, checksum, checksums, header
 
 MAX_PUTS_IN_FLIGHT = 256
 READ_CHUNK = 64     # values per store call of a read (a later chunk is read while one is checked)
+SUM_THREADS = max(1, min(4, os.cpu_count() or 1))   # a read batch's checksums are cut this many ways
 
 
 class _Landing:
@@ -104,6 +106,8 @@ class SharedTier:
             store.register(a)
         self._reads = ThreadPoolExecutor(1, thread_name_prefix="kvatlas-shared-read")
         self._writes = ThreadPoolExecutor(1, thread_name_prefix="kvatlas-shared-write")
+        self._sums = ThreadPoolExecutor(SUM_THREADS - 1, thread_name_prefix="kvatlas-shared-sum") \
+            if SUM_THREADS > 1 else None
         self._puts: list[_PutJob] = []
         self._late_reads: list = []   # (future, header ids)
         staged = inbox and store.zero_copy and not modeled_scale
@@ -216,9 +220,11 @@ class SharedTier:
             self.c.op_count["get"] += 1
             self.c.op_seconds["get"] += secs
             got = views(k, sizes[a:b]) if staged else None
+            sums = None if staged else self._digests(entries[a:b], codes)
             for j, (i, code) in enumerate(zip(range(a, b), codes)):
                 reasons.append(self._staged(entries[i], code, got[j]) if staged
-                               else self._judge(entries[i], code, self._headers[ids[i]], dests_of(0, i, i + 1)[0][1:]))
+                               else self._judge(entries[i], code, self._headers[ids[i]], dests_of(0, i, i + 1)[0][1:],
+                                                sums[j]))
 
         why, upto, late = read_chunks(self._reads, self.store.get_many, keys, dests_of, spans,
                                       time.monotonic() + self.deadline_s, judged)
@@ -249,7 +255,19 @@ class SharedTier:
                 copy_payload(dst, src)
         return why
 
-    def _judge(self, e: Entry, code: int, raw_header, parts) -> str | None:
+    def _digests(self, entries, codes) -> list:
+        """The checksums of the values read whole (the others are misses without one), made at
+        once across the sum threads."""
+        if self.modeled_scale:
+            return [None] * len(entries)
+        whole = [j for j, (e, c) in enumerate(zip(entries, codes)) if c == self.value_bytes(e.kind)]
+        sums = checksums([entries[j].parts for j in whole], self._sums, SUM_THREADS)
+        out = [None] * len(entries)
+        for j, d in zip(whole, sums):
+            out[j] = d
+        return out
+
+    def _judge(self, e: Entry, code: int, raw_header, parts, digest: int | None = None) -> str | None:
         if code == ABSENT:
             why = "absent"
         elif code == WRONG_SIZE:
@@ -260,7 +278,7 @@ class SharedTier:
         else:
             self.c.moved_bytes["from_store"] += HEADER_BYTES + self.layout.payload_bytes[e.kind]
             why = check(self.layout, e.kind, e.page_key, e.boundary_tokens, code, raw_header,
-                        None if self.modeled_scale else parts, self.value_bytes(e.kind))
+                        None if self.modeled_scale else parts, self.value_bytes(e.kind), digest)
         if why is None:
             self.c.hits[e.kind] += 1
             self.c.moved_entries[e.kind]["from_store"] += 1
@@ -376,4 +394,6 @@ class SharedTier:
         self.flush(timeout_s)
         self._reads.shutdown(wait=False, cancel_futures=True)
         self._writes.shutdown(wait=False, cancel_futures=True)
+        if self._sums is not None:
+            self._sums.shutdown(wait=False, cancel_futures=True)
         self.store.close()
