@@ -92,7 +92,8 @@ class SharedTier:
         reading it straight into its header slot and parts (the default: on CI's 2-core machine,
         idle, Mooncake's read into the host buffers ran as fast as its read of whole values, and
         the tier restored at 0.72-0.80 of the store's own get against 0.63-0.70 through the inbox;
-        loaded, the inbox read better)."""
+        loaded, the inbox read better). Either way a batch's checksums are cut across
+        SUM_THREADS threads."""
         if not (isinstance(deadline_s, (int, float)) and 0 < deadline_s <= 60):
             raise ConfigError("deadline_s", f"{deadline_s!r}", "give seconds in (0, 60], e.g. 0.5")
         self.store, self.layout, self.deadline_s = store, layout, float(deadline_s)
