@@ -83,6 +83,12 @@ class _PutJob:
         self.headers, self.release, self.late = headers, release, False
 
 
+def _split(e: Entry, value) -> tuple:
+    """A value read whole (into the inbox): its header and its payload's ranges, one per part."""
+    cut = np.cumsum([HEADER_BYTES] + [p.nbytes for p in e.parts])
+    return value[:HEADER_BYTES], [value[a:b] for a, b in zip(cut[:-1], cut[1:])]
+
+
 class SharedTier:
     def __init__(self, store, layout, *, deadline_s: float = 0.5, breaker: Breaker | None = None,
                  modeled_scale: int = 0, writer: int = 0, policy: str = "finish", header_slots: int = 1024,
@@ -220,12 +226,17 @@ class SharedTier:
         def judged(k, a, b, codes, secs):
             self.c.op_count["get"] += 1
             self.c.op_seconds["get"] += secs
-            got = views(k, sizes[a:b]) if staged else None
-            sums = None if staged else self._digests(entries[a:b], codes)
+            if staged:   # each value whole in the inbox: its header and payload ranges there
+                read = [_split(entries[i], v) for i, v in zip(range(a, b), views(k, sizes[a:b]))]
+            else:
+                read = [(self._headers[ids[i]], self._parts(entries[i])) for i in range(a, b)]
+            sums = self._digests(entries[a:b], codes, [parts for _, parts in read])
             for j, (i, code) in enumerate(zip(range(a, b), codes)):
-                reasons.append(self._staged(entries[i], code, got[j]) if staged
-                               else self._judge(entries[i], code, self._headers[ids[i]], dests_of(0, i, i + 1)[0][1:],
-                                                sums[j]))
+                why = self._judge(entries[i], code, *read[j], sums[j])
+                if staged and why is None:   # a hit's payload, from the inbox into its parts
+                    for dst, src in zip(entries[i].parts, read[j][1]):
+                        copy_payload(dst, src)
+                reasons.append(why)
 
         why, upto, late = read_chunks(self._reads, self.store.get_many, keys, dests_of, spans,
                                       time.monotonic() + self.deadline_s, judged)
@@ -246,23 +257,13 @@ class SharedTier:
         self._give_headers(ids)
         return Got(reasons)
 
-    def _staged(self, e: Entry, code: int, value) -> str | None:
-        """Judge a value read whole into the inbox; a hit's payload is copied into its parts."""
-        cut = np.cumsum([HEADER_BYTES] + [p.nbytes for p in e.parts])
-        parts = [value[a:b] for a, b in zip(cut[:-1], cut[1:])]
-        why = self._judge(e, code, value[:HEADER_BYTES], parts)
-        if why is None:
-            for dst, src in zip(e.parts, parts):
-                copy_payload(dst, src)
-        return why
-
-    def _digests(self, entries, codes) -> list:
-        """The checksums of the values read whole (the others are misses without one), made at
-        once across the sum threads."""
+    def _digests(self, entries, codes, parts) -> list:
+        """The checksums of the payloads (`parts`, per entry) of the values read whole (the
+        others are misses without one), made at once across the sum threads."""
         if self.modeled_scale:
             return [None] * len(entries)
         whole = [j for j, (e, c) in enumerate(zip(entries, codes)) if c == self.value_bytes(e.kind)]
-        sums = checksums([entries[j].parts for j in whole], self._sums, SUM_THREADS)
+        sums = checksums([parts[j] for j in whole], self._sums, SUM_THREADS)
         out = [None] * len(entries)
         for j, d in zip(whole, sums):
             out[j] = d
