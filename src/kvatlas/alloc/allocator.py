@@ -467,7 +467,6 @@ class Allocator(Release, Sharing):
                                           full_slots=full_slots, compressed=compressed, state_rows=rows,
                                           workspace_rows=EMPTY, checkpoint_rows=ckpt))
 
-
     def _count_entries(self, L0, L1, written: int, sign: int = 1) -> None:
         if self.ledger is None:
             return

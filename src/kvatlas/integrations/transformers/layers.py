@@ -156,12 +156,6 @@ class CompressedLayer(SlidingLayer):
             raise KvatlasError(f"{name}: {kv.shape[-1]}-wide projections for a {2 * width}-wide ring row; the "
                                "cache was planned for another model")
         buffered = p.L0 % ratio
-        if rr.one is not None and buffered + 1 < ratio and not p.checkpoints:
-            # a decode step of one row that closes no window (most steps): the row into the ring,
-            # nothing for the model to pool
-            self._prior[name] = None
-            torch.cat((kv, gate), -1, out=self._ring_row(name, state, rr.one))
-            return (*self._none(name, kv, gate), p.L0 - buffered)
         usable = (buffered + kv.shape[1]) // ratio * ratio
         # what the model pools: read before this pass's rows land in the ring, and only when a
         # window closes (else the model looks at no row of it: most decode steps)
