@@ -34,7 +34,7 @@ import numpy as np
 from ...errors import ConfigError
 from .breaker import Breaker
 from .counters import SHARED_SCHEMA_VERSION, SharedCounters, SharedSnapshot
-from .inbox import Inbox, _timed, copy_payload, read_chunks, spans_of
+from .inbox import Inbox, _timed, copy_payload, read_chunks
 from .store import ABSENT, EXISTS, GET_FAILED, STORED, WRONG_SIZE, StoreUnavailable
 from .values import HEADER_BYTES, check, checksum, checksums, header
 
