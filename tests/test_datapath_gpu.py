@@ -73,6 +73,32 @@ def test_layer_ops_repeated_launches_match_reference(name, entries):
         assert any(len(v.compiled) > 1 for v in ct._LAUNCHES.values())   # several keys were made and launched
 
 
+@pytest.mark.parametrize("name,entries", KERNEL_FORMATS)
+def test_layer_ops_reads_several_layers_in_one_launch(name, entries):
+    """LayerOps over consecutive layers (the transformers adapter's group reads) returns what
+    gather of those layers returns, call after call, aligned and unaligned slots, in its shape
+    or a caller's; it writes one layer only."""
+    from kvatlas.datapath.kernels import codec_triton as ct
+    codec = CODECS[name]
+    geom = PageGeometry(codec.fmt, entries)
+    units, layers = 400 // entries + 2, 4
+    buf = slab_buffer(geom, units, layers)
+    g = torch.Generator(device="cuda").manual_seed(3)
+    fill = torch.randperm(units * entries - entries, device="cuda", generator=g)[:300] + entries
+    store(geom, buf, range(0, layers), fill, values(300, codec.width, layers), impl="torch")
+    ops = ct.LayerOps(codec, geom, buf, 1, 3)
+    for step, n in enumerate((1, 7, 64, 300, 33)):
+        flat = torch.cat([torch.zeros(step % 2, dtype=torch.int64, device="cuda"), fill[torch.randperm(300, device="cuda", generator=g)[:n]]])
+        slots = flat[step % 2:]
+        want = gather(geom, buf, range(1, 4), slots, impl="torch")
+        assert torch.equal(ops.gather(slots), want), f"step {step}"
+        assert torch.equal(ops.gather(slots, (3, 1, n, codec.width)), want[:, None]), f"step {step}"
+    with pytest.raises(ValueError, match="one layer"):
+        ops.store(slots, values(n, codec.width))
+    with pytest.raises(ValueError, match="outside"):
+        ct.LayerOps(codec, geom, buf, 2, 3)
+
+
 def test_layer_ops_step_is_store_then_gather():
     """A decode step's window in one launch (LayerOps.step: the row stored at the last slot, every
     slot read, the new one from registers) leaves the same bytes and returns the same values as

@@ -119,6 +119,40 @@ def test_long_decode_takes_its_indices_from_kept_tensors(monkeypatch, layout):
         assert torch.equal(m.generate(ids, past_key_values=beams, **kw).sequences, m.generate(ids, **kw).sequences)
 
 
+def test_grouped_reads_are_each_layers_own(monkeypatch):
+    """In a pass that writes no entry to a pool, its layers' entries are read in groups (one
+    operation a group): with groups of every layer, of some (a byte limit that splits the C4
+    layers' reads as the context grows), or none, 8 layers generate the tokens and logits of the
+    model's own cache, bit for bit, and a pass holds no group's read once its last layer took it."""
+    from kvatlas.integrations.transformers import layers
+    made = []
+    real = layers.Pooled._read
+
+    def recorded(self, span, j, g):
+        made.append((len(self.pageds), g))
+        return real(self, span, j, g)
+    monkeypatch.setattr(layers.Pooled, "_read", recorded)
+    m = tiny_model(torch.float32, seed=8, num_hidden_layers=8, layer_types=hf_tiny.LAYERS * 2)
+    ids = prompt(300, seed=9)
+    kw = dict(max_new_tokens=60, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    want = m.generate(ids, **kw)
+    seen = {}
+    for most in (64 << 20, 700 << 10, 0):
+        made.clear()
+        c = cache_for(m, group_read_bytes=most)
+        got = m.generate(ids, past_key_values=c, **kw)
+        assert torch.equal(got.sequences, want.sequences), most
+        assert all(torch.equal(a, b) for a, b in zip(got.logits, want.logits)), most
+        assert not c.current.reads
+        c.kv.check_integrity()
+        seen[most] = set(made)
+    assert seen[64 << 20] == {(4, 4), (2, 2)}                 # the C4 and indexer pools, the C128 pool: whole
+    assert any(1 < g < n for n, g in seen[700 << 10])         # split
+    assert seen[0] == set()
+    with pytest.raises(KvatlasError, match="group_read_bytes"):
+        cache_for(m, group_read_bytes=-1)
+
+
 def test_fp8_layout_against_the_bf16_layout():
     """What engines store (fp8_ds_mla KV, fp8 indexer keys) against the exact bf16 layout: stated,
     no target (the figures are in bench/RESULTS.md): greedy agreement and the logits' error."""

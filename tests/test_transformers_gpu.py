@@ -58,3 +58,20 @@ def test_prefix_hits_on_cuda_with_pinned_host_memory(dtype):
     import test_transformers_prefix as prefix
     srv = prefix.hits_on_both_tiers(dtype, device="cuda")
     assert srv.host.snapshot().pinned
+
+
+def test_fp8_group_reads_are_each_layers_own_on_cuda():
+    """The fp8 layout's entries read in groups of layers (one Triton launch a group) give the
+    logits that reads layer by layer give, bit for bit, over a generation that crosses C4 and
+    C128 windows (passes that write a pool read it layer by layer)."""
+    m = hf_tiny.model(torch.bfloat16, seed=3, device="cuda", num_hidden_layers=8, layer_types=hf_tiny.LAYERS * 2)
+    ids = hf_tiny.prompt(300, seed=3).cuda()
+    out = []
+    for most in (64 << 20, 0):
+        c = kvatlas_cache_for(m, "192MiB", layout="fp8", max_running_requests=4, max_model_len=1024,
+                              chunked_prefill_tokens=512, group_read_bytes=most)
+        out.append(m.generate(ids, past_key_values=c, max_new_tokens=40, do_sample=False, output_logits=True,
+                              return_dict_in_generate=True))
+        c.kv.check_integrity()
+    assert torch.equal(out[0].sequences, out[1].sequences)
+    assert all(torch.equal(a, b) for a, b in zip(out[0].logits, out[1].logits))

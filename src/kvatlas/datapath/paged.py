@@ -182,18 +182,20 @@ def gather(geom: PageGeometry, buffer, layers, slots, *, parallel=None, codec: C
     return out if not isinstance(layers, int) else out[0]
 
 
-def layer_ops(target):
+def layer_ops(target, layers: int = 1):
     """For a PagedTarget whose format has Triton kernels and lives on CUDA: an object whose
     `store(slots, values)` and `gather(slots)` (1-D int64 slots) are `target.store`/`gather` with
-    the fixed arguments made once (kernels.codec_triton.LayerOps); None elsewhere."""
+    the fixed arguments made once (kernels.codec_triton.LayerOps); None elsewhere. `layers` > 1:
+    its gather reads that many layers of the pool from the target's on, in one launch."""
     if not use_triton(target.codec, target.buffer, "auto", "store"):
         return None
-    return kernels.layer_ops(target.codec, target.geom, target.buffer, target.layer)
+    return kernels.layer_ops(target.codec, target.geom, target.buffer, target.layer, layers)
 
 
-def entries_view(geom: PageGeometry, buffer, layer: int, *, codec: Codec | None = None):
+def entries_view(geom: PageGeometry, buffer, layer: int | range, *, codec: Codec | None = None):
     """One layer's entries as values, [units, entries per page, width] in the codec's dtype, for
     formats that store values as they are (bf16, fp32, fp64: `Codec.raw`); None for the others.
+    A range of layers: theirs, [units, layers, entries per page, width].
     Indexing it with (page, offset) pairs is `gather` for those formats, assigning to it `store`
     without the checks: a caller that writes a pass's rows layer by layer with slots it split once
     pays one indexing operation a call instead of the checks and the split each time."""
@@ -201,6 +203,7 @@ def entries_view(geom: PageGeometry, buffer, layer: int, *, codec: Codec | None 
     geom.check_buffer(buffer)
     if not codec.raw:
         return None
-    return buffer[:, layer, : geom.entries * geom.fmt.data_bytes].view(codec.dtype).unflatten(
+    at = layer if isinstance(layer, int) else slice(layer.start, layer.stop)
+    return buffer[:, at, : geom.entries * geom.fmt.data_bytes].view(codec.dtype).unflatten(
         -1, (geom.entries, codec.width))
 

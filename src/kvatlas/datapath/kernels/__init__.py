@@ -36,9 +36,9 @@ def gather(codec, geom, buffer, layers: range, slots):
     return codec_triton.gather(codec, geom, buffer, layers, slots)
 
 
-def layer_ops(codec, geom, buffer, layer: int):
+def layer_ops(codec, geom, buffer, layer: int, layers: int = 1):
     from . import codec_triton
-    return codec_triton.LayerOps(codec, geom, buffer, layer)
+    return codec_triton.LayerOps(codec, geom, buffer, layer, layers)
 
 
 def compress(*args, **kwargs):

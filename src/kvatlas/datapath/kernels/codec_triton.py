@@ -269,6 +269,19 @@ def _hooked() -> bool:
                 or getattr(rt.launch_exit_hook, "calls", rt.launch_exit_hook))
 
 
+def _stream() -> int:
+    """The current CUDA stream of the current device, as triton's driver finds it (torch's
+    calls, without the Python wrappers around them once CUDA is initialised)."""
+    if _RAW is not None:
+        return _RAW[0](_RAW[1]())
+    drv = triton.runtime.driver.active
+    return drv.get_current_stream(drv.get_current_device())
+
+
+_RAW = ((torch._C._cuda_getCurrentRawStream, torch._C._cuda_getDevice)
+        if hasattr(torch._C, "_cuda_getCurrentRawStream") and hasattr(torch._C, "_cuda_getDevice") else None)
+
+
 class Launch:
     """One kernel with its meta-parameters fixed (constexprs and num_warps): `launch(grid, *args)`
     with the kernel's leading, non-constexpr arguments."""
@@ -294,9 +307,7 @@ class Launch:
             return
         if self.tail is None:   # the constexprs in the kernel's order, after the leading arguments
             self.tail = tuple(self.meta[n] for n in self.fn.arg_names[len(args):])
-        drv = triton.runtime.driver.active
-        ck.run(grid[0], grid[1], 1, drv.get_current_stream(drv.get_current_device()), ck.function,
-               ck.packed_metadata, None, None, None, *args, *self.tail)
+        ck.run(grid[0], grid[1], 1, _stream(), ck.function, ck.packed_metadata, None, None, None, *args, *self.tail)
 
 
 _LAUNCHES: dict = {}
@@ -356,14 +367,17 @@ class LayerOps:
     """store and gather of one layer of one pool with everything fixed made once: what a caller
     that writes and reads a layer a few times a step (the transformers adapter) calls instead of
     `paged.store`/`gather`. Slots: int64, 1-D, contiguous, on the buffer's device; values
-    [n, width]."""
+    [n, width]. With `layers` > 1, gather reads those consecutive layers from `layer` on in one
+    launch (store and step are one layer's)."""
 
     __slots__ = ("codec", "geom", "layers", "fixed", "tail", "fixed_key", "width", "device", "made")
 
-    def __init__(self, codec, geom, buffer, layer: int) -> None:
+    def __init__(self, codec, geom, buffer, layer: int, layers: int = 1) -> None:
         if buffer.stride(2) != 1:
             raise ValueError("pool buffer must be contiguous along its page bytes")
-        self.codec, self.geom, self.layers = codec, geom, range(layer, layer + 1)
+        if not (layers >= 1 and 0 <= layer and layer + layers <= buffer.shape[1]):
+            raise ValueError(f"layers {layer}..{layer + layers - 1} outside the buffer's {buffer.shape[1]}")
+        self.codec, self.geom, self.layers = codec, geom, range(layer, layer + layers)
         self.fixed = (buffer, buffer.stride(0), buffer.stride(1))
         self.tail = (layer, geom.entries, geom.scale_region)
         # the key of the arguments that never change, made once: each launch keys only its own
@@ -372,6 +386,8 @@ class LayerOps:
         self.made: dict = {}   # (op, a chunk's size or not): (tokens a program, Launch)
 
     def _made(self, op: str, n: int):
+        if op != "gather" and len(self.layers) > 1:
+            raise ValueError(f"LayerOps.{op} writes one layer; this one reads {len(self.layers)}")
         key = (op, n >= CHUNK_TOKENS)
         got = self.made.get(key)
         if got is None:
@@ -407,19 +423,22 @@ class LayerOps:
         bt, launch = self._made("store", n)
         vs = values.stride(0)
         launch((triton.cdiv(n, bt), 1), values, 0, vs, *self.fixed, slots, n, *self.tail,
-               key=self._key(values, vs, slots, n))
+               key=self._key(values, 0, vs, slots, n))
 
     def gather(self, slots, shape=None):
-        """The entries of `slots` (1-D, n), [n, width] or `shape` (of as many rows)."""
-        n = slots.numel()
-        out = torch.empty(shape or (n, self.width), dtype=torch.bfloat16, device=self.device)
+        """The entries of `slots` (1-D, n): [n, width] (one layer) or [layers, n, width], or
+        `shape` (of as many values, in that order)."""
+        n, layers = slots.numel(), len(self.layers)
+        out = torch.empty(shape or ((n, self.width) if layers == 1 else (layers, n, self.width)),
+                          dtype=torch.bfloat16, device=self.device)
         if n:
             bt, launch = self._made("gather", n)
-            launch((triton.cdiv(n, bt), 1), out, 0, self.width, *self.fixed, slots, n, *self.tail,
-                   key=self._key(out, self.width, slots, n))
+            ls = 0 if layers == 1 else n * self.width
+            launch((triton.cdiv(n, bt), layers), out, ls, self.width, *self.fixed, slots, n, *self.tail,
+                   key=self._key(out, ls, self.width, slots, n))
         return out
 
-    def _key(self, rows, row_stride: int, slots, n: int) -> tuple:
-        """The specialization key of a launch's arguments (`Launch`): the rows tensor, 0 (the
-        layer stride of one layer's launch), the row stride, the fixed ones, the slots, n."""
-        return (_key(rows), (False, True, True), _key(row_stride), self.fixed_key, _key(slots), _key(n))
+    def _key(self, rows, layer_stride: int, row_stride: int, slots, n: int) -> tuple:
+        """The specialization key of a launch's arguments (`Launch`): the rows tensor, its layer
+        and row strides, the fixed ones, the slots, n."""
+        return (_key(rows), _key(layer_stride), _key(row_stride), self.fixed_key, _key(slots), _key(n))

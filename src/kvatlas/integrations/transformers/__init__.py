@@ -29,11 +29,11 @@ def plan_for(model, memory, *, layout: str = "fp8", **options):
 
 
 def kvatlas_cache_for(model, memory, *, layout: str = "fp8", device=None, validate: bool = False,
-                      **options) -> KvatlasCache:
+                      group_read_bytes: int = 64 << 20, **options) -> KvatlasCache:
     """A KvatlasCache on the model's device (or `device`), planned by `plan_for`."""
     p = plan_for(model, memory, layout=layout, **options)
     kv = allocate(p, device=device if device is not None else model.device)
-    return KvatlasCache(kv, model, validate=validate)
+    return KvatlasCache(kv, model, validate=validate, group_read_bytes=group_read_bytes)
 
 
 __all__ = ["KvatlasCache", "LAYOUTS", "as_checkpoint_loads", "kvatlas_cache_for", "layout_options", "model_spec",

@@ -18,7 +18,7 @@ from transformers.cache_utils import Cache
 from ...cache.kvcache import KVCache
 from ...datapath import LayerTargets
 from ...errors import KvatlasError, RequestStateError
-from .layers import CLASSES
+from .layers import CLASSES, Pooled
 from .model import compressors, model_spec
 from .passes import EntrySlots, Pass, Rings, Staging, SwaSlots
 
@@ -42,12 +42,28 @@ class _Merged:
                                 for n, v in rows.items()}
 
 
+def _group(layers, most: int) -> None:
+    """The layers of each paged pool of compressed entries, in order, as one `Pooled` each."""
+    members: dict = {}
+    for layer in layers:
+        for name, paged in getattr(layer, "pools", {}).items():
+            members.setdefault((paged.target.buffer.data_ptr(), paged.target.geom.fmt.name), []).append((layer, name))
+    for group in members.values():
+        group.sort(key=lambda m: m[0].pools[m[1]].target.layer)
+        pooled = Pooled([layer.pools[name] for layer, name in group], most)
+        for k, (layer, name) in enumerate(group):
+            layer.grouped[name] = (pooled, k)
+
+
 class KvatlasCache(Cache):
     """`past_key_values` for a transformers DeepSeek-V4 model, stored in `kv` (a kvatlas KVCache
     planned for that model: see `kvatlas_cache_for`). `validate=True` checks every row stored
-    (finite, in range: a device sync each); the default trusts the model's rows."""
+    (finite, in range: a device sync each); the default trusts the model's rows.
+    `group_read_bytes`: in a pass that writes no entry to a pool, its layers' entries are read in
+    groups holding up to this many bytes (`layers.Pooled`: one launch a group, not one a layer);
+    0 reads layer by layer."""
 
-    def __init__(self, kv: KVCache, model, *, validate: bool = False) -> None:
+    def __init__(self, kv: KVCache, model, *, validate: bool = False, group_read_bytes: int = 64 << 20) -> None:
         spec = model_spec(model.config)
         if spec.compress_ratios[: spec.num_hidden_layers] != kv.plan.model.compress_ratios[: spec.num_hidden_layers]:
             raise KvatlasError("cache: it was planned for another model (compress_ratios differ); plan it from this "
@@ -63,6 +79,9 @@ class KvatlasCache(Cache):
             cls = CLASSES[kind]
             layers.append(cls(self, i, targets) if kind == "sliding_attention" else cls(self, i, targets, mods[i]))
         super().__init__(layers=layers)
+        if not isinstance(group_read_bytes, int) or group_read_bytes < 0:
+            raise KvatlasError(f"group_read_bytes: {group_read_bytes!r}; pass a byte count >= 0 (0 reads layer by layer)")
+        _group(layers, group_read_bytes)
         self.current: Pass | None = None
         self._entries, self._rings, self._swa = EntrySlots(), Rings(), SwaSlots()
         self._staging = Staging(kv.device)

@@ -62,6 +62,66 @@ class _Paged:
             t.store(where.slots, rows)
 
 
+class Pooled:
+    """The layers of one paged pool (C4 or C128 entries, or indexer keys), read together. In a
+    pass that writes no entry to the pool (most decode steps: a C4 window closes every 4 tokens,
+    a C128 one every 128), the pool does not change while the model goes through its layers, so
+    the first layer to ask reads every layer's span at once and each takes its own: one launch
+    (or one index_select) for a group of layers instead of one a layer; what a layer gets is
+    what its own read returns. A group's read holds at most `most` bytes (the peak a pass adds
+    per pool, the first taker's read kept until the group's last layer takes its part; 0: each
+    layer reads alone, as in a pass that writes the pool)."""
+
+    __slots__ = ("pageds", "view", "ops", "target", "most")
+
+    def __init__(self, pageds: list, most: int) -> None:
+        self.pageds, self.most = pageds, most
+        t = self.target = pageds[0].target
+        self.view, self.ops = None, {}
+        if [p.target.layer for p in pageds] != list(range(t.layer, t.layer + len(pageds))) or t.parallel is not None:
+            self.most = 0              # not consecutive layers of one buffer: no group reads
+        elif pageds[0].view is not None:
+            self.view = entries_view(t.geom, t.buffer, range(t.layer, t.layer + len(pageds)),
+                                     codec=t.codec).transpose(0, 1)   # [layers, units, entries, width]
+        elif pageds[0].ops is None:
+            self.most = 0              # the torch path (no Triton): each layer reads alone
+
+    def read(self, p, k: int, span, alone: bool):
+        """Layer k's (its place in `pageds`) entries of `span`, [B, count, width]."""
+        got = p.reads.get(self)        # (first layer, the group's parts) of the group read last
+        if got is not None and not alone and 0 <= k - got[0] < len(got[1]):
+            parts = got[1]
+            if k - got[0] == len(parts) - 1:   # the group's last layer: the pass keeps it no longer
+                del p.reads[self]
+            return parts[k - got[0]]
+        if not self.most or alone:
+            return self.pageds[k].read(span)
+        n, t = len(self.pageds), self.target
+        if self.view is None:          # the kernels read out bf16 values, span.count a row
+            each = span.B * span.count * t.codec.width * 2
+        else:                          # whole pages, in the format's dtype
+            each = span.pages.numel() * t.geom.entries * t.codec.width * self.view.element_size()
+        g = min(n, self.most // max(each, 1))
+        if g <= 1:
+            return self.pageds[k].read(span)
+        j = k // g * g
+        parts = self._read(span, j, min(g, n - j)).unbind(0)
+        if len(parts) > 1 + k - j:
+            p.reads[self] = (j, parts)
+        return parts[k - j]
+
+    def _read(self, span, j: int, g: int):
+        B, count = span.B, span.count
+        if self.view is not None:
+            pages = span.pages
+            got = self.view[j: j + g].index_select(1, pages.reshape(-1))
+            return got.view(g, B, -1, got.shape[-1])[:, :, span.start: span.start + count]
+        ops = self.ops.get((j, g))
+        if ops is None:
+            ops = self.ops[j, g] = layer_ops(self.pageds[j].target, g)
+        return ops.gather(span.flat, (g, B, count, self.target.codec.width))
+
+
 class SlidingLayer(CacheLayerMixin):
     """A sliding-window-only layer; the base of the compressed ones."""
 
@@ -137,6 +197,7 @@ class CompressedLayer(SlidingLayer):
         self.fixed = {n: (r.ratio, self.states[n], (r.state.shape[2], r.ratio), r.state.shape[-1] // 2)
                       for n, r in self.rings.items()}
         self.pools = {n: _Paged(r.pool) for n, r in self.rings.items()}
+        self.grouped: dict = {}   # name: (its pool's Pooled, this layer's place in it); set by the owner
         self.modules = modules
         self.ckpt = {}
         for n in self.names:
@@ -217,7 +278,8 @@ class CompressedLayer(SlidingLayer):
         span = p.read_entries[r]
         if not span.count:
             return compressed
-        out = pool.read(span)
+        group = self.grouped.get(name)
+        out = pool.read(span) if group is None else group[0].read(p, group[1], span, alone=bool(n))
         return out if out.dtype == compressed.dtype else out.to(compressed.dtype)
 
 

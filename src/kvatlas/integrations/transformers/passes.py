@@ -141,10 +141,11 @@ def _made(t: list, ids: tuple) -> Where:
 
 @dataclass(slots=True)
 class RingRows:
-    """Rows of one ring size: (slot column [B, 1], ring rows [n]) index pairs, broadcast to [B, n]."""
+    """Rows of one ring size: (slot column [B, 1], ring rows [n]) index pairs, broadcast to [B, n]
+    (or, for one row's decode step, (slot slice, rows slice): views)."""
     buffer: tuple            # the L0 % r tokens since the last window
     overlap: tuple | None    # ratio 4: the block before that window (None at its first window)
-    write: tuple             # the last min(S, ring) tokens of the pass: their rows are (over)written
+    write: tuple | None      # the last min(S, ring) tokens of the pass: their rows are (over)written (None with `one`)
     write_from: int          # the token offset (0..S-1) of the first of those
     one: tuple | None = None  # one bound row writing one token (a decode step): (slot, ring row) as ints
 
@@ -242,6 +243,7 @@ class Pass:
     def __init__(self, kv, slots: np.ndarray, L0: int, S: int, w, entries: "EntrySlots", rings: "Rings",
                  staging: Staging, swa: "SwaSlots | None" = None) -> None:
         a = kv.allocator
+        self.reads: dict = {}   # a group of layers' entries read at once (layers.Pooled), until its last layer takes its part
         self.B, self.S, self.L0, self.L1 = len(slots), S, L0, L0 + S
         self.new_counts = {r: self.L1 // r - L0 // r for r in a.ratios}   # windows the pass closes
         self.read_entries = {r: entries.read(kv, slots, r, self.L1 // r, staging) for r in a.ratios}
@@ -346,6 +348,8 @@ class Rings:
         return self._kinds
 
     def get(self, slots: np.ndarray, L0: int, S: int, ring: int, r: int, staging: Staging) -> RingRows:
+        if S == 1 and len(slots) == 1 and ring % r == 0:
+            return self._one(int(slots[0]), L0, ring, r)
         steady = L0 >= ring
         key = (int(slots[0]) if len(slots) == 1 else slots.tobytes(), ring, r, S, L0 % ring)
         if steady and key in self.kept:
@@ -361,6 +365,17 @@ class Rings:
         b, w = rows(fw, L0 % r), rows(L0 + S - k, k)
         t = pk.device(staging)
         got = RingRows(buffer=(t[b[0]], t[b[1]]), overlap=None if overlap is None else (t[overlap[0]], t[overlap[1]]),
-                       write=(t[w[0]], t[w[1]]), write_from=S - k,
-                       one=(int(slots[0]), (L0 + S - 1) % ring) if len(slots) == 1 and S == 1 else None)
+                       write=(t[w[0]], t[w[1]]), write_from=S - k)
         return self.kept.keep(key, got) if steady else got
+
+    def _one(self, s: int, L0: int, ring: int, r: int) -> RingRows:
+        """One row's decode step in a ring of whole windows: its ring rows are slices (views of
+        the slot; nothing made or copied), since a run from a window's start, or the overlap block
+        before it, never wraps then. The layer writes the step's token at `one`."""
+        fw = L0 - L0 % r
+        row = slice(s, s + 1)
+        first = fw % ring
+        overlap = (row, slice((fw - OVERLAP) % ring, (fw - OVERLAP) % ring + OVERLAP)) \
+            if r == OVERLAP and fw >= OVERLAP else None
+        return RingRows(buffer=(row, slice(first, first + L0 % r)), overlap=overlap, write=None, write_from=0,
+                        one=(s, L0 % ring))
