@@ -13,10 +13,11 @@ update_compressor_states): a prefill through the model's eager attention at 256K
 memory than the card has. Then decode steps through the model, one token each; the step time is
 host time around the whole forward pass (the model is launch-bound: synchronising first and last,
 everything the adapter does in Python included), the caches taking turns step by step so that the
-host's drift hits them alike; medians.
+host's drift hits them alike; medians (and the median of each step's ratio to the own cache's step
+of the same turn).
 
     python bench/transformers_decode_gpu.py [--contexts 8192,65536,262144] [--layouts fp8,exact]
-        [--steps 30] [--rounds 3] [--warmup 16] [--experts 16] [--layers csa,hca,csa,hca] [--json OUT.json]
+        [--steps 30] [--rounds 6] [--warmup 16] [--experts 16] [--layers csa,hca,csa,hca] [--json OUT.json]
     (--device cpu --vocab 512 --experts 2 --contexts 1024,2048: a dry run of the script on a CPU)
 """
 
@@ -115,7 +116,7 @@ def main() -> None:
     ap.add_argument("--contexts", default="8192,65536,262144")
     ap.add_argument("--layouts", default="fp8,exact")
     ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--warmup", type=int, default=16, help="untimed steps per cache at each context")
     ap.add_argument("--experts", type=int, default=16)
     ap.add_argument("--layers", default="csa,hca,csa,hca")
@@ -169,16 +170,22 @@ def main() -> None:
         for lay in layouts:
             t = statistics.median(times[lay])
             row[f"{lay}_ms"], row[f"{lay}_tokens_per_s_ratio"] = t * 1e3, own / t
+            # the same, step by step: each step against the own cache's step of the same turn
+            # (next to it in time), the median of those ratios
+            row[f"{lay}_paired_ratio"] = statistics.median(o / m for o, m in zip(times["own"], times[lay]))
+        row["steps_ms"] = {n: [round(x * 1e3, 3) for x in v] for n, v in times.items()}
         row["lengths"] = {n: c.get_seq_length() for n, c in caches.items()}
         row.update(check)
         results.append(row)
-        print(json.dumps(row), flush=True)
+        print(json.dumps({k: v for k, v in row.items() if k != "steps_ms"}), flush=True)
     for lay in layouts:
         caches[lay].kv.check_integrity()
-    print("\n| context | own cache step | " + " | ".join(f"kvatlas {lay} step | tokens/s vs own" for lay in layouts) + " |")
+    print("\n| context | own cache step | " + " | ".join(f"kvatlas {lay} step | tokens/s vs own (paired)" for lay in layouts)
+          + " |")
     print("|---|---|" + "---|---|" * len(layouts))
     for r in results:
-        cells = " | ".join(f"{r[f'{lay}_ms']:.2f} ms | {r[f'{lay}_tokens_per_s_ratio']:.3f}x" for lay in layouts)
+        cells = " | ".join(f"{r[f'{lay}_ms']:.2f} ms | {r[f'{lay}_tokens_per_s_ratio']:.3f}x ({r[f'{lay}_paired_ratio']:.3f}x)"
+                           for lay in layouts)
         print(f"| {r['context']:,} | {r['own_ms']:.2f} ms | {cells} |")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
