@@ -41,14 +41,20 @@ class _Paged:
         self.view = entries_view(target.geom, target.buffer, target.layer, codec=target.codec)
         self.ops = None if self.view is not None else layer_ops(target)
 
-    def read(self, span):
+    def read(self, span, head: bool = False):
+        """The span's entries, [B, count, width] (with `head`, [B, 1, count, width]: the keys a
+        layer's single KV head attends)."""
         if self.view is None:
             if self.ops is not None:
-                return self.ops.gather(span.flat, (span.B, span.count, self.ops.width))
-            return self.target.gather(span.slots)
+                return self.ops.gather(span.flat, (span.B, 1, span.count, self.ops.width) if head else
+                                       (span.B, span.count, self.ops.width))
+            got = self.target.gather(span.slots)
+            return got.unsqueeze(1) if head else got
         B, n = span.pages.shape
-        got = self.view.index_select(0, span.pages.reshape(-1)).view(B, -1, self.view.shape[-1])
-        return got[:, span.start: span.start + span.count]
+        got = self.view.index_select(0, span.pages.reshape(-1))
+        if head:
+            return got.view(B, 1, -1, self.view.shape[-1])[:, :, span.start: span.start + span.count]
+        return got.view(B, -1, self.view.shape[-1])[:, span.start: span.start + span.count]
 
     def write(self, where, rows, validate: bool) -> None:
         t = self.target
@@ -149,8 +155,8 @@ class SlidingLayer(CacheLayerMixin):
             full = full if full.dtype == key_states.dtype else full.to(key_states.dtype)
             return full, full
         self.swa.write(p.swa_store, key_states.reshape(B * S, D), self.owner.validate)
-        full = self.swa.read(p.swa_read)
-        full = (full if full.dtype == key_states.dtype else full.to(key_states.dtype)).unsqueeze(1)
+        full = self.swa.read(p.swa_read, head=True)
+        full = full if full.dtype == key_states.dtype else full.to(key_states.dtype)
         return full, full
 
     def get_seq_length(self) -> int:
@@ -207,7 +213,7 @@ class CompressedLayer(SlidingLayer):
         self._prior: dict = {}
         self._dtypes: dict = {}
         self._empty: dict = {}
-        self._rows: dict = {}    # (name, slot, ring row): that ring row as [1, 1, 2 * width] (a decode step's write)
+        self._rows: dict = {}    # (name, slot): its ring rows, each as [1, 1, 2 * width] (a decode step's write)
 
     def store_compression_weights(self, name: str, kv: torch.Tensor, gate: torch.Tensor):
         p = self.owner.current
@@ -250,13 +256,16 @@ class CompressedLayer(SlidingLayer):
         return kv[:, :usable], gate[:, :usable], first
 
     def _ring_row(self, name: str, state, one: tuple):
-        """The ring row `one` (slot, row) as [1, 1, 2 * width], a view kept between passes."""
-        rows = self._rows.get((name, *one))
+        """The ring row `one` (slot, row) as [1, 1, 2 * width]: views of every row of the slot,
+        made in one operation the first time the slot's ring is written this way and kept (for
+        the last 256 slots and names)."""
+        slot, row = one
+        rows = self._rows.get((name, slot))
         if rows is None:
-            if len(self._rows) >= 4096:
-                self._rows.clear()
-            rows = self._rows[name, *one] = state[one].view(1, 1, -1)
-        return rows
+            if len(self._rows) >= 256:
+                del self._rows[next(iter(self._rows))]
+            rows = self._rows[name, slot] = state[slot].unsqueeze(1).unsqueeze(1).unbind(0)
+        return rows[row]
 
     def _none(self, name: str, kv, gate) -> tuple:
         """No window closes (most decode steps): the same empty pair each time."""
