@@ -16,9 +16,10 @@ everything the adapter does in Python included), the caches taking turns step by
 host's drift hits them alike; medians (and the median of each step's ratio to the own cache's step
 of the same turn).
 
-    python bench/transformers_decode_gpu.py [--contexts 8192,65536,262144] [--layouts fp8,exact]
+    python bench/transformers_decode_gpu.py [--contexts 8192,65536,262144] [--layouts fp8,exact[,own2]]
         [--steps 30] [--rounds 6] [--warmup 16] [--experts 16] [--layers csa,hca,csa,hca] [--json OUT.json]
-    (--device cpu --vocab 512 --experts 2 --contexts 1024,2048: a dry run of the script on a CPU)
+    (--device cpu --vocab 512 --experts 8 --contexts 1024,2048: a dry run of the script on a CPU;
+    the layout own2 is a second own cache, a control: what each figure reads for equal work)
 """
 
 from __future__ import annotations
@@ -141,6 +142,9 @@ def main() -> None:
     most = max(contexts) + args.rounds * args.steps * (1 + len(layouts)) + 64
     caches = {"own": DynamicCache(config=m.config)}
     for lay in layouts:
+        if lay == "own2":   # a control: a second own cache, timed like the others (what the ratios read on equal work)
+            caches[lay] = DynamicCache(config=m.config)
+            continue
         c = kvatlas_cache_for(m, "8GiB" if dev == "cuda" else "1GiB", layout=lay, max_running_requests=1,
                               max_model_len=most, chunked_prefill_tokens=CHUNK)
         c.kv.admit("r", most - 1, 1)
@@ -179,8 +183,10 @@ def main() -> None:
         results.append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "steps_ms"}), flush=True)
     for lay in layouts:
-        caches[lay].kv.check_integrity()
-    print("\n| context | own cache step | " + " | ".join(f"kvatlas {lay} step | tokens/s vs own (paired)" for lay in layouts)
+        if lay != "own2":
+            caches[lay].kv.check_integrity()
+    print("\n| context | own cache step | " + " | ".join(f"{'own cache again' if lay == 'own2' else 'kvatlas ' + lay} step | "
+                                                        "tokens/s vs own (paired)" for lay in layouts)
           + " |")
     print("|---|---|" + "---|---|" * len(layouts))
     for r in results:
