@@ -68,6 +68,8 @@ for name, entries in [("fp8_ds_mla", 4), ("fp8_ds_mla", 2), ("indexer_fp8", 4)]:
     store(geom, ref, 1, slots[:4], x[1, 5:9], impl="torch")
     assert torch.equal(ref, tri), name
     assert torch.equal(ops.gather(slots), gather(geom, ref, 1, slots, impl="torch")), name
+    group = codec_triton.LayerOps(codec, geom, ref, 1, 2)  # two layers read in one launch
+    assert torch.equal(group.gather(slots), gather(geom, ref, range(1, 3), slots, impl="torch")), name
     if ops.steps:                                          # the SWA's decode step: store then gather, one launch
         store(geom, ref, 1, slots[-1:], x[2, :1], impl="torch")
         assert torch.equal(ops.step(slots, x[2, :1]), gather(geom, ref, 1, slots, impl="torch")), name
