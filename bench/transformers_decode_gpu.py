@@ -149,7 +149,7 @@ def main() -> None:
                               max_model_len=most, chunked_prefill_tokens=CHUNK)
         c.kv.admit("r", most - 1, 1)
         caches[lay] = c.bind(["r"])
-    results, at = [], 0
+    results = []
     for ctx in contexts:
         for name, c in caches.items():
             drive(c, m, ctx - c.get_seq_length(), dev)

@@ -19,7 +19,6 @@ def test_sixteen_interleaved_sessions_get_what_they_get_alone():
     rng = np.random.default_rng(5)
     systems = [rng.integers(0, VOCAB, n) for n in (300, 140)]
     srv = server(m, "64MiB", requests=6, checkpoints=8, max_len=1024)
-    turn = {s: 0 for s in range(SESSIONS)}
     history = {s: np.concatenate((systems[s % 2], rng.integers(0, VOCAB, int(rng.integers(5, 200)))))
                for s in range(SESSIONS)}
     for s in range(SESSIONS):
