@@ -149,8 +149,9 @@ def test_grouped_reads_are_each_layers_own(monkeypatch):
     assert seen[64 << 20] == {(4, 4), (2, 2)}                 # the C4 and indexer pools, the C128 pool: whole
     assert any(1 < g < n for n, g in seen[700 << 10])         # split
     assert seen[0] == set()
-    with pytest.raises(KvatlasError, match="group_read_bytes"):
-        cache_for(m, group_read_bytes=-1)
+    for bad in (-1, 2.5, True, "64MiB"):
+        with pytest.raises(KvatlasError, match="group_read_bytes"):
+            cache_for(m, group_read_bytes=bad)
 
 
 def test_fp8_layout_against_the_bf16_layout():

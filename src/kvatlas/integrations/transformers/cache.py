@@ -79,7 +79,7 @@ class KvatlasCache(Cache):
             cls = CLASSES[kind]
             layers.append(cls(self, i, targets) if kind == "sliding_attention" else cls(self, i, targets, mods[i]))
         super().__init__(layers=layers)
-        if not isinstance(group_read_bytes, int) or group_read_bytes < 0:
+        if isinstance(group_read_bytes, bool) or not isinstance(group_read_bytes, int) or group_read_bytes < 0:
             raise KvatlasError(f"group_read_bytes: {group_read_bytes!r}; pass a byte count >= 0 (0 reads layer by layer)")
         _group(layers, group_read_bytes)
         self.current: Pass | None = None
