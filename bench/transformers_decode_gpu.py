@@ -176,7 +176,7 @@ def main() -> None:
             row[f"{lay}_ms"], row[f"{lay}_tokens_per_s_ratio"] = t * 1e3, own / t
             # the same, step by step: each step against the own cache's step of the same turn
             # (next to it in time), the median of those ratios
-            row[f"{lay}_paired_ratio"] = statistics.median(o / m for o, m in zip(times["own"], times[lay]))
+            row[f"{lay}_paired_ratio"] = statistics.median(a / b for a, b in zip(times["own"], times[lay]))
         row["steps_ms"] = {n: [round(x * 1e3, 3) for x in v] for n, v in times.items()}
         row["lengths"] = {n: c.get_seq_length() for n, c in caches.items()}
         row.update(check)

@@ -386,11 +386,11 @@ class LayerOps:
         self.made: dict = {}   # (op, a chunk's size or not): (tokens a program, Launch)
 
     def _made(self, op: str, n: int):
-        if op != "gather" and len(self.layers) > 1:
-            raise ValueError(f"LayerOps.{op} writes one layer; this one reads {len(self.layers)}")
         key = (op, n >= CHUNK_TOKENS)
         got = self.made.get(key)
         if got is None:
+            if op != "gather" and len(self.layers) > 1:   # never made, so checked at every such call
+                raise ValueError(f"LayerOps.{op} writes one layer; this one reads {len(self.layers)}")
             got = self.made[key] = {"store": _store_launch, "gather": _gather_launch, "step": _step_launch}[op](
                 self.codec, self.geom, self.layers, n)
         return got

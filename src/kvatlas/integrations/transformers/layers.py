@@ -23,6 +23,7 @@ from transformers.cache_utils import CacheLayerMixin
 
 from ...datapath import entries_view, layer_ops, store
 from ...errors import KvatlasError
+from .passes import Kept
 
 _STATE_POOLS = {("c4", "compressor"): "c4_state", ("c4", "indexer"): "c4_indexer_state",
                 ("c128", "compressor"): "c128_state"}
@@ -213,7 +214,7 @@ class CompressedLayer(SlidingLayer):
         self._prior: dict = {}
         self._dtypes: dict = {}
         self._empty: dict = {}
-        self._rows: dict = {}    # (name, slot): its ring rows, each as [1, 1, 2 * width] (a decode step's write)
+        self._rows = Kept(256)   # (name, slot): its ring rows, each as [1, 1, 2 * width] (a decode step's write)
 
     def store_compression_weights(self, name: str, kv: torch.Tensor, gate: torch.Tensor):
         p = self.owner.current
@@ -262,9 +263,7 @@ class CompressedLayer(SlidingLayer):
         slot, row = one
         rows = self._rows.get((name, slot))
         if rows is None:
-            if len(self._rows) >= 256:
-                del self._rows[next(iter(self._rows))]
-            rows = self._rows[name, slot] = state[slot].unsqueeze(1).unsqueeze(1).unbind(0)
+            rows = self._rows.keep((name, slot), state[slot].unsqueeze(1).unsqueeze(1).unbind(0))
         return rows[row]
 
     def _none(self, name: str, kv, gate) -> tuple:

@@ -150,9 +150,10 @@ class RingRows:
     one: tuple | None = None  # one bound row writing one token (a decode step): (slot, ring row) as ints
 
 
-class _Kept(dict):
-    """Index tensors kept on the device between passes, for the last few sets of bound rows (a
-    serving loop runs its requests in turn, one pass each): at most `most`, the oldest dropped."""
+class Kept(dict):
+    """Tensors kept between passes (index tensors on the device, a slot's ring-row views), for the
+    last few sets of bound rows (a serving loop runs its requests in turn, one pass each): at most
+    `most`, the oldest dropped."""
 
     def __init__(self, most: int = 64) -> None:
         super().__init__()
@@ -182,7 +183,7 @@ class EntrySlots:
     context has 65,536 C4 entries). Made again when pages are added or requests come or go."""
 
     def __init__(self) -> None:
-        self.kept = _Kept()
+        self.kept = Kept()
 
     def read(self, kv, slots: np.ndarray, r: int, count: int, staging: Staging) -> Span:
         a = kv.allocator
@@ -207,7 +208,7 @@ class SwaSlots:
     slices of the same tensor. Also a small arange on the device, for in-page offsets."""
 
     def __init__(self) -> None:
-        self.kept = _Kept()
+        self.kept = Kept()
         self.ar: torch.Tensor | None = None
 
     def table(self, a, slots: np.ndarray, first: int, last: int, staging: Staging):
@@ -332,7 +333,7 @@ class Rings:
     def __init__(self) -> None:
         # a steady decode keys one set of rows by its position in each ring: a C128 ring's 128
         # positions (and the C4 ring's) must fit, else every step of it is made and copied again
-        self.kept = _Kept(1024)
+        self.kept = Kept(1024)
         self._kinds: list | None = None
 
     def kinds(self, kv) -> list:
