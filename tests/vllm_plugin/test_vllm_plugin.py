@@ -112,7 +112,7 @@ def test_a_failing_hook_leaves_vllm_unchanged(kv, monkeypatch):
 def roles() -> dict:
     # a fresh API server: not this process's metrics directory (its engines' boards are there)
     env = {k: v for k, v in os.environ.items() if k != "KVATLAS_VLLM_METRICS_DIR"}
-    out = subprocess.run([sys.executable, os.path.join(HERE, "serve_roles.py"), "0.34.0"], capture_output=True,
+    out = subprocess.run([sys.executable, os.path.join(HERE, "serve_roles.py"), "0.35.0"], capture_output=True,
                          text=True, timeout=420, cwd=HERE, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -141,5 +141,5 @@ def test_the_dashboards_vllm_panels_read_families_the_api_server_serves(roles):
 def test_other_version_refused_with_one_line(roles):
     r = roles["other_version"]
     assert r["registered"] is False and r["hooked"] is False and r["metrics_dir"] is False
-    assert r["lines"] == ["kvatlas: vLLM 0.34.0 is not 0.33.x, the version this plugin knows; plugin off, "
-                          "vLLM runs unchanged"]
+    assert r["lines"] == ["kvatlas: vLLM 0.35.0 is not 0.33.x or 0.34.x, the versions this plugin knows; plugin "
+                          "off, vLLM runs unchanged"]

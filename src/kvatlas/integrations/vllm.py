@@ -1,4 +1,4 @@
-"""vLLM 0.33's own KV planner and scheduler for DeepSeek-V4, run offline on a CPU. All knowledge of
+"""vLLM's own KV planner and scheduler (0.33.x and 0.34.x) for DeepSeek-V4, run offline on a CPU. All knowledge of
 how to stand vLLM up without a GPU lives here; the plugin (`vllm_plugin.py`) and kvatlas's tests
 and benchmarks build on it.
 
@@ -27,7 +27,9 @@ Use (in the venv `tests/vllm_plugin/setup_env.sh` builds):
     while eng.has_requests():
         eng.step()                            # schedule, "run" the batch, update, make stats
 
-`kv_cache_config(...)` runs only the planner (no scheduler). Only vLLM 0.33.x is accepted.
+`kv_cache_config(...)` runs only the planner (no scheduler). vLLM 0.33.x and 0.34.x are accepted, with
+one API: where 0.34 moved things (the per-layer spec loop now lives in model runner V2's
+`attn_utils`; `ModelRunnerOutput` lost its request index) the builder follows the release installed.
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Callable
 
-SUPPORTED_SERIES = "0.33."
+SUPPORTED_SERIES = ("0.33.", "0.34.")   # the releases whose planner and scheduler kvatlas has read
+NEWEST = "0.34"
 BLOCK_TOKENS = 256          # the DeepSeek-V4 backends' block: every group's tokens per block
 DEFAULT_TOKEN = 1           # what the offline model "samples" unless a caller says otherwise
 
@@ -53,6 +56,16 @@ def vllm_version() -> str | None:
 
 def supported(version: str | None) -> bool:
     return version is not None and version.startswith(SUPPORTED_SERIES)
+
+
+def series(version: str | None = None) -> str | None:
+    """"0.33" or "0.34" for a supported release (the installed one by default), else None."""
+    version = vllm_version() if version is None else version
+    return version.rsplit(".", 1)[0] if supported(version) else None
+
+
+def supported_text() -> str:
+    return " or ".join(f"{s}x" for s in SUPPORTED_SERIES)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -109,8 +122,8 @@ def _require_supported() -> None:
     from ..errors import ConfigError
     version = vllm_version()
     if not supported(version):
-        raise ConfigError("vllm", f"vLLM {version or '(not installed)'} is not 0.33.x",
-                          "pip install --no-deps vllm==0.33.0 (see tests/vllm_plugin/setup_env.sh)")
+        raise ConfigError("vllm", f"vLLM {version or '(not installed)'} is not {supported_text()}",
+                          "pip install --no-deps vllm==0.34.0 or 0.33.0 (see tests/vllm_plugin/setup_env.sh)")
 
 
 def _model_dir(model, tmp: str) -> str:
@@ -170,9 +183,14 @@ def register_layers(config) -> int:
 
 def layer_specs(config) -> dict:
     """The per-layer KV cache specs, through the model runner's own loop over the forward context
-    (the backend's spec customisation included)."""
+    (the backend's spec customisation included): 0.33's `GPUModelRunner.get_kv_cache_spec`, 0.34's
+    (model runner V2 only) `attn_utils.get_kv_cache_spec`."""
     import types
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    try:
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    except ImportError:   # 0.34
+        from vllm.v1.worker.gpu.attn_utils import get_kv_cache_spec
+        return get_kv_cache_spec(config)
     return GPUModelRunner.get_kv_cache_spec(types.SimpleNamespace(vllm_config=config, shared_kv_cache_layers={}))
 
 
@@ -261,8 +279,9 @@ def _executor_class():
             for rid in so.finished_req_ids:
                 self.prompt_tokens.pop(rid, None)
                 self.output_tokens.pop(rid, None)
-            return ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
-                                     sampled_token_ids=sampled)
+            fields = ModelRunnerOutput.__dataclass_fields__
+            index = {"req_id_to_index": {r: i for i, r in enumerate(ids)}} if "req_id_to_index" in fields else {}
+            return ModelRunnerOutput(req_ids=ids, sampled_token_ids=sampled, **index)   # 0.34 dropped the index
 
     return OfflineExecutor
 

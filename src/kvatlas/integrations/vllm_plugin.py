@@ -74,8 +74,8 @@ def register() -> bool:
         from . import vllm as offline
         version = offline.vllm_version()
         if not offline.supported(version):
-            log.warning("kvatlas: vLLM %s is not 0.33.x, the version this plugin knows; plugin off, vLLM runs "
-                        "unchanged", version or "(not installed)")
+            log.warning("kvatlas: vLLM %s is not %s, the versions this plugin knows; plugin off, vLLM runs "
+                        "unchanged", version or "(not installed)", offline.supported_text())
             return False
         if _P.registered:
             return True
