@@ -27,6 +27,9 @@ Use (in the venv `tests/vllm_plugin/setup_env.sh` builds):
     while eng.has_requests():
         eng.step()                            # schedule, "run" the batch, update, make stats
 
+KV events: `build_engine(..., kv_events={"endpoint": "tcp://127.0.0.1:5557"})` turns on the scheduler's
+own ZMQ publisher (`KVEventsConfig`); `eng.shutdown()` stops it.
+
 `kv_cache_config(...)` runs only the planner (no scheduler). vLLM 0.33.x and 0.34.x are accepted, with
 one API: where 0.34 moved things (the per-layer spec loop now lives in model runner V2's
 `attn_utils`; `ModelRunnerOutput` lost its request index) the builder follows the release installed.
@@ -82,6 +85,9 @@ class EngineOptions:
     enable_chunked_prefill: bool = True                 # --enable-chunked-prefill
     num_gpu_blocks_override: int | None = None          # --num-gpu-blocks-override
     log_stats: bool = True                              # not --disable-log-stats
+    kv_events: dict | None = None                       # --kv-events-config: KVEventsConfig's fields (endpoint,
+                                                        # replay_endpoint, buffer_steps, hwm, topic, ...); given,
+                                                        # events are on and the scheduler publishes them (ZMQ)
 
     @classmethod
     def of(cls, options: "EngineOptions | None", kwargs: dict) -> "EngineOptions":
@@ -112,10 +118,24 @@ def vllm_config(model, options: EngineOptions | None = None, **kwargs):
                                        enable_chunked_prefill=opts.enable_chunked_prefill,
                                        async_scheduling=opts.async_scheduling)
     config = VllmConfig(model_config=model_config, cache_config=cache_config, scheduler_config=scheduler_config,
-                        device_config=DeviceConfig(device="cuda"))
+                        device_config=DeviceConfig(device="cuda"), kv_events_config=_kv_events_config(opts))
     config.scheduler_config.disable_hybrid_kv_cache_manager = False   # CUDA's answer
     config.cache_config.block_size = BLOCK_TOKENS
     return config
+
+
+def _kv_events_config(opts: EngineOptions):
+    if opts.kv_events is None:
+        return None
+    from dataclasses import fields
+    from vllm.config import KVEventsConfig
+    from ..errors import ConfigError
+    known = {f.name for f in fields(KVEventsConfig)}
+    for key in opts.kv_events:
+        if key not in known:
+            raise ConfigError(f"kv_events.{key}", "is not a field of vLLM's KVEventsConfig",
+                              f"use some of {', '.join(sorted(known))}")
+    return KVEventsConfig(**{"enable_kv_cache_events": True, "publisher": "zmq", **opts.kv_events})
 
 
 def _require_supported() -> None:
@@ -368,6 +388,10 @@ class OfflineEngine:
 
     def abort(self, request_ids: list[str]) -> None:
         self.core.abort_requests(list(request_ids))
+
+    def shutdown(self) -> None:
+        """Stop what the scheduler started (the KV event publisher's thread and sockets)."""
+        self.core.scheduler.shutdown()
 
     def has_requests(self) -> bool:
         return self.core.scheduler.has_requests()
