@@ -122,22 +122,44 @@ def test_a_census_failure_never_reaches_vllm_and_heals(engine, monkeypatch):
 
     from kvatlas.integrations import vllm_plugin
     eng, tracker = engine
-    failed = []
+    calls = []
 
-    def broken(block):
-        failed.append(block.block_id)
+    def broken():
+        calls.append(1)
         raise RuntimeError("injected")
-    monkeypatch.setattr(tracker.census, "_released", broken)
+    monkeypatch.setattr(vllm_plugin._P, "refresh_s", 0.0)       # read at every stats call
+    monkeypatch.setattr(tracker.census, "counts", broken)
+    monkeypatch.setattr(vllm_plugin._P, "warned", set())
     lines = []
     handler = logging.Handler()
     handler.emit = lambda record: lines.append(record.getMessage())
     vllm_plugin.log.addHandler(handler)
     try:
         eng.add_request("broken", prompt(1, 2000, 77), max_tokens=3)
-        eng.run()                                    # its blocks freed through the failing bookkeeping
+        eng.run()
     finally:
         vllm_plugin.log.removeHandler(handler)
         monkeypatch.undo()
-    assert failed and not eng.has_requests()
-    assert [m for m in lines if "census lost track" in m] == [lines[0]] and "RuntimeError" in lines[0]
-    check_snapshot(tracker, eng)                     # the next read counted again from vLLM's state
+    assert len(calls) >= 2 and not eng.has_requests()            # tried again, vLLM went on
+    assert len(lines) == 1 and "make_stats hook failed" in lines[0] and "RuntimeError" in lines[0]
+    check_snapshot(tracker, eng)                                   # the next read is exact again
+
+
+def test_refresh_is_throttled_and_catches_the_idle_state(engine, monkeypatch):
+    """With the default interval the census is read once per interval while requests run, and once
+    more as the scheduler goes idle, so the board ends on the idle state."""
+    from kvatlas.integrations import vllm_plugin
+    eng, tracker = engine
+    reads = []
+    counts = tracker.census.counts
+    monkeypatch.setattr(vllm_plugin._P, "refresh_s", 3600.0)
+    monkeypatch.setattr(tracker.census, "counts", lambda: reads.append(1) or counts())
+    tracker.due = 0.0
+    eng.add_request("t1", prompt(2, 3000, 5), max_tokens=6)
+    steps = 0
+    while eng.has_requests():
+        eng.step()
+        steps += 1
+    eng.step()                                                     # an idle step's stats
+    assert steps > 4 and len(reads) == 2, (steps, reads)           # the first busy step, then idle
+    assert tracker.last == counts() and sum(tracker.last.held) == 0

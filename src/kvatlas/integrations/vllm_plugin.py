@@ -11,10 +11,12 @@ The hooks (each wraps one vLLM method; the result is vLLM's own, returned unchan
   (`available_gpu_memory_for_kv_cache`), for `over_budget` and the start-up line.
 - AFTER `Scheduler.__init__` (engine core; `AsyncScheduler` runs it too): the scheduler's
   `KVCacheConfig` and its `KVCacheManager`: the pool's layout per group and cache kind
-  (`vllm_ledger`), a block census installed on its block pool (`vllm_census`), one start-up line
+  (`vllm_ledger`), a block census over its block pool (`vllm_census`), one start-up line
   with the tokens the pool truly holds beside vLLM's logged figure, and the first values.
-- AFTER `Scheduler.make_stats` (engine core, every step that makes stats): one read of the
-  census (O(groups), whatever the number of running requests) written to this engine's board.
+- AFTER `Scheduler.make_stats` (engine core, every step that makes stats): a clock read; once per
+  refresh interval (`KVATLAS_VLLM_REFRESH_S`, default 1 s; 0: every call) and when the scheduler
+  goes idle, one count of the census from vLLM's own state (`vllm_census`: O(blocks), nothing on
+  the allocation path is wrapped) written to this engine's board.
 
 How the values reach vLLM's /metrics: in 0.33 the engine core sends only `SchedulerStats` (one
 usage float, prefix-cache counters) to the API server, whose /metrics serves
@@ -34,12 +36,15 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 import weakref
 from dataclasses import dataclass
 
 # a child of vLLM's logger: vLLM configures "vllm" (handler, format, level) and stops propagation
 log = logging.getLogger("vllm.plugins.kvatlas")
 METRICS_DIR_ENV = "KVATLAS_VLLM_METRICS_DIR"
+REFRESH_ENV = "KVATLAS_VLLM_REFRESH_S"
+DEFAULT_REFRESH_S = 1.0   # the board's freshness; Prometheus scrapes every 15 s by default
 ENGINE_CORE = "vllm.v1.engine.core.EngineCore"
 SCHEDULER = "vllm.v1.core.sched.scheduler.Scheduler"
 REGISTRY_FUNCS = ("vllm.v1.metrics.prometheus", "vllm.entrypoints.serve.instrumentator.metrics")
@@ -48,16 +53,27 @@ REGISTRY_FUNCS = ("vllm.v1.metrics.prometheus", "vllm.entrypoints.serve.instrume
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Settings:
     metrics_dir: str | None = None
+    refresh_s: float = DEFAULT_REFRESH_S
 
     @classmethod
     def from_env(cls, env=None) -> "Settings":
-        return cls(metrics_dir=(os.environ if env is None else env).get(METRICS_DIR_ENV) or None)
+        env = os.environ if env is None else env
+        raw = env.get(REFRESH_ENV) or str(DEFAULT_REFRESH_S)
+        try:
+            refresh = float(raw)
+        except ValueError:
+            refresh = -1.0
+        if not 0 <= refresh <= 3600:
+            raise ValueError(f"{REFRESH_ENV}={raw!r}: give the seconds between census reads, 0 to 3600 "
+                             f"(0: every stats call; default {DEFAULT_REFRESH_S:g})")
+        return cls(metrics_dir=env.get(METRICS_DIR_ENV) or None, refresh_s=refresh)
 
 
 class _Process:
     def __init__(self) -> None:
         self.registered = False
         self.metrics_dir: str | None = None
+        self.refresh_s = DEFAULT_REFRESH_S
         self.budgets: dict[int, int] = {}                  # id(VllmConfig) -> bytes profiled
         self.trackers: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # scheduler -> Tracker
         self.registries: set[int] = set()
@@ -79,7 +95,9 @@ def register() -> bool:
             return False
         if _P.registered:
             return True
-        _P.metrics_dir = _metrics_dir(Settings.from_env())
+        settings = Settings.from_env()
+        _P.refresh_s = settings.refresh_s
+        _P.metrics_dir = _metrics_dir(settings)
         _after(ENGINE_CORE, "_initialize_kv_caches", _on_kv_caches)
         _after(SCHEDULER, "__init__", _on_scheduler)
         _after(SCHEDULER, "make_stats", _on_stats)
@@ -143,11 +161,19 @@ def _on_scheduler(scheduler, result, *args, **kwargs) -> None:
 
 
 def _on_stats(scheduler, stats, *args, **kwargs) -> None:
+    """Every step that makes stats: one clock read, and the census read at most once per refresh
+    interval, or as the scheduler goes idle (so an idle server's board shows its last state)."""
     if stats is None:   # --disable-log-stats: no stats interval, nothing read
         return
     tracker = _P.trackers.get(scheduler)
-    if tracker is not None:
+    if tracker is None:
+        return
+    now = time.monotonic()
+    busy = bool(scheduler.running) or bool(scheduler.waiting)
+    if now >= tracker.due or (tracker.busy and not busy):
+        tracker.due = now + _P.refresh_s
         tracker.refresh()
+    tracker.busy = busy
 
 
 class Tracker:
@@ -157,6 +183,8 @@ class Tracker:
         self.layout, self.census, self.board, self.sample_map = layout, census, board, sample_map
         self.last = None
         self.writes = 0
+        self.due = 0.0          # monotonic time of the next refresh
+        self.busy = False       # requests were running or waiting at the last stats call
 
     def snapshot(self):
         """The full snapshot (pools, measures, occupancy), built from the census now."""
@@ -165,7 +193,7 @@ class Tracker:
 
     def refresh(self) -> bool:
         """Read the census; when it moved, write this engine's board. Returns whether it wrote.
-        O(groups + samples), whatever the number of running requests."""
+        O(blocks) for the count (vllm_census), O(groups × samples) for the values."""
         counts = self.census.counts()
         if counts == self.last:
             return False
