@@ -43,3 +43,57 @@ def test_engine_core_starts_with_the_tuned_flags(kv, advice):
     eng = kv.build_engine("deepseek-v4-flash", advice.budget_bytes, **_options(e.tuned.flags))
     assert eng.kv_cache_config.num_blocks == e.tuned.reported["num_gpu_blocks"]
     assert eng.core.scheduler.max_num_running_reqs == e.tuned.flags["--max-num-seqs"]
+
+
+def _release(kv) -> str:
+    return kv.series()
+
+
+def test_compare_figures_are_the_installed_releases_planner(kv):
+    """`compare --engines vllm,vllm@0.33`: the entry of the installed release equals its own planner,
+    run here on the same budget and limits (the other release's entry is checked in its own venv)."""
+    from kvatlas.engines import compare
+    results = compare("deepseek-v4-flash", 120 * GIB, lineup=["vllm", "vllm@0.33"], max_model_len=1_048_576)
+    assert [r.engine for r in results] == ["vllm 0.34", "vllm 0.33"]
+    mine = next(r for r in results if r.engine == f"vllm {_release(kv)}")
+    cfg, config = kv.kv_cache_config("deepseek-v4-flash", 120 * GIB, max_model_len=1_048_576)
+    assert cfg.num_blocks == mine.figures["num_blocks"] == 128_561
+    assert config.cache_config.kv_cache_size_tokens == mine.reported.capacity_tokens == 12_507_513
+    assert {t.block_stride for t in cfg.kv_cache_tensors} == {mine.figures["bytes_per_block"]}
+
+
+@pytest.mark.skipif("__import__('kvatlas.integrations.vllm', fromlist=['x']).series() != '0.34'",
+                    reason="the extensible cache is vLLM 0.34's")
+@pytest.mark.parametrize("peak", [0, 6 * GIB])
+def test_elastic_sizing_is_vllms_measurement(kv, peak):
+    """kvatlas's model of 0.34's sizing (engines.vllm.sizing_modes) beside vLLM's own code: its
+    utilization default, its headroom constants, the reservation, the measurement after warm-up
+    (`measure_kv_cache_bytes`), the blocks its ExtensibleKVCache commits; and the fixed rule's
+    budget through its planner."""
+    from vllm.config import CacheConfig
+    from vllm.v1.worker import extensible_kv_cache as ext
+
+    from kvatlas.engines import run_engine
+    from kvatlas.engines import vllm as model
+    for extensible in (True, False):
+        c = CacheConfig(enable_extensible_kv_cache=extensible)
+        assert c.resolved_gpu_memory_utilization == model.resolved_gpu_memory_utilization(None, extensible)
+    assert (ext.KV_CACHE_MARGIN_FLOOR_BYTES, ext.KV_CACHE_MARGIN_FRACTION, ext.KV_CACHE_NON_TORCH_RESERVE_BYTES,
+            ext.KV_CACHE_WARMUP_RESERVE_FRACTION) == (model.MARGIN_FLOOR_BYTES, model.MARGIN_FRACTION,
+                                                      model.NON_TORCH_RESERVE_BYTES, model.WARMUP_RESERVE_FRACTION)
+    r = run_engine("vllm", "deepseek-v4-flash", tp=4, weights_bytes="auto", max_model_len=65_536,
+                   activation_peak_bytes=peak)
+    m = r.figures["sizing"]
+    e, total, weights = m["extensible"], m["gpu_total_bytes"], m["weights_bytes"]
+    warmup = {"init_free_memory": total, "requested_memory": total, "non_kv_bytes": weights,
+              "transient_peak_bytes": peak}
+    assert e["kv_bytes"] == ext.measure_kv_cache_bytes(init_free_memory=total, free_memory=total - weights - (2 << 20),
+                                                       committed_bytes=2 << 20, requested_memory=total,
+                                                       transient_peak_bytes=peak)
+    # the reservation is what the profiler reports at utilization 1.0; warm-up then measures
+    cfg, config = kv.kv_cache_config("deepseek-v4-flash", e["reserved_bytes"], max_model_len=65_536,
+                                     extensible_kv_cache=True, warmup=warmup)
+    assert cfg.num_blocks == e["num_blocks"] and config.cache_config.num_gpu_blocks == e["num_blocks"]
+    assert e["reserved_blocks"] == e["reserved_bytes"] // r.figures["bytes_per_block"]
+    fixed, _ = kv.kv_cache_config("deepseek-v4-flash", m["fixed"]["kv_bytes"], max_model_len=65_536)
+    assert fixed.num_blocks == m["fixed"]["num_blocks"] < e["num_blocks"]

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+from truth import check_snapshot
 
 GIB = 2**30
 HERE = os.path.dirname(__file__)
@@ -143,3 +144,86 @@ def test_other_version_refused_with_one_line(roles):
     assert r["registered"] is False and r["hooked"] is False and r["metrics_dir"] is False
     assert r["lines"] == ["kvatlas: vLLM 0.35.0 is not 0.33.x or 0.34.x, the versions this plugin knows; plugin "
                           "off, vLLM runs unchanged"]
+
+
+def _is_034() -> bool:
+    from kvatlas.integrations import vllm
+    return vllm.series() == "0.34"
+
+
+@pytest.mark.skipif("not _is_034()", reason="the extensible KV cache is vLLM 0.34's")
+def test_extensible_cache_reserved_and_committed_after_each_extension(kv):
+    """0.34's extensible cache, built by vLLM's own ExtensibleKVCache over the offline VMM driver and
+    sized by its own measurement after warm-up; the plugin (loaded by vLLM's plugin loader in the
+    engine core) follows each extension through vLLM's own Executor.extend_kv_cache."""
+    from kvatlas.integrations import vllm_plugin
+    seen = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    vllm_plugin.log.addHandler(handler)
+    level = vllm_plugin.log.level
+    vllm_plugin.log.setLevel(logging.INFO)
+    try:
+        # 8 GiB free at start-up; warm-up and graphs take 1 GiB, its transient peak 0.5 GiB: vLLM keeps
+        # max(1 GiB floor, 0.75 x 0.5 GiB) of margin and the 0.5 GiB peak, so 5.5 GiB go to the cache
+        eng = kv.build_engine("deepseek-v4-flash", 8 * GIB, max_model_len=8192, max_num_seqs=8,
+                              max_num_batched_tokens=1024, extensible_kv_cache=True,
+                              warmup={"init_free_memory": 8 * GIB, "non_kv_bytes": GIB, "transient_peak_bytes": GIB // 2})
+        cache, tracker = eng.extensible_kv_cache, _tracker(eng)
+        bpb = cache.bytes_per_block
+        assert eng.core.model_executor.worker.measured_bytes == 11 * GIB // 2
+        assert cache.num_committed_blocks == eng.kv_cache_config.num_blocks == 11 * GIB // 2 // bpb == 5_892
+        assert cache.capacity_blocks == 8 * GIB // bpb == 8_570        # the reservation: the planner's blocks
+        assert eng.vllm_config.cache_config.resolved_gpu_memory_utilization == 1.0
+
+        def check(committed: int) -> None:
+            snap, layout = tracker.snapshot(), tracker.layout
+            assert (layout.reserved_blocks, layout.committed_blocks) == (cache.capacity_blocks, committed)
+            assert snap.total.reserved_bytes == cache.capacity_blocks * bpb >= snap.total.physical_bytes
+            assert snap.total.physical_bytes == committed * bpb == snap.total.tensor_bytes
+            # vLLM's own physical figure maps whole 2 MiB granules; the driver saw exactly those
+            assert 0 <= cache.physical_bytes - committed * bpb < 2 << 20 and cache.physical_bytes % (2 << 20) == 0
+            assert eng.core.model_executor.worker.vmm.mapped_bytes == cache.physical_bytes
+            groups = sum(p.measures.physical_bytes for n, p in snap.pools.items() if n != "uncommitted")
+            assert groups == eng.kv_cache_config.num_blocks * bpb     # per group + pad + free + null: the pool's
+            for name, p in snap.pools.items():
+                assert not p.measures.violations(name), p.measures.violations(name)
+            check_snapshot(tracker, eng)
+
+        check(5_892)
+        eng.add_request("a", [3] * 3000, max_tokens=4)
+        for _ in range(3):
+            eng.step()
+            check(5_892)
+        eng.run()
+        eng.core.model_executor.extend_kv_cache(cache.capacity_blocks)   # a later extension, to the whole range
+        check(cache.capacity_blocks)
+    finally:
+        vllm_plugin.log.removeHandler(handler)
+        vllm_plugin.log.setLevel(level)
+    lines = [m for m in seen if m.startswith("kvatlas: vLLM DeepSeek-V4 KV cache dp0 (extensible)")]
+    assert len(lines) == 2, seen                                     # start-up, then the later extension
+    assert f"reserved 8,570 blocks x {bpb:,} B = {8_570 * bpb:,} B of address space" in lines[0]
+    assert f"committed after warm-up 5,892 blocks = {5_892 * bpb:,} B" in lines[0]
+    assert "'Extended KV cache to 5892 blocks'" in lines[0] and "'GPU KV cache size:" in lines[0]
+    assert "committed after warm-up 8,570 blocks" in lines[1]
+
+
+def test_fixed_cache_has_no_reserve_pool(kv):
+    """Without the extensible cache (0.33, or 0.34 with it off) nothing is reserved beyond the pool."""
+    eng = kv.build_engine("deepseek-v4-flash", 2 * GIB, max_model_len=4096, max_num_seqs=4, max_num_batched_tokens=1024)
+    snap = _tracker(eng).snapshot()
+    assert "uncommitted" not in snap.pools and not _tracker(eng).layout.extensible
+    assert snap.total.reserved_bytes == snap.total.physical_bytes == snap.total.tensor_bytes
+
+
+def test_extensible_cache_refused_where_it_cannot_be(kv):
+    from kvatlas.errors import ConfigError
+    if not _is_034():
+        with pytest.raises(ConfigError, match="no extensible KV cache"):
+            kv.vllm_config("deepseek-v4-flash", extensible_kv_cache=True)
+        return
+    with pytest.raises(ConfigError, match="warmup.free"):
+        kv.vllm_config("deepseek-v4-flash", warmup={"free": 1})
+    with pytest.raises(ConfigError, match="num_gpu_blocks_override"):
+        kv.vllm_config("deepseek-v4-flash", extensible_kv_cache=True, num_gpu_blocks_override=100)

@@ -2,13 +2,16 @@
 
 `pip install 'kvatlas[vllm]'` registers `register()` in the entry-point group
 `vllm.general_plugins`; vLLM's `load_general_plugins()` calls it in every process it starts (API
-server, engine core, workers). Only vLLM 0.33.x is known: any other version gets one log line
-and nothing else. Every hook catches its own errors: a failure logs one line and vLLM goes on
+server, engine core, workers). vLLM 0.33.x and 0.34.x are known: any other version gets one log
+line and nothing else. Every hook catches its own errors: a failure logs one line and vLLM goes on
 exactly as it would without the plugin.
 
 The hooks (each wraps one vLLM method; the result is vLLM's own, returned unchanged):
 - AFTER `EngineCore._initialize_kv_caches` (engine core): the KV budget the profiler measured
   (`available_gpu_memory_for_kv_cache`), for `over_budget` and the start-up line.
+- AFTER `Executor.initialize_from_config` and `Executor.extend_kv_cache` (engine core, 0.34 with its
+  extensible cache): the blocks of address space the workers reserve, and the blocks they commit
+  after warm-up (and at any later extension): `reserved` vs `physical` bytes, one line per extension.
 - AFTER `Scheduler.__init__` (engine core; `AsyncScheduler` runs it too): the scheduler's
   `KVCacheConfig` and its `KVCacheManager`: the pool's layout per group and cache kind
   (`vllm_ledger`), a block census over its block pool (`vllm_census`), one start-up line
@@ -18,7 +21,7 @@ The hooks (each wraps one vLLM method; the result is vLLM's own, returned unchan
   goes idle, one count of the census from vLLM's own state (`vllm_census`: O(blocks), nothing on
   the allocation path is wrapped) written to this engine's board.
 
-How the values reach vLLM's /metrics: in 0.33 the engine core sends only `SchedulerStats` (one
+How the values reach vLLM's /metrics: in 0.33 and 0.34 the engine core sends only `SchedulerStats` (one
 usage float, prefix-cache counters) to the API server, whose /metrics serves
 `get_prometheus_registry()`: the default registry with one API server, a multiprocess registry of
 the API servers alone with several (`PROMETHEUS_MULTIPROC_DIR`, set only by
@@ -47,6 +50,7 @@ REFRESH_ENV = "KVATLAS_VLLM_REFRESH_S"
 DEFAULT_REFRESH_S = 1.0   # the board's freshness; Prometheus scrapes every 15 s by default
 ENGINE_CORE = "vllm.v1.engine.core.EngineCore"
 SCHEDULER = "vllm.v1.core.sched.scheduler.Scheduler"
+EXECUTOR = "vllm.v1.executor.abstract.Executor"
 REGISTRY_FUNCS = ("vllm.v1.metrics.prometheus", "vllm.entrypoints.serve.instrumentator.metrics")
 
 
@@ -75,6 +79,8 @@ class _Process:
         self.metrics_dir: str | None = None
         self.refresh_s = DEFAULT_REFRESH_S
         self.budgets: dict[int, int] = {}                  # id(VllmConfig) -> bytes profiled
+        self.reserved: dict[int, int] = {}                 # id(VllmConfig) -> blocks reserved (extensible)
+        self.committed: dict[int, int] = {}                # id(VllmConfig) -> blocks of the latest extension
         self.trackers: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # scheduler -> Tracker
         self.registries: set[int] = set()
         self.collector = None
@@ -99,6 +105,9 @@ def register() -> bool:
         _P.refresh_s = settings.refresh_s
         _P.metrics_dir = _metrics_dir(settings)
         _after(ENGINE_CORE, "_initialize_kv_caches", _on_kv_caches)
+        if offline.series(version) == "0.34":   # the extensible cache: where vLLM reserves and extends it
+            _after(EXECUTOR, "initialize_from_config", _on_reserve)
+            _after(EXECUTOR, "extend_kv_cache", _on_extend)
         _after(SCHEDULER, "__init__", _on_scheduler)
         _after(SCHEDULER, "make_stats", _on_stats)
         _attach_collector()
@@ -156,6 +165,24 @@ def _on_kv_caches(core, kv_cache_config, vllm_config, *args, **kwargs) -> None:
         _P.budgets[id(vllm_config)] = int(budget)
 
 
+def _on_reserve(executor, result, kv_cache_configs, *args, **kwargs) -> None:
+    """0.34, extensible cache: the workers reserve address space for the planned blocks."""
+    config = executor.vllm_config
+    if getattr(config.cache_config, "enable_extensible_kv_cache", False) and kv_cache_configs:
+        _P.reserved[id(config)] = kv_cache_configs[0].num_blocks
+
+
+def _on_extend(executor, result, num_blocks, *args, **kwargs) -> None:
+    """0.34, extensible cache: the workers committed `num_blocks` (after warm-up, or any later
+    extension): every tracker of that engine follows, and says so in one line."""
+    config = executor.vllm_config
+    _P.committed[id(config)] = int(num_blocks)
+    for scheduler, tracker in list(_P.trackers.items()):
+        if scheduler.vllm_config is config and tracker.layout.extensible:
+            tracker.extend(_P.reserved.get(id(config), tracker.layout.reserved_blocks), int(num_blocks))
+            log.info(tracker.layout_line())
+
+
 def _on_scheduler(scheduler, result, *args, **kwargs) -> None:
     track(scheduler)
 
@@ -185,6 +212,18 @@ class Tracker:
         self.writes = 0
         self.due = 0.0          # monotonic time of the next refresh
         self.busy = False       # requests were running or waiting at the last stats call
+
+    def extend(self, reserved_blocks: int, committed_blocks: int) -> None:
+        """The cache was extended: reserved and physical bytes follow; the next read writes them."""
+        from .vllm_ledger import SampleMap
+        self.layout = self.layout.extended(reserved_blocks, committed_blocks)
+        self.sample_map = SampleMap(self.layout)
+        self.last = None
+        self.due = 0.0
+
+    def layout_line(self) -> str:
+        from .vllm_ledger import startup_line
+        return startup_line(self.layout)
 
     def snapshot(self):
         """The full snapshot (pools, measures, occupancy), built from the census now."""
@@ -218,6 +257,8 @@ def track(scheduler, budget_bytes: int | None = None) -> Tracker | None:
         return None
     budget = budget_bytes if budget_bytes is not None else _P.budgets.get(id(config))
     layout = layout_of(scheduler.kv_cache_config, config, budget)
+    if id(config) in _P.reserved and id(config) in _P.committed:   # 0.34's extensible cache, extended
+        layout = layout.extended(_P.reserved[id(config)], _P.committed[id(config)])
     coordinator = scheduler.kv_cache_manager.coordinator
     census = BlockCensus(coordinator.block_pool, coordinator.single_type_managers)
     sample_map = SampleMap(layout)
