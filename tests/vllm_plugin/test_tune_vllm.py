@@ -1,7 +1,7 @@
-"""`kvatlas tune`'s vLLM flags checked against vLLM 0.33's own planner on the CPU: with the tuned
-flags and with its defaults, its KVCacheConfig has exactly the predicted blocks and its start-up
-log line ("GPU KV cache size") exactly the predicted figure; its engine core starts with the
-tuned flags (the retention interval is one it accepts)."""
+"""`kvatlas tune`'s vLLM flags checked against the installed vLLM's own planner (0.34 or 0.33) on the
+CPU: with the tuned flags and with its defaults, its KVCacheConfig has exactly the predicted blocks and
+its start-up log line ("GPU KV cache size") exactly the predicted figure; its engine core starts with
+the tuned flags (the retention interval is one it accepts)."""
 
 import pytest
 

@@ -1,5 +1,6 @@
-"""The offline builder: vLLM 0.33's own planner and engine core, stood up on the CPU from a kvatlas
-preset. Its figures are vLLM's; they must agree with kvatlas's pure-Python model of that planner."""
+"""The offline builder: vLLM's own planner (0.34 or 0.33, whichever is installed) and engine core, stood
+up on the CPU from a kvatlas preset. Its figures are vLLM's; they must agree with kvatlas's pure- Python
+model of that planner."""
 
 import pytest
 

@@ -1,6 +1,7 @@
-"""The plugin inside vLLM 0.33.0's own engine core: loaded by vLLM's plugin loader, its tensor bytes
-equal the one allocation vLLM's worker makes (allocated here by vLLM's own `allocate_kv_cache` and
-audited), per group and kind against vLLM's per-layer pages; no hook ever raises into vLLM."""
+"""The plugin inside vLLM's own engine core (0.34.0, or 0.33.0 in its venv): loaded by vLLM's plugin
+loader, its tensor bytes equal the one allocation vLLM's worker makes (allocated here by vLLM's own
+`allocate_kv_cache` and audited), per group and kind against vLLM's per-layer pages; no hook ever raises
+into vLLM."""
 
 import json
 import logging

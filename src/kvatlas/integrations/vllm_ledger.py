@@ -243,7 +243,8 @@ def snapshot(layout: PoolLayout, counts) -> ForeignSnapshot:
         # pool does not use (none after vLLM's own extension) have physical pages, the rest none
         spare = layout.committed_blocks - layout.num_blocks
         pools["uncommitted"] = _state("uncommitted", "reserve", "all", None, Measures(
-            planned_bytes=0, tensor_bytes=spare * bpb, reserved_bytes=(layout.reserved_blocks - layout.num_blocks) * bpb,
+            planned_bytes=0, tensor_bytes=spare * bpb,
+            reserved_bytes=(layout.reserved_blocks - layout.num_blocks) * bpb,
             physical_bytes=spare * bpb, addressable_bytes=0, occupied_bytes=0, evictable_bytes=0), layout, 0)
     kinds, total = {}, ZERO
     for p in pools.values():
