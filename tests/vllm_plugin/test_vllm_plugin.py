@@ -228,3 +228,14 @@ def test_extensible_cache_refused_where_it_cannot_be(kv):
         kv.vllm_config("deepseek-v4-flash", warmup={"free": 1})
     with pytest.raises(ConfigError, match="num_gpu_blocks_override"):
         kv.vllm_config("deepseek-v4-flash", extensible_kv_cache=True, num_gpu_blocks_override=100)
+
+
+@pytest.mark.parametrize("raw,ok", [("0", 0.0), ("2.5", 2.5), ("-1", None), ("soon", None), ("7200", None)])
+def test_refresh_interval_setting(raw, ok):
+    from kvatlas.integrations.vllm_plugin import REFRESH_ENV, Settings
+    if ok is None:
+        with pytest.raises(ValueError, match=REFRESH_ENV):
+            Settings.from_env({REFRESH_ENV: raw})
+    else:
+        assert Settings.from_env({REFRESH_ENV: raw}).refresh_s == ok
+    assert Settings.from_env({}).refresh_s == 1.0
