@@ -239,3 +239,19 @@ def test_refresh_interval_setting(raw, ok):
     else:
         assert Settings.from_env({REFRESH_ENV: raw}).refresh_s == ok
     assert Settings.from_env({}).refresh_s == 1.0
+
+
+def test_sleep_releases_physical_bytes_until_wake_up(kv):
+    """vLLM's own Executor.discard / wake_up (what release_kv_cache_memory and sleep level 1 use): the
+    KV cache's physical bytes are 0 while its tag sleeps, and the board is written then."""
+    eng = kv.build_engine("deepseek-v4-flash", 2 * GIB, max_model_len=4096, max_num_seqs=4, max_num_batched_tokens=1024)
+    tracker, executor = _tracker(eng), eng.core.model_executor
+    before = tracker.snapshot().total
+    writes = tracker.writes
+    executor.discard(("kv_cache",))
+    asleep = tracker.snapshot().total
+    assert asleep.physical_bytes == 0 and asleep.tensor_bytes == asleep.reserved_bytes == before.tensor_bytes
+    assert tracker.writes == writes + 1 and tracker.last == tracker.census.counts()
+    executor.wake_up(["kv_cache"])
+    assert tracker.snapshot().total == before and tracker.writes == writes + 2
+    check_snapshot(tracker, eng)

@@ -85,6 +85,7 @@ class PoolLayout:
     full_tokens: int                 # tokens of full KV the pool holds beside max_num_seqs requests' windows
     reserved_blocks: int = 0         # 0.34's extensible cache: blocks of address space reserved (0: not extensible)
     committed_blocks: int = 0        # and committed to physical memory by the latest extension
+    released: bool = False           # the KV cache's memory is released (sleep, release_kv_cache_memory)
 
     @property
     def extensible(self) -> bool:
@@ -246,6 +247,8 @@ def snapshot(layout: PoolLayout, counts) -> ForeignSnapshot:
             planned_bytes=0, tensor_bytes=spare * bpb,
             reserved_bytes=(layout.reserved_blocks - layout.num_blocks) * bpb,
             physical_bytes=spare * bpb, addressable_bytes=0, occupied_bytes=0, evictable_bytes=0), layout, 0)
+    if layout.released:   # asleep: addresses and views stay, the physical pages are gone until wake-up
+        pools = {k: replace(p, measures=replace(p.measures, physical_bytes=0)) for k, p in pools.items()}
     kinds, total = {}, ZERO
     for p in pools.values():
         kinds[p.layer_kind] = kinds.get(p.layer_kind, ZERO) + p.measures

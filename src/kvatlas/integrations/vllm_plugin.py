@@ -12,6 +12,8 @@ The hooks (each wraps one vLLM method; the result is vLLM's own, returned unchan
 - AFTER `Executor.initialize_from_config` and `Executor.extend_kv_cache` (engine core, 0.34 with its
   extensible cache): the blocks of address space the workers reserve, and the blocks they commit
   after warm-up (and at any later extension): `reserved` vs `physical` bytes, one line per extension.
+- AFTER `Executor.sleep`, `discard` and `wake_up` (engine core): while the "kv_cache" tag sleeps,
+  the cache's physical bytes are 0 (its address range and views stay), and the board says so then.
 - AFTER `Scheduler.__init__` (engine core; `AsyncScheduler` runs it too): the scheduler's
   `KVCacheConfig` and its `KVCacheManager`: the pool's layout per group and cache kind
   (`vllm_ledger`), a block census over its block pool (`vllm_census`), one start-up line
@@ -41,7 +43,7 @@ import shutil
 import tempfile
 import time
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 # a child of vLLM's logger: vLLM configures "vllm" (handler, format, level) and stops propagation
 log = logging.getLogger("vllm.plugins.kvatlas")
@@ -108,6 +110,8 @@ def register() -> bool:
         if offline.series(version) == "0.34":   # the extensible cache: where vLLM reserves and extends it
             _after(EXECUTOR, "initialize_from_config", _on_reserve)
             _after(EXECUTOR, "extend_kv_cache", _on_extend)
+        for name in ("sleep", "discard", "wake_up"):   # the KV cache's memory released and restored
+            _after(EXECUTOR, name, _on_residency)
         _after(SCHEDULER, "__init__", _on_scheduler)
         _after(SCHEDULER, "make_stats", _on_stats)
         _attach_collector()
@@ -183,6 +187,16 @@ def _on_extend(executor, result, num_blocks, *args, **kwargs) -> None:
             log.info(tracker.layout_line())
 
 
+def _on_residency(executor, result, *args, **kwargs) -> None:
+    """After the executor's sleep, discard or wake_up: while its "kv_cache" tag sleeps the cache's
+    physical pages are gone (its addresses stay); the board says so at once (no steps run asleep)."""
+    released = "kv_cache" in getattr(executor, "sleeping_tags", ())
+    for scheduler, tracker in list(_P.trackers.items()):
+        if scheduler.vllm_config is executor.vllm_config and tracker.layout.released != released:
+            tracker.set_released(released)
+            tracker.refresh()
+
+
 def _on_scheduler(scheduler, result, *args, **kwargs) -> None:
     track(scheduler)
 
@@ -220,6 +234,13 @@ class Tracker:
         self.sample_map = SampleMap(self.layout)
         self.last = None
         self.due = 0.0
+
+    def set_released(self, released: bool) -> None:
+        """The KV cache's physical pages released (asleep) or restored: the next read writes the board."""
+        from .vllm_ledger import SampleMap
+        self.layout = replace(self.layout, released=released)
+        self.sample_map = SampleMap(self.layout)
+        self.last = None
 
     def layout_line(self) -> str:
         from .vllm_ledger import startup_line
