@@ -1,7 +1,14 @@
 """`kvatlas tune`'s vLLM flags checked against the installed vLLM's own planner (0.34 or 0.33) on the
 CPU: with the tuned flags and with its defaults, its KVCacheConfig has exactly the predicted blocks and
 its start-up log line ("GPU KV cache size") exactly the predicted figure; its engine core starts with
-the tuned flags (the retention interval is one it accepts)."""
+the tuned flags (the retention interval is one it accepts). `compare --engines vllm,vllm@0.33` and tune's
+figures are also held beside both releases' planners in one run, the other release's in its own venv
+(`.venv-vllm-0.33.0` beside `.venv-vllm`, or KVATLAS_VLLM_OTHER_PYTHON)."""
+
+import json
+import os
+import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -60,6 +67,53 @@ def test_compare_figures_are_the_installed_releases_planner(kv):
     assert cfg.num_blocks == mine.figures["num_blocks"] == 128_561
     assert config.cache_config.kv_cache_size_tokens == mine.reported.capacity_tokens == 12_507_513
     assert {t.block_stride for t in cfg.kv_cache_tensors} == {mine.figures["bytes_per_block"]}
+
+
+ROOT = Path(__file__).resolve().parents[2]
+OTHER_PYTHON_ENV = "KVATLAS_VLLM_OTHER_PYTHON"
+OTHER_VENV = {"0.34": ".venv-vllm-0.33.0", "0.33": ".venv-vllm"}   # what setup_env.sh builds for the other release
+
+
+def _other_python(kv) -> str:
+    """The other release's venv (KVATLAS_VLLM_OTHER_PYTHON names its python), or skip saying how to build it."""
+    python = os.environ.get(OTHER_PYTHON_ENV) or str(ROOT / OTHER_VENV[kv.series()] / "bin" / "python")
+    if not os.path.exists(python):
+        other = "0.33.0" if kv.series() == "0.34" else "0.34.0"
+        pytest.skip(f"the other vLLM release's venv is not built: KVATLAS_VLLM_VERSION={other} bash "
+                    f"tests/vllm_plugin/setup_env.sh (or {OTHER_PYTHON_ENV}=its python)")
+    return python
+
+
+def test_compare_and_tune_equal_both_releases_planners_side_by_side(kv, advice):
+    """`compare --engines vllm,vllm@0.33` and `tune`'s vLLM flags, beside 0.34's and 0.33's own planners
+    in one run: the installed release's here, the other's in its own venv (planner_figures.py)."""
+    from kvatlas.engines import compare
+    budget, mm = 120 * GIB, {"max_model_len": 1_048_576}
+    cases = [["deepseek-v4-flash", budget, mm], ["deepseek-v4-pro", budget, mm]]
+    cases += [["deepseek-v4-flash", advice.budget_bytes, _options(getattr(advice.engine("vllm"), w).flags)]
+              for w in ("tuned", "default")]
+    import planner_figures
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
+           "VLLM_CONFIGURE_LOGGING": "0"}
+    out = subprocess.run([_other_python(kv), str(Path(planner_figures.__file__)), json.dumps(cases)], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    theirs, mine = json.loads(out.stdout.strip().splitlines()[-1]), planner_figures.figures(cases)
+    planners = {mine["series"]: mine["cases"], theirs["series"]: theirs["cases"]}
+    assert sorted(planners) == ["0.33", "0.34"], sorted(planners)
+    for i, model in enumerate(("deepseek-v4-flash", "deepseek-v4-pro")):
+        results = compare(model, budget, lineup=["vllm", "vllm@0.33"], **mm)
+        assert [r.engine for r in results] == ["vllm 0.34", "vllm 0.33"]
+        for r in results:
+            own = planners[r.engine.split()[1]][i]
+            assert (r.figures["num_blocks"], r.reported.capacity_tokens, [r.figures["bytes_per_block"]]) == \
+                (own["num_blocks"], own["logged_tokens"], own["bytes_per_block"]), (r.engine, own)
+    assert planners["0.34"][0]["num_blocks"] == 128_561 and planners["0.34"][0]["logged_tokens"] == 12_507_513
+    for j, which in enumerate(("tuned", "default")):
+        reported = getattr(advice.engine("vllm"), which).reported
+        for release, figs in planners.items():
+            assert (figs[2 + j]["num_blocks"], figs[2 + j]["logged_tokens"]) == \
+                (reported["num_gpu_blocks"], reported["gpu_kv_cache_size_tokens"]), (release, which)
 
 
 @pytest.mark.skipif("__import__('kvatlas.integrations.vllm', fromlist=['x']).series() != '0.34'",
