@@ -12,10 +12,14 @@ same prefix hits).
 
 Each mode runs in a fresh process (the plugin is loaded by vLLM's own `load_general_plugins()` in
 its engine core, or not at all under `VLLM_PLUGINS=none`), modes alternating off/on for `--rounds`
-rounds so machine noise lands on both. Timed in each process with one perf_counter pair per call
-(the same wrapper in both modes): `Scheduler.schedule` + `Scheduler.update_from_output` (which
-calls `make_stats`, where the plugin's hook runs) = the scheduler's step; `KVCacheManager.
-allocate_slots`. Figures: the ratio of the medians over rounds, and each round's ratio.
+rounds so machine noise lands on both. Timed in each process by the same wrapper in both modes,
+around each call: `Scheduler.schedule` + `Scheduler.update_from_output` (which calls `make_stats`,
+where the plugin's hook runs) = the scheduler's step; `KVCacheManager.allocate_slots`. The clock is
+the calling thread's CPU time (`time.thread_time`: on a shared machine, time spent waiting for a core
+would otherwise dominate, and it lands on either mode at random); the wall-clock step is printed
+beside it. With the plugin, the census reads (each O(blocks), at most one per refresh interval of
+wall time, and as the scheduler goes idle) are counted and timed. Figures: the ratio of the medians
+over rounds, and each round's ratio.
 
 Run in the vLLM venv (tests/vllm_plugin/setup_env.sh), once per vLLM release:
     .venv-vllm/bin/python bench/vllm_plugin_cost.py --trace TRACE.jsonl [--gib 64] [--requests 300]
@@ -53,22 +57,24 @@ def child(args) -> dict:
     loaded = vllm_plugin._P.registered and eng.scheduler in vllm_plugin._P.trackers
     tm = default_time_model()
     sched, mgr = eng.scheduler, eng.kv_cache_manager
-    spent = {"schedule": 0.0, "update": 0.0, "allocate": 0.0}
-    calls = {"schedule": 0, "allocate": 0}
+    spent = {"schedule": 0.0, "update": 0.0, "allocate": 0.0, "step_wall": 0.0, "census": 0.0}
+    calls = {"schedule": 0, "allocate": 0, "census": 0}
     prompt = {r.id: r.prompt_tokens for r in requests}
     pending = [0.0]
 
-    def timed(name, fn, counter=None):
+    def timed(name, fn, counter=None, wall=None):
         def call(*a, **kw):
-            t0 = time.perf_counter()
+            w0, t0 = time.perf_counter(), time.thread_time()
             out = fn(*a, **kw)
-            spent[name] += time.perf_counter() - t0
+            spent[name] += time.thread_time() - t0
+            if wall:
+                spent[wall] += time.perf_counter() - w0
             if counter:
                 calls[counter] += 1
             return out
         return call
 
-    schedule = timed("schedule", sched.schedule, "schedule")
+    schedule = timed("schedule", sched.schedule, "schedule", "step_wall")
 
     def scheduled(*a, **kw):
         so = schedule(*a, **kw)
@@ -80,10 +86,13 @@ def child(args) -> dict:
             pending[0] += tm.pass_time_s(prefill, decode)
         return so
     sched.schedule = scheduled
-    sched.update_from_output = timed("update", sched.update_from_output)
+    sched.update_from_output = timed("update", sched.update_from_output, wall="step_wall")
     mgr.allocate_slots = timed("allocate", mgr.allocate_slots, "allocate")
+    if loaded:   # the plugin's census reads, inside update_from_output's make_stats
+        census = vllm_plugin._P.trackers[sched].census
+        census.counts = timed("census", census.counts, "census")
     hits = 0
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     clock, i, n, steps = 0.0, 0, len(requests), 0
     while i < n or eng.has_requests():
         if not eng.has_requests():
@@ -101,11 +110,12 @@ def child(args) -> dict:
                 hits += st.prefix_cache_stats.hits
         eng.outputs.clear()
         clock += pending[0] or (0.0 if eng.core.batch_queue else tm.pass_s)
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     return {"vllm": kv.vllm_version(), "plugin_loaded": bool(loaded), "steps": steps, "hits": hits,
             "schedule_calls": calls["schedule"], "allocate_calls": calls["allocate"],
             "scheduler_step_s": spent["schedule"] + spent["update"], "schedule_s": spent["schedule"],
-            "update_s": spent["update"], "allocate_s": spent["allocate"], "replay_wall_s": wall,
+            "update_s": spent["update"], "allocate_s": spent["allocate"], "step_wall_s": spent["step_wall"],
+            "census_reads": calls["census"], "census_s": spent["census"], "replay_cpu_s": cpu, "replay_wall_s": wall,
             "num_blocks": eng.kv_cache_config.num_blocks}
 
 
@@ -147,11 +157,14 @@ def main(argv=None) -> int:
     print(f"vLLM {on[0]['vllm']}, V4-Flash {args.gib} GiB ({on[0]['num_blocks']:,} blocks), {args.requests} Mooncake "
           f"requests, retention {args.retention}: {on[0]['steps']:,} steps, {on[0]['allocate_calls']:,} allocate_slots "
           f"calls, {on[0]['hits']:,} prefix-hit tokens (identical in both modes); {args.rounds} rounds off/on")
-    for key, label in (("scheduler_step_s", "scheduler step (schedule + update_from_output)"),
-                       ("allocate_s", "allocate_slots"), ("replay_wall_s", "whole replay (engine steps)")):
+    for key, label in (("scheduler_step_s", "scheduler step (schedule + update_from_output), CPU"),
+                       ("allocate_s", "allocate_slots, CPU"), ("replay_cpu_s", "whole replay (engine steps), process CPU"),
+                       ("step_wall_s", "scheduler step, wall clock"), ("replay_wall_s", "whole replay, wall clock")):
         a, b = statistics.median(r[key] for r in off), statistics.median(r[key] for r in on)
         rounds = ", ".join(f"{y[key] / x[key]:.3f}" for x, y in zip(off, on))
         print(f"  {label}: {a:.3f} s off, {b:.3f} s on: ratio {b / a:.3f} (rounds: {rounds})")
+    reads = ", ".join(f"{r['census_reads']} in {r['census_s']:.3f} s" for r in on)
+    print(f"  census reads with the plugin (count, CPU s), per round: {reads}")
     return 0
 
 
