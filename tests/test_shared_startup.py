@@ -324,3 +324,21 @@ def test_serve_answers_healthz_and_stops_on_sigterm_while_a_workload_pipe_never_
                 os.close(hold)
         assert rc == 0 and "stopped by SIGTERM while starting" in out and "summary" in out, err[-2000:]
         assert "Traceback" not in err and stop_s < 15
+
+
+def test_simulate_against_a_dead_port_warns_once_and_runs_with_misses(tmp_path, capsys):
+    """Refused (nothing listens): one warning line naming the flag and what is wrong, then the
+    run, its shared tier line saying the store is not open and counting tier_unavailable."""
+    pytest.importorskip("redis")
+    from kvatlas.cli import main
+    port = ss.free_port()
+    rc = main(["simulate", "tiny-v4", "--memory", "64MiB", "--max-running-requests", "4", "--rate", "8", "--duration",
+               "0.5", "--prompt-len", "600", "--output-len", "4", "--system-prompts", "1", "--system-prompt-len", "520",
+               "--prefix-checkpoints", "4", "--host-memory", "8MiB", "--write-layers", "0", "--no-plot",
+               "--shared-tier", f"redis://{ss.LOOPBACK}:{port}", "--shared-startup-s", "0.5", "--out", str(tmp_path / "s")])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert err.count("\n") == 1 and err.startswith("kvatlas simulate: warning: --shared-tier: redis ")
+    assert "Connection refused" in err and "tier_unavailable" in err
+    line = next(x for x in out.splitlines() if x.startswith("shared tier"))
+    assert "not open" in line and "tier_unavailable" in line and "errors 0" in line, line

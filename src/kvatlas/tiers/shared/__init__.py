@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from .breaker import Breaker
 from .link import POLICIES, SharedLink
-from .store import (DEFAULT_STARTUP_S, OpeningStore, Store, StoreUnavailable, StoreURL, check_url, open_store,
-                    parse_url)
+from .store import (DEFAULT_STARTUP_S, OpeningStore, Store, StoreUnavailable, StoreURL, check_startup, check_url,
+                    open_store, parse_url)
 from .tier import Entry, Got, SharedTier
 from .values import MISS_REASONS, Layout, layout_of
 
@@ -35,8 +35,9 @@ def attach_shared_tier(cache, host_memory_bytes, store, *, namespace: str = "def
     if cache.prefix is None:
         SharedLink(None, None, None)      # the prefix cache's own refusal, before anything is pinned
     outbox_n = parse_bytes(outbox_bytes, "outbox_bytes")
-    if isinstance(store, str):
-        check_url(store)          # a bad URL refused before any host memory is pinned
+    if isinstance(store, str):    # a bad URL or bound refused before any host memory is pinned
+        check_url(store)
+        check_startup(startup_s)
     host = HostTier(cache, host_memory_bytes, **host_options)
     s = _store(store, startup_s)
     outbox = Outbox(host, outbox_n)

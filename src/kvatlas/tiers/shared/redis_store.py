@@ -137,6 +137,9 @@ class RedisStore(Store):
             if self.url.password is None:
                 return ConfigError(self.field, f"{at} needs a password (NOAUTH)", FIX_AUTH)
             return ConfigError(self.field, f"{at} refused the credentials ({msg})", FIX_AUTH)
+        if "CERTIFICATE_VERIFY_FAILED" in msg or "certificate verify failed" in msg:
+            return ConfigError(self.field, f"{at}: the server's TLS certificate is not trusted ({msg})",
+                               "give the CA that signed it: rediss://HOST:PORT?ca=CA_FILE (a PEM file)")
         if "DB index" in msg or "invalid DB" in msg:
             return ConfigError(self.field, f"{at}: the server has no database {self.db} ({msg})",
                                "give a database number below the server's `databases` setting (16 by default)")
