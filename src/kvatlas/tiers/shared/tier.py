@@ -387,7 +387,9 @@ class SharedTier:
         return SharedSnapshot(
             schema_version=SHARED_SCHEMA_VERSION, store=self.store.describe(), layout_tag=self.layout.tag,
             policy=self.policy, modeled_payload=bool(self.modeled_scale), deadline_s=self.deadline_s,
-            breaker_open=self.breaker.is_open, breaker_state=self.breaker.state,
+            # a store not open yet is bypassed as an open breaker is (the gauge and its alert see it)
+            breaker_open=self.breaker.is_open or not self.store.ready,
+            breaker_state=self.breaker.state if self.store.ready else "store_not_open",
             breaker_opened=self.breaker.times_opened, moved_bytes=copy(c.moved_bytes),
             moved_entries=copy(c.moved_entries), hits=copy(c.hits), misses=copy(c.misses), errors=copy(c.errors),
             op_count=copy(c.op_count), op_seconds=copy(c.op_seconds), puts=copy(c.puts),
