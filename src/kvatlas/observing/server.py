@@ -281,8 +281,10 @@ def _json_default(obj):
 class ServerHandle:
     """A running endpoint server. `close()` stops it and closes the listening socket."""
 
-    def __init__(self, httpd: ThreadingHTTPServer, thread: threading.Thread, state: dict) -> None:
-        self._httpd, self._thread, self._state = httpd, thread, state
+    def __init__(self, httpd: ThreadingHTTPServer, thread: threading.Thread, state: dict | None = None) -> None:
+        """`state`: the endpoints' own (start_pending); None for a server that serves from the start."""
+        self._httpd, self._thread = httpd, thread
+        self._state = state if state is not None else {"collector": True, "phase": "serving"}
         self.host, self.port = httpd.server_address[:2]
         self.closed = False
 

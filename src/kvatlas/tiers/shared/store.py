@@ -260,8 +260,9 @@ class OpeningStore(Store):
     and refuses (credentials, database, not that kind of server) is not tried again: `refused`
     holds the ConfigError, and `describe()` says what is wrong either way."""
 
-    def __init__(self, backend, bound_s: float, field: str = "shared_tier", on_change=None) -> None:
-        self.backend, self.bound_s, self.field = backend, bound_s, field
+    def __init__(self, backend, bound_s: float, field: str = "shared_tier", on_change=None,
+                 retry_s: tuple = (RETRY_FIRST_S, RETRY_MAX_S)) -> None:
+        self.backend, self.bound_s, self.field, self.retry_s = backend, bound_s, field, retry_s
         self.name, self.zero_copy = backend.name, backend.zero_copy
         self.problem = f"no answer yet within {bound_s:g} s"
         self.refused: Exception | None = None
@@ -286,7 +287,7 @@ class OpeningStore(Store):
         return self._open
 
     def _run(self) -> None:
-        delay = RETRY_FIRST_S
+        delay = self.retry_s[0]
         while not self._closed.is_set():
             self.attempts += 1
             try:
@@ -301,7 +302,7 @@ class OpeningStore(Store):
                 self.tried.set()
                 if self._closed.wait(delay):
                     break
-                delay = min(2 * delay, RETRY_MAX_S)
+                delay = min(2 * delay, self.retry_s[1])
                 continue
             except KvatlasError as exc:
                 self.refused, self.problem = exc, str(exc)
