@@ -252,6 +252,11 @@ def test_redis_with_a_password_in_the_url(tmp_path):
         assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
         assert r.stderr.startswith("kvatlas simulate: error: --shared-tier: redis ") and "NOAUTH" in r.stderr
         assert "redis://:PASSWORD@HOST:PORT" in r.stderr and "Traceback" not in r.stderr
+        r = subprocess.run([sys.executable, "-m", "kvatlas", *argv, good.replace("?timeout", "/99999?timeout")],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2 and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr, r.stderr
+        assert r.stderr.startswith("kvatlas simulate: error: --shared-tier: redis ") and "no database 99999" in r.stderr
+        assert "s3cr" not in r.stderr
         r = subprocess.run([sys.executable, "-m", "kvatlas", *argv, good], capture_output=True, text=True, timeout=120)
         assert r.returncode == 0, r.stderr[-2000:]
         line = next(x for x in r.stdout.splitlines() if x.startswith("shared tier"))

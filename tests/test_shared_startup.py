@@ -345,3 +345,25 @@ def test_simulate_against_a_dead_port_warns_once_and_runs_with_misses(tmp_path, 
     line = next(x for x in out.splitlines() if x.startswith("shared tier"))
     assert "not open" in line and "tier_unavailable" in line and "errors 0" in line, line
 
+
+@pytest.mark.parametrize("error", [ValueError("I/O operation on closed file"), RuntimeError("x"),
+                                   "ConnectionError", "ResponseError", "DataError"])
+def test_every_error_of_the_redis_client_after_start_up_is_a_named_miss(error):
+    """Once open, whatever the client raises (its own errors, or any other class) is a miss with
+    reason `tier_unavailable` and an error counted, never an exception to the caller."""
+    redis = pytest.importorskip("redis")
+    from kvatlas.tiers.shared.redis_store import RedisStore
+    from kvatlas.tiers.shared.store import check_url
+    store = RedisStore(check_url(f"redis://{ss.LOOPBACK}:{ss.free_port()}?timeout=0.5"))   # (no connection made)
+    exc = getattr(redis.exceptions, error)("from the client") if isinstance(error, str) else error
+
+    def fail(*a, **k):
+        raise exc
+    store.r.mget = store.r.pipeline = fail
+    store.ready = True     # as after a PING that answered
+    tier = SharedTier(store, LAYOUT, deadline_s=5.0)
+    dst = np.zeros(256, np.uint8)
+    got = tier.get([Entry("page", 7, 0, (dst,))])
+    assert got.reasons == ["tier_unavailable"] and not dst.any()
+    assert tier.snapshot().errors["get"] == 1
+    tier.close()
