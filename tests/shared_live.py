@@ -6,7 +6,9 @@ other address), or directly: python -m pytest -q tests/shared_live.py.
 One process stores a prefix and another restores it and reads exactly what its cold twin
 reads; a partial prefix; two processes writing the same key; stale, foreign, corrupt and
 truncated values read as misses with their reason; eviction under a small store; the memory
-daemon, the master and redis-server killed mid-run."""
+daemon, the master and redis-server killed mid-run; a password-protected Redis, Redis over TLS
+and a Mooncake master behind a slow proxy; and the start-up tests of test_shared_startup.py that
+need a store's client (a master or Redis down, blackholed or never accepting)."""
 
 from __future__ import annotations
 
@@ -29,6 +31,17 @@ from shared_session import SharedSession, admit_only, prompts, write_through  # 
 
 from kvatlas.tiers.shared import Breaker, open_store  # noqa: E402
 from kvatlas.tiers.shared.values import HEADER_BYTES  # noqa: E402
+
+# The tests of start-up and the URL that need a store's client (not its server) run here in CI,
+# where the clients are installed (the main suite skips them there: they are being installed
+# beside it); a missing client fails them here.
+import test_shared_startup  # noqa: E402
+test_shared_startup.LIVE = True
+from test_bad_input_cli import no_allocation, test_shared_tier_on_a_port_that_is_not_redis  # noqa: E402,F401
+from test_shared_startup import (  # noqa: E402,F401
+    test_every_error_of_the_redis_client_after_start_up_is_a_named_miss,
+    test_serve_answers_healthz_and_stops_on_sigterm_while_the_store_opens, test_serve_runs_with_misses_while_the_store_is_not_open,
+    test_simulate_against_a_dead_port_warns_once_and_runs_with_misses)
 
 BACKENDS = ("redis", "mooncake")
 if ss.only_loopback_here():
@@ -323,7 +336,7 @@ def test_serve_with_a_slow_mooncake_master_answers_at_once_and_stops_on_sigterm(
     `serve` answers /healthz within seconds, serves with misses (`tier_unavailable`) past its
     start-up bound, and stops with status 0 and its summary on SIGTERM; beside it, the same
     master reached directly opens within the bound."""
-    import test_shared_startup as st
+    st = test_shared_startup
     srv = start("mooncake", tmp_path)
     proxy = SlowProxy(srv.rpc)
     try:

@@ -475,8 +475,10 @@ def test_help_and_version_exit_zero(capsys):
 def test_shared_tier_on_a_port_that_is_not_redis(no_allocation, capsys, cmd):
     """An HTTP server on the port named by redis://: refused at start-up (PING), exit 2, one
     line naming the flag and saying what answered; nothing allocated (the store is opened first)."""
-    pytest.importorskip("redis")
     import threading
+
+    import test_shared_startup
+    test_shared_startup.client("redis")
     from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 
     class Quiet(SimpleHTTPRequestHandler):
