@@ -46,14 +46,14 @@ def child(args) -> dict:
 
     from kvatlas.driving.timemodel import default_time_model
     from kvatlas.driving.traces import read_trace
-    from kvatlas.integrations import vllm as kv
+    from kvatlas.integrations.vllm import offline as kv
     requests, bad = read_trace(args.trace)
     assert not bad, bad[:3]
     requests = requests[:args.requests]
     eng = kv.build_engine("deepseek-v4-flash", args.gib * GIB, prefix_cache_retention_interval=args.retention,
                           **SERVING)
     logging.getLogger("vllm").setLevel(logging.WARNING)
-    from kvatlas.integrations import vllm_plugin
+    from kvatlas.integrations.vllm import plugin as vllm_plugin
     loaded = vllm_plugin._P.registered and eng.scheduler in vllm_plugin._P.trackers
     tm = default_time_model()
     sched, mgr = eng.scheduler, eng.kv_cache_manager

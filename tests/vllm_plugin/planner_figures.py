@@ -13,7 +13,7 @@ import sys
 
 def figures(cases) -> dict:
     """`cases`: [model, budget bytes, EngineOptions fields]; vLLM's KVCacheConfig and logged figure for each."""
-    from kvatlas.integrations import vllm as kv
+    from kvatlas.integrations.vllm import offline as kv
     out = []
     for model, budget, options in cases:
         cfg, config = kv.kv_cache_config(model, budget, **options)

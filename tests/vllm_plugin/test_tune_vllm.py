@@ -21,7 +21,7 @@ GIB = 2**30
 
 @pytest.fixture(scope="module")
 def kv():
-    from kvatlas.integrations import vllm
+    from kvatlas.integrations.vllm import offline as vllm
     return vllm
 
 
@@ -116,7 +116,7 @@ def test_compare_and_tune_equal_both_releases_planners_side_by_side(kv, advice):
                 (reported["num_gpu_blocks"], reported["gpu_kv_cache_size_tokens"]), (release, which)
 
 
-@pytest.mark.skipif("__import__('kvatlas.integrations.vllm', fromlist=['x']).series() != '0.34'",
+@pytest.mark.skipif("__import__('kvatlas.integrations.vllm.offline', fromlist=['x']).series() != '0.34'",
                     reason="the extensible cache is vLLM 0.34's")
 @pytest.mark.parametrize("peak", [0, 6 * GIB])
 def test_elastic_sizing_is_vllms_measurement(kv, peak):

@@ -18,12 +18,12 @@ HERE = os.path.dirname(__file__)
 
 @pytest.fixture(scope="module")
 def kv():
-    from kvatlas.integrations import vllm
+    from kvatlas.integrations.vllm import offline as vllm
     return vllm
 
 
 def _tracker(eng):
-    from kvatlas.integrations import vllm_plugin
+    from kvatlas.integrations.vllm import plugin as vllm_plugin
     return vllm_plugin._P.trackers[eng.scheduler]
 
 
@@ -71,7 +71,7 @@ def test_tensor_bytes_are_the_one_allocation(kv, model, budget):
 
 def test_startup_line_beside_vllms_figure(kv):
     from kvatlas.engines import run_engine
-    from kvatlas.integrations import vllm_plugin
+    from kvatlas.integrations.vllm import plugin as vllm_plugin
     seen = []
     handler = logging.Handler()
     handler.emit = lambda record: seen.append(record.getMessage())
@@ -92,7 +92,7 @@ def test_startup_line_beside_vllms_figure(kv):
 
 
 def test_a_failing_hook_leaves_vllm_unchanged(kv, monkeypatch):
-    from kvatlas.integrations import vllm_plugin
+    from kvatlas.integrations.vllm import plugin as vllm_plugin
     eng = kv.build_engine("deepseek-v4-flash", 2 * GIB, max_model_len=4096, max_num_seqs=4, max_num_batched_tokens=1024)
     seen = []
     handler = logging.Handler()
@@ -122,7 +122,7 @@ def roles() -> dict:
 
 def test_metrics_reach_the_api_servers_metrics_from_the_engine_core(roles):
     r = roles
-    assert r["loaded_by_vllm"] and r["entry_point"] == "kvatlas.integrations.vllm_plugin:register"
+    assert r["loaded_by_vllm"] and r["entry_point"] == "kvatlas.integrations.vllm.plugin:register"
     assert len(r["engine_core_samples"]) > 100
     for mode in ("one_api_server", "several_api_servers"):
         assert r[mode] == r["engine_core_samples"], mode
@@ -148,7 +148,7 @@ def test_other_version_refused_with_one_line(roles):
 
 
 def _is_034() -> bool:
-    from kvatlas.integrations import vllm
+    from kvatlas.integrations.vllm import offline as vllm
     return vllm.series() == "0.34"
 
 
@@ -157,7 +157,7 @@ def test_extensible_cache_reserved_and_committed_after_each_extension(kv):
     """0.34's extensible cache, built by vLLM's own ExtensibleKVCache over the offline VMM driver and
     sized by its own measurement after warm-up; the plugin (loaded by vLLM's plugin loader in the
     engine core) follows each extension through vLLM's own Executor.extend_kv_cache."""
-    from kvatlas.integrations import vllm_plugin
+    from kvatlas.integrations.vllm import plugin as vllm_plugin
     seen = []
     handler = logging.Handler()
     handler.emit = lambda record: seen.append(record.getMessage())
@@ -232,7 +232,7 @@ def test_extensible_cache_refused_where_it_cannot_be(kv):
 
 @pytest.mark.parametrize("raw,ok", [("0", 0.0), ("2.5", 2.5), ("-1", None), ("soon", None), ("7200", None)])
 def test_refresh_interval_setting(raw, ok):
-    from kvatlas.integrations.vllm_plugin import REFRESH_ENV, Settings
+    from kvatlas.integrations.vllm.plugin import REFRESH_ENV, Settings
     if ok is None:
         with pytest.raises(ValueError, match=REFRESH_ENV):
             Settings.from_env({REFRESH_ENV: raw})

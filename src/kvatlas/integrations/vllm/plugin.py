@@ -16,11 +16,11 @@ The hooks (each wraps one vLLM method; the result is vLLM's own, returned unchan
   the cache's physical bytes are 0 (its address range and views stay), and the board says so then.
 - AFTER `Scheduler.__init__` (engine core; `AsyncScheduler` runs it too): the scheduler's
   `KVCacheConfig` and its `KVCacheManager`: the pool's layout per group and cache kind
-  (`vllm_ledger`), a block census over its block pool (`vllm_census`), one start-up line
+  (`ledger`), a block census over its block pool (`census`), one start-up line
   with the tokens the pool truly holds beside vLLM's logged figure, and the first values.
 - AFTER `Scheduler.make_stats` (engine core, every step that makes stats): a clock read; once per
   refresh interval (`KVATLAS_VLLM_REFRESH_S`, default 1 s; 0: every call) and when the scheduler
-  goes idle, one count of the census from vLLM's own state (`vllm_census`: O(blocks), nothing on
+  goes idle, one count of the census from vLLM's own state (`census`: O(blocks), nothing on
   the allocation path is wrapped) written to this engine's board.
 
 How the values reach vLLM's /metrics: in 0.33 and 0.34 the engine core sends only `SchedulerStats` (one
@@ -95,7 +95,7 @@ _P = _Process()
 def register() -> bool:
     """The entry point. Returns whether the hooks were installed (vLLM ignores the value)."""
     try:
-        from . import vllm as offline
+        from . import offline
         version = offline.vllm_version()
         if not offline.supported(version):
             log.warning("kvatlas: vLLM %s is not %s, the versions this plugin knows; plugin off, vLLM runs "
@@ -229,7 +229,7 @@ class Tracker:
 
     def extend(self, reserved_blocks: int, committed_blocks: int) -> None:
         """The cache was extended: reserved and physical bytes follow; the next read writes them."""
-        from .vllm_ledger import SampleMap
+        from .ledger import SampleMap
         self.layout = self.layout.extended(reserved_blocks, committed_blocks)
         self.sample_map = SampleMap(self.layout)
         self.last = None
@@ -237,23 +237,23 @@ class Tracker:
 
     def set_released(self, released: bool) -> None:
         """The KV cache's physical pages released (asleep) or restored: the next read writes the board."""
-        from .vllm_ledger import SampleMap
+        from .ledger import SampleMap
         self.layout = replace(self.layout, released=released)
         self.sample_map = SampleMap(self.layout)
         self.last = None
 
     def layout_line(self) -> str:
-        from .vllm_ledger import startup_line
+        from .ledger import startup_line
         return startup_line(self.layout)
 
     def snapshot(self):
         """The full snapshot (pools, measures, occupancy), built from the census now."""
-        from .vllm_ledger import snapshot
+        from .ledger import snapshot
         return snapshot(self.layout, self.census.counts())
 
     def refresh(self) -> bool:
         """Read the census; when it moved, write this engine's board. Returns whether it wrote.
-        O(blocks) for the count (vllm_census), O(groups × samples) for the values."""
+        O(blocks) for the count (`census`), O(groups × samples) for the values."""
         counts = self.census.counts()
         if counts == self.last:
             return False
@@ -269,8 +269,8 @@ def track(scheduler, budget_bytes: int | None = None) -> Tracker | None:
     model whose caches are not DeepSeek-V4's."""
     if scheduler in _P.trackers:
         return _P.trackers[scheduler]
-    from .vllm_census import BlockCensus
-    from .vllm_ledger import SampleMap, layout_of, startup_line
+    from .census import BlockCensus
+    from .ledger import SampleMap, layout_of, startup_line
     config = scheduler.vllm_config
     model_type = getattr(config.model_config.hf_config, "model_type", "")
     if model_type != "deepseek_v4":   # V4 / V4-Pro only: V4.1's caches (bounded SWA replay) are not mapped
@@ -285,7 +285,7 @@ def track(scheduler, budget_bytes: int | None = None) -> Tracker | None:
     sample_map = SampleMap(layout)
     board = None
     if _P.metrics_dir and os.path.isdir(_P.metrics_dir):
-        from .boards import Board
+        from ..boards import Board
         board = Board(_P.metrics_dir, f"vllm-dp{layout.labels['dp_rank']}", sample_map.keys)
         weakref.finalize(scheduler, board.close)   # also at exit
     tracker = Tracker(layout, census, board, sample_map)
@@ -306,7 +306,7 @@ def _attach_collector() -> None:
     server) and in every registry `get_prometheus_registry()` returns later (several API servers)."""
     import importlib
     import sys
-    from .boards import BoardCollector
+    from ..boards import BoardCollector
     _P.collector = BoardCollector(_P.metrics_dir)
     if "prometheus_client" in sys.modules:
         from prometheus_client import REGISTRY

@@ -1,5 +1,5 @@
 """vLLM's own KV planner and scheduler (0.33.x and 0.34.x) for DeepSeek-V4, run offline on a CPU. All knowledge of
-how to stand vLLM up without a GPU lives here; the plugin (`vllm_plugin.py`) and kvatlas's tests
+how to stand vLLM up without a GPU lives here; the plugin (`plugin.py` beside it) and kvatlas's tests
 and benchmarks build on it.
 
 What runs is vLLM's code, not a model of it: its `ModelConfig` parses the DeepSeek-V4 config,
@@ -95,7 +95,7 @@ class EngineOptions:
     @classmethod
     def of(cls, options: "EngineOptions | None", kwargs: dict) -> "EngineOptions":
         from dataclasses import fields, replace
-        from ..errors import ConfigError
+        from ...errors import ConfigError
         known = {f.name for f in fields(cls)}
         for key in kwargs:
             if key not in known:
@@ -138,7 +138,7 @@ GRANULE_BYTES = 2 << 20     # CUDA's VMM granularity, the floor vLLM commits in
 
 
 def _check_extensible(opts: EngineOptions) -> None:
-    from ..errors import ConfigError
+    from ...errors import ConfigError
     if series() != "0.34":
         raise ConfigError("extensible_kv_cache", f"vLLM {vllm_version()} has no extensible KV cache",
                           "use vLLM 0.34 (KVATLAS_VLLM_VERSION=0.34.0 tests/vllm_plugin/setup_env.sh), or drop it")
@@ -224,7 +224,7 @@ def _kv_events_config(opts: EngineOptions):
         return None
     from dataclasses import fields
     from vllm.config import KVEventsConfig
-    from ..errors import ConfigError
+    from ...errors import ConfigError
     known = {f.name for f in fields(KVEventsConfig)}
     for key in opts.kv_events:
         if key not in known:
@@ -234,7 +234,7 @@ def _kv_events_config(opts: EngineOptions):
 
 
 def _require_supported() -> None:
-    from ..errors import ConfigError
+    from ...errors import ConfigError
     version = vllm_version()
     if not supported(version):
         raise ConfigError("vllm", f"vLLM {version or '(not installed)'} is not {supported_text()}",
@@ -242,12 +242,12 @@ def _require_supported() -> None:
 
 
 def _model_dir(model, tmp: str) -> str:
-    from ..errors import ConfigError
-    from ..planning.model import load_model
-    from .foreign import model_dir
+    from ...errors import ConfigError
+    from ...planning.model import load_model
+    from ..foreign import model_dir
     spec = load_model(model)
     if spec.family != "v4":
-        raise ConfigError("model", f"{spec.name} is a {spec.family} model; vLLM 0.33 builds V4 / V4-Pro here",
+        raise ConfigError("model", f"{spec.name} is a {spec.family} model; the offline vLLM engine builds V4 / V4-Pro here",
                           "use a deepseek-v4-flash or deepseek-v4-pro config")
     # the weights' quantization (fp8 blocks, fp4 experts) sets up vLLM's weight kernels, which the KV
     # planner never reads and whose imports a CPU install lacks; the KV cache dtype is separate
@@ -583,7 +583,7 @@ class OfflineEngine:
 def build_engine(model, memory, options: EngineOptions | None = None, **kwargs) -> OfflineEngine:
     """vLLM's engine core for `model` with `memory` bytes (an int or "120GiB") for the KV cache:
     what its memory profiler would report as available (or `--kv-cache-memory-bytes`)."""
-    from ..units import parse_bytes
+    from ...units import parse_bytes
     opts = EngineOptions.of(options, kwargs)
     budget = parse_bytes(memory)
     config = vllm_config(model, opts)
@@ -596,7 +596,7 @@ def build_engine(model, memory, options: EngineOptions | None = None, **kwargs) 
 def kv_cache_config(model, memory, options: EngineOptions | None = None, **kwargs):
     """Only the planner: the scheduler's KVCacheConfig vLLM builds for `model` and `memory`, through
     `EngineCore._initialize_kv_caches` itself, with no scheduler. Returns (config, VllmConfig)."""
-    from ..units import parse_bytes
+    from ...units import parse_bytes
     opts = EngineOptions.of(options, kwargs)
     config = vllm_config(model, opts)
     from vllm.v1.engine.core import EngineCore

@@ -13,7 +13,7 @@ keeps none of this per group, but the state it keeps answers it:
 
 Nothing is wrapped: vLLM's hot path (`allocate_slots`, `free`, the prefix cache's hits and
 evictions) runs exactly its own code with the plugin loaded, and the count costs O(blocks) only
-when it is read. The plugin reads it at most once per refresh interval (`vllm_plugin`), so its share
+when it is read. The plugin reads it at most once per refresh interval (`plugin`), so its share
 of the scheduler's time is that count over the interval. An earlier census moved counters inside
 wrappers on the pool's methods; measured beside vLLM's scheduler it added 8% to `allocate_slots`
 and more to `make_stats` (bench/RESULTS.md, issue 35).
