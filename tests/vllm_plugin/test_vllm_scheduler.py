@@ -3,6 +3,7 @@ finishes, with the plugin loaded: at every step the plugin's occupied and evicta
 and cache kind equal the blocks vLLM's own state holds (counted the slow way) × the group's bytes."""
 
 import random
+import types
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -163,3 +164,37 @@ def test_refresh_is_throttled_and_catches_the_idle_state(engine, monkeypatch):
     eng.step()                                                     # an idle step's stats
     assert steps > 4 and len(reads) == 2, (steps, reads)           # the first busy step, then idle
     assert tracker.last == counts() and sum(tracker.last.held) == 0
+
+
+def test_a_slow_count_spaces_the_next_one_out(engine, monkeypatch):
+    """A count that takes 50 ms of the plugin's clock (a fake one, moved by hand) puts the next periodic
+    read 5 s later (100x its time: MAX_CENSUS_SHARE), not 1 s; a fast one keeps the 1 s interval."""
+    from kvatlas.integrations.vllm import plugin as vllm_plugin
+    eng, tracker = engine
+    clock, reads, took = [1000.0], [], [0.05]
+    counts = tracker.census.counts
+
+    def slow():
+        reads.append(clock[0])
+        clock[0] += took[0]
+        return counts()
+    monkeypatch.setattr(vllm_plugin, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))   # the plugin's clock only
+    monkeypatch.setattr(vllm_plugin._P, "refresh_s", 1.0)
+    monkeypatch.setattr(tracker.census, "counts", slow)
+    tracker.due = 0.0
+    eng.add_request("slow", prompt(3, 600, 9), max_tokens=40)
+    for _ in range(4):                                             # the first step whose stats are made
+        eng.step()
+        if reads:
+            break
+    assert reads == [1000.0] and tracker.due == pytest.approx(1005.0)
+    for t in (1001.5, 1004.9):                                     # past the 1 s interval, within 5 s
+        clock[0] = t
+        eng.step()
+    assert len(reads) == 1 and eng.has_requests()
+    took[0], clock[0] = 0.001, 1005.0
+    eng.step()
+    assert reads[1:] == [1005.0] and tracker.due == pytest.approx(1006.0)   # fast again: the 1 s interval
+    monkeypatch.undo()
+    eng.run()
+    check_snapshot(tracker, eng)

@@ -21,7 +21,9 @@ The hooks (each wraps one vLLM method; the result is vLLM's own, returned unchan
 - AFTER `Scheduler.make_stats` (engine core, every step that makes stats): a clock read; once per
   refresh interval (`KVATLAS_VLLM_REFRESH_S`, default 1 s; 0: every call) and when the scheduler
   goes idle, one count of the census from vLLM's own state (`census`: O(blocks), nothing on
-  the allocation path is wrapped) written to this engine's board.
+  the allocation path is wrapped) written to this engine's board. A count that takes longer than
+  1% of the interval (a big pool, a CPU shared with other work) pushes the next one out to 100×
+  its own time, so the periodic reads take at most `MAX_CENSUS_SHARE` of the engine core's time.
 
 How the values reach vLLM's /metrics: in 0.33 and 0.34 the engine core sends only `SchedulerStats` (one
 usage float, prefix-cache counters) to the API server, whose /metrics serves
@@ -50,6 +52,7 @@ log = logging.getLogger("vllm.plugins.kvatlas")
 METRICS_DIR_ENV = "KVATLAS_VLLM_METRICS_DIR"
 REFRESH_ENV = "KVATLAS_VLLM_REFRESH_S"
 DEFAULT_REFRESH_S = 1.0   # the board's freshness; Prometheus scrapes every 15 s by default
+MAX_CENSUS_SHARE = 0.01   # the census's reads take at most this share of the engine core's time
 ENGINE_CORE = "vllm.v1.engine.core.EngineCore"
 SCHEDULER = "vllm.v1.core.sched.scheduler.Scheduler"
 EXECUTOR = "vllm.v1.executor.abstract.Executor"
@@ -203,7 +206,8 @@ def _on_scheduler(scheduler, result, *args, **kwargs) -> None:
 
 def _on_stats(scheduler, stats, *args, **kwargs) -> None:
     """Every step that makes stats: one clock read, and the census read at most once per refresh
-    interval, or as the scheduler goes idle (so an idle server's board shows its last state)."""
+    interval (longer where a read is slow: MAX_CENSUS_SHARE), or as the scheduler goes idle (so an
+    idle server's board shows its last state)."""
     if stats is None:   # --disable-log-stats: no stats interval, nothing read
         return
     tracker = _P.trackers.get(scheduler)
@@ -214,6 +218,8 @@ def _on_stats(scheduler, stats, *args, **kwargs) -> None:
     if now >= tracker.due or (tracker.busy and not busy):
         tracker.due = now + _P.refresh_s
         tracker.refresh()
+        if _P.refresh_s:   # a slow count (a big pool, a busy CPU) spaces the next one out in proportion
+            tracker.due = max(tracker.due, now + (time.monotonic() - now) / MAX_CENSUS_SHARE)
     tracker.busy = busy
 
 
