@@ -180,3 +180,28 @@ def tiny_tokenizer(folder: str) -> str:
                           "{% if add_generation_prompt %}<|assistant|>{% endif %}")
     fast.save_pretrained(folder)
     return folder
+
+
+def route_registry():
+    """A router's metrics registry with every family written, as a router fills it (two replicas, one
+    taken out and stale), for the dashboard's tests."""
+    from kvatlas.routing.metrics import RouteMetrics
+    from kvatlas.routing.replicas import ReplicaState, parse_replica
+    a, b = (ReplicaState(spec=parse_replica(f"http://127.0.0.1:{p}=tcp://127.0.0.1:{p + 1},name={n}", 0))
+            for p, n in ((1000, "a"), (2000, "b")))
+    b.take_out("refused")
+    a.in_flight = 2
+    ranks = [{"replica": "a", "dp_rank": 0, "lag_s": 0.004, "batches": 40, "gaps": 1, "replays": 1, "malformed": 0,
+              "stale": False},
+             {"replica": "b", "dp_rank": 0, "lag_s": 12.5, "batches": 7, "gaps": 0, "replays": 0, "malformed": 2,
+              "stale": True}]
+    m = RouteMetrics(lambda: ([a, b], ranks))
+    m.requests.labels("a", "prefix").inc(3)
+    m.requests.labels("b", "load").inc()
+    m.requests.labels("a", "retry").inc()
+    m.failures.labels("b", "refused").inc()
+    m.unserved.inc(0)
+    for predicted, cached in ((512, 512), (0, 256), (1024, 1024)):
+        m.observe_usage("a", predicted, cached, 1500)
+    m.routing.observe(0.0004)
+    return m.registry
