@@ -87,6 +87,8 @@ class _Engine:
         self.rule, self.digester = rule, digester
         self.lock = threading.Lock()
         self.groups: dict[int, GroupSpec] = {g.index: g for g in groups}
+        self.fixed_groups = set(self.groups)     # from the engine's metadata: never relearned
+        self.learned: set[int] = set()
         self.max_pending_runs = max_pending_runs
         self.stale_reason: str | None = None
         self.counters = {"batches": 0, "stored_blocks": 0, "removed_blocks": 0, "clears": 0,
@@ -104,11 +106,22 @@ class _Engine:
     # ---- groups --------------------------------------------------------------------------------
 
     def group(self, index: int | None, block: int, kind: str | None = None, window: int | None = None) -> GroupSpec:
+        """The group an event names. The full group also publishes one-hash-unit entries for a
+        prompt's tail inside its last block (vLLM's partial entries, used only by fine-grained hits):
+        same group, smaller block. A group learned from such an entry (no metadata given) is
+        reclassified when its first whole block arrives."""
         index = 0 if index is None else index
         spec = self.groups.get(index)
         if spec is None:
             spec = self.groups[index] = self.rule.group_of(index, block, kind, window)
+            if index not in self.fixed_groups:
+                self.learned.add(index)
         elif spec.block_tokens != block:
+            if spec.kind == FULL and spec.block_tokens % block == 0:
+                return spec
+            if index in self.learned and block == self.rule.full_block_tokens:
+                spec = self.groups[index] = self.rule.group_of(index, block, kind, window)
+                return spec
             raise ConfigError(f"group {index}", f"published {block}-token blocks, learned as {spec.block_tokens}",
                               "the engine's group layout changed: restart the router's subscription")
         return spec
@@ -129,9 +142,10 @@ class _Engine:
     def apply(self, batch: EventBatch) -> None:
         batch_anchors = set()
         for e in batch.events:
-            if isinstance(e, BlockStored) and self.group(e.group, e.block_tokens, e.kind,
-                                                         e.sliding_window_tokens).kind == FULL:
-                batch_anchors.update(e.block_hashes)
+            if isinstance(e, BlockStored):
+                spec = self.group(e.group, e.block_tokens, e.kind, e.sliding_window_tokens)
+                if spec.kind == FULL and spec.block_tokens == e.block_tokens:
+                    batch_anchors.update(e.block_hashes)
         for e in batch.events:
             if isinstance(e, BlockStored):
                 self._stored(e, batch_anchors)
@@ -154,6 +168,8 @@ class _Engine:
         spec = self.group(e.group, e.block_tokens, e.kind, e.sliding_window_tokens)
         self._count(e.medium, spec.index, e.block_hashes)
         keyed = e.lora_name is None and not (e.extra_keys and any(k is not None for k in e.extra_keys))
+        if spec.kind == FULL and spec.block_tokens != e.block_tokens:
+            return                                   # a partial entry: never part of an aligned hit
         if spec.kind == FULL:
             self._place_full(e, keyed)
         elif keyed:
