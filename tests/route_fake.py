@@ -41,6 +41,7 @@ import json
 import os
 import struct
 import sys
+import threading
 import time
 
 import msgpack
@@ -200,11 +201,18 @@ class Replica:
         self.running = 0
         self.served = 0
         self.http_faults = {"first_byte_delay_s": 0.0, "fail_status": 0, "fail_count": 0}
-        self.tokenizer = None
-        if args.tokenizer:
-            from transformers import AutoTokenizer
-            self.tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+        self._tokenizer = None
+        self._tokenizer_lock = threading.Lock()
         self.lock = asyncio.Lock()
+
+    @property
+    def tokenizer(self):
+        """Loaded once, in the background from startup (transformers takes seconds to import)."""
+        with self._tokenizer_lock:
+            if self._tokenizer is None and self.args.tokenizer:
+                from transformers import AutoTokenizer
+                self._tokenizer = AutoTokenizer.from_pretrained(self.args.tokenizer)
+        return self._tokenizer
 
     def _tokens(self, body: dict, chat: bool) -> list[int]:
         if chat:
@@ -230,7 +238,10 @@ class Replica:
             f["fail_count"] -= 1
             return web.json_response({"error": {"message": "injected", "code": f["fail_status"]}},
                                      status=f["fail_status"])
-        tokens = self._tokens(body, chat)
+        if chat or not isinstance(body.get("prompt"), list):   # the tokenizer may still be loading: off the loop
+            tokens = await asyncio.get_running_loop().run_in_executor(None, self._tokens, body, chat)
+        else:
+            tokens = self._tokens(body, chat)
         self.running += 1
         try:
             if f["first_byte_delay_s"] > 0:
@@ -336,6 +347,8 @@ async def main(args) -> None:
     await site.start()
     port = site._server.sockets[0].getsockname()[1]
     asyncio.get_running_loop().create_task(pub.serve_replay())
+    if args.tokenizer:   # loaded beside the event loop: ready before the first text prompt, startup not held up
+        asyncio.get_running_loop().run_in_executor(None, lambda: replica.tokenizer)
     print(json.dumps({"http": f"http://127.0.0.1:{port}", "events": f"tcp://127.0.0.1:{pub.port}",
                       "replay": f"tcp://127.0.0.1:{pub.replay_port}", "pid": os.getpid()}), flush=True)
     await asyncio.Event().wait()

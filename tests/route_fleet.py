@@ -66,6 +66,10 @@ class Fake:
                 f"name={self.name}")
 
     def start(self) -> "Fake":
+        return self.spawn().ready()
+
+    def spawn(self) -> "Fake":
+        """Start the process without waiting (start several, then `ready()` each)."""
         argv = [sys.executable, FAKE, "--http-port", str(self.http_port), "--events-port", str(self.events_port),
                 "--replay-port", str(self.replay_port)]
         if self.tokenizer:
@@ -73,6 +77,9 @@ class Fake:
         for k, v in self.opts.items():
             argv += [f"--{k.replace('_', '-')}", str(v)]
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        return self
+
+    def ready(self) -> "Fake":
         _ready_line(self.proc, f"fake replica {self.name}", 60)
         return self
 
@@ -158,13 +165,10 @@ def wait_for(what: str, cond, timeout_s: float, every_s: float = 0.1):
 
 
 def metric(text: str, name: str, **labels) -> float:
-    """The value of one sample in a /metrics text (0.0 when absent)."""
+    """The sum of the samples of `name` whose labels include `labels`, in a /metrics text (0.0: none)."""
     from prometheus_client.parser import text_string_to_metric_families
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
-                return s.value
-    return 0.0
+    return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
 
 
 def tiny_tokenizer(folder: str) -> str:

@@ -5,7 +5,10 @@ them), kept current by `HealthChecker`.
 
 A replica is taken out when a request to it fails before its first byte (connection refused, reset,
 a first-byte timeout, a 5xx) and by a failed health check; only a health check brings it back: its
-`/health` answers 200 (and its `/metrics`, when it serves vLLM's, gives its load). A replica taken
+`/health` answers 200 (and its `/metrics`, when it serves vLLM's, gives its load). After a request
+failure it is held out at least one health interval, doubled for each failure in a row (at most 30
+s), since a replica whose /health answers while its completions hang would otherwise cost one
+timeout per health interval. A replica taken
 out still gets a request when every replica is out (the last resort beats refusing the client).
 
 `--replica` syntax: `HTTP_URL[=EVENTS][,replay=REPLAY][,dp=N][,name=NAME]`. EVENTS is the ZMQ endpoint
@@ -60,10 +63,11 @@ def _endpoint(text: str, field: str) -> tuple[str, int]:
 
 
 def _offset(host: str, port: int, rank: int, field: str) -> str:
+    from .subscriber import rank_endpoint
     if port + rank > 65535:
         raise ConfigError(field, f"rank {rank} would listen on port {port + rank}", "give a lower port or fewer ranks")
     host = f"[{host}]" if ":" in host else host
-    return f"tcp://{host}:{port + rank}"
+    return rank_endpoint(f"tcp://{host}:{port}", rank)
 
 
 def parse_replica(text: str, index: int) -> ReplicaSpec:
@@ -126,12 +130,26 @@ class ReplicaState:
     last_health_ok_s: float | None = None
     failures: int = 0
     recoveries: int = 0
+    strikes: int = 0               # request failures since the last request it answered
+    hold_until_s: float = 0.0      # a health check brings it back no earlier
 
-    def take_out(self, reason: str) -> None:
+    def take_out(self, reason: str, hold_s: float = 0.0) -> None:
+        """Out until a health check passes, and no earlier than `hold_s` from now."""
+        now = time.monotonic()
         if self.up:
-            self.down_since_s = time.monotonic()
+            self.down_since_s = now
         self.up, self.down_reason = False, reason
         self.failures += 1
+        self.hold_until_s = max(self.hold_until_s, now + hold_s)
+
+    def request_failed(self, reason: str, base_hold_s: float, max_hold_s: float = 30.0) -> None:
+        """A request failed on it: out, held back twice as long for each failure in a row, so a
+        replica whose /health answers while its completions hang is not given request after request."""
+        self.strikes += 1
+        self.take_out(reason, min(max_hold_s, base_hold_s * 2 ** (self.strikes - 1)))
+
+    def answered(self) -> None:
+        self.strikes = 0
 
     def bring_back(self) -> None:
         if not self.up:
@@ -201,7 +219,9 @@ class HealthChecker:
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
             ok = False
         if ok:
-            state.bring_back()
+            state.last_health_ok_s = time.monotonic()
+            if state.up or time.monotonic() >= state.hold_until_s:
+                state.bring_back()
         elif state.up or state.down_reason != "health":
             state.take_out("health")
         if state.up != was_up:
