@@ -17,6 +17,7 @@ import time
 
 import pytest
 
+from kvatlas.observing import shipped
 from route_fleet import Fake, Router, free_ports, get, metric, post, stream, tiny_tokenizer, wait_for
 
 pytest.importorskip("aiohttp")
@@ -41,7 +42,7 @@ def fleet(tok):
         for f in fakes:
             f.ready()
         router = Router([f.replica_flag() for f in fakes], "--tokenizer", tok, *ROUTER_FLAGS)
-        wait_for("every replica up", lambda: all(r["up"] for r in get(router.url + "/state")["replicas"]), 20)
+        wait_for("every replica up", lambda: all(r["up"] for r in state(router)["replicas"]), 20)
         yield router, {f.name: f for f in fakes}
     finally:
         if router is not None:
@@ -63,8 +64,16 @@ def complete(router, ids, **kw):
     return headers["X-Kvatlas-Replica"], body["usage"]["prompt_tokens_details"]["cached_tokens"]
 
 
+def state(router) -> dict:
+    """GET /state, checked against its shipped schema every time (down, stale, replayed: all shapes)."""
+    doc = get(router.url + "/state")
+    errors = list(shipped.validator(doc).iter_errors(doc))
+    assert not errors, [f"{list(e.path)}: {e.message}" for e in errors[:3]]
+    return doc
+
+
 def replica_state(router, name):
-    return next(r for r in get(router.url + "/state")["replicas"] if r["name"] == name)
+    return next(r for r in state(router)["replicas"] if r["name"] == name)
 
 
 def predicted(router, ids) -> dict:
@@ -273,7 +282,7 @@ def test_events_two_seconds_late_never_block_requests(fleet):
         statuses, _ = _many(router, 24, 400)
         assert statuses == [200] * 24 and time.monotonic() - t0 < 20
         lags = wait_for("a lag near 2 s in /state", lambda: [
-            r["ranks"][0]["events"]["lag_s"] for r in get(router.url + "/state")["replicas"]
+            r["ranks"][0]["events"]["lag_s"] for r in state(router)["replicas"]
             if (r["ranks"][0]["events"]["lag_s"] or 0) > 1.5], 10)
         assert lags
         assert any(metric(get(router.url + "/metrics"), "kvatlas_route_event_lag_seconds", replica=f"r{i}",
@@ -317,7 +326,7 @@ def test_timeouts_5xx_and_refusals_are_retried_on_the_next_best(fleet):
         assert statuses == [200] * 4
         m = get(r.url + "/metrics")
         assert metric(m, "kvatlas_route_replica_up", replica="dead") == 0
-        st = next(x for x in get(r.url + "/state")["replicas"] if x["name"] == "dead")
+        st = next(x for x in state(r)["replicas"] if x["name"] == "dead")
         assert not st["up"] and st["down_reason"] in ("refused", "health")
     finally:
         rc, _, err = r.stop()
@@ -334,13 +343,13 @@ def test_a_replica_whose_events_never_arrive_is_scored_from_load_and_named(fleet
                     for k in range(8)]
         assert statuses == [200] * 8
         st = wait_for("silent stale", lambda: next(
-            (x for x in get(r.url + "/state")["replicas"] if x["name"] == "silent" and x["ranks"][0]["events"]["stale"]),
+            (x for x in state(r)["replicas"] if x["name"] == "silent" and x["ranks"][0]["events"]["stale"]),
             None), 10)
         assert st["ranks"][0]["events"]["stale_reason"]
-        assert "silent" in get(r.url + "/state")["stale_replicas"]
+        assert "silent" in state(r)["stale_replicas"]
         m = get(r.url + "/metrics")
         assert metric(m, "kvatlas_route_event_stale", replica="silent", dp_rank="0") == 1
-        assert metric(m, "kvatlas_route_stale_replicas") == 1, get(r.url + "/state")
+        assert metric(m, "kvatlas_route_stale_replicas") == 1, state(r)
     finally:
         rc, _, err = r.stop()
     assert rc == 0 and "Traceback" not in err

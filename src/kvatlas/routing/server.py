@@ -276,7 +276,9 @@ class Router:
                                for r in s.spec.ranks]}
                     for s in self.states]
         stale = sorted({name for (name, _), r in ranks.items() if r["events"]["stale"]})
-        return {"schema": STATE_SCHEMA, "schema_version": STATE_SCHEMA_VERSION, "model": self.model,
+        from .. import __version__
+        return {"schema": STATE_SCHEMA, "schema_version": STATE_SCHEMA_VERSION, "time_unix_s": time.time(),
+                "version": __version__, "model": self.model,
                 "policy": self.policy, "uptime_s": time.time() - self.started_s,
                 "requests": {"served": self.served, "retried": self.retried, "unserved": self.unserved},
                 "stale_replicas": stale, "replicas": replicas, **self.chooser.state()}
