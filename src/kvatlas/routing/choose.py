@@ -31,6 +31,7 @@ from .policy import ReplicaLoad, make_policy
 
 ROUTER_STALE = "router: "          # the prefix of every stale reason the router sets itself
 CONFIRM_SLACK_S = 1.0              # an event this long before an answer confirms it (publish, then answer)
+REFRESH_EVERY_S = 0.05             # the request path re-reads the stale flags at most this often (they move in seconds)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -60,6 +61,7 @@ class Chooser:
         # (replica, rank) → the first answer that must have published, with no event seen since
         self.unconfirmed_s: dict[tuple[str, int], float] = {}
         self._turn = itertools.count()
+        self._refreshed_s = float("-inf")
 
     async def start(self) -> None:
         self.fleet.start()
@@ -118,7 +120,10 @@ class Chooser:
 
     # --- ranking ---------------------------------------------------------------------------------
     def rank(self, token_ids, states) -> list[Candidate]:
-        self.refresh_stale()
+        now = time.monotonic()
+        if now - self._refreshed_s >= REFRESH_EVERY_S:   # a third of a request's routing time when done every time
+            self._refreshed_s = now
+            self.refresh_stale()
         # the policy breaks ties by the order of `loads`: rotated per request, so equal replicas share
         # the work in turn instead of the first listed taking every request nobody holds
         k = next(self._turn) % len(states)
