@@ -353,3 +353,44 @@ def test_a_replica_whose_events_never_arrive_is_scored_from_load_and_named(fleet
     finally:
         rc, _, err = r.stop()
     assert rc == 0 and "Traceback" not in err
+
+
+def test_hit_ratio_is_back_within_5_percent_of_fault_free_within_60_s_of_a_restart(fleet):
+    router, fakes = fleet
+    victim = fakes["r2"]
+    docs = [prompt(3000 + k, 1024) for k in range(8)]
+
+    def one_round(tag: int) -> tuple[float, list[str]]:
+        cached = total = 0
+        names = []
+        for k, d in enumerate(docs):
+            status, body, h = post(router.url + "/v1/completions", {"prompt": d + prompt(tag * 100 + k, 40),
+                                                                     "max_tokens": 1})
+            assert status == 200, body
+            cached += body["usage"]["prompt_tokens_details"]["cached_tokens"]
+            total += body["usage"]["prompt_tokens"]
+            names.append(h["X-Kvatlas-Replica"])
+        return cached / total, names
+
+    one_round(1)                                     # stores each document on the replica it went to
+    time.sleep(0.5)                                  # their events applied
+    clean = [one_round(t) for t in (2, 3)]
+    assert clean[0][0] == clean[1][0] > 0.9, clean   # steady: every document resumed where it is
+    assert victim.name in clean[1][1], clean         # the victim holds some of them
+    victim.kill9()
+    victim.start()                                   # an empty cache; its sequence starts again at 0
+    restarted = time.monotonic()
+    wait_for("victim back", lambda: replica_state(router, "r2")["up"], 15)
+    rounds = []
+    while time.monotonic() - restarted < 60:
+        ratio, _ = one_round(10 + len(rounds))
+        rounds.append((round(time.monotonic() - restarted, 2), ratio))
+        if ratio >= 0.95 * clean[1][0]:
+            break
+        time.sleep(0.5)
+    print(f"fault-free {clean[1][0]:.4f}; after the restart (s, hit ratio): {rounds}")   # the note's counts (-s)
+    assert rounds[-1][1] >= 0.95 * clean[1][0], (clean, rounds)
+    assert rounds[-1][0] < 60, rounds
+    # the first round after the restart missed what the victim lost; the router learnt the restart
+    assert rounds[0][1] < clean[1][0] or len(rounds) == 1
+    assert replica_state(router, "r2")["ranks"][0]["events"]["resets"] >= 1
