@@ -106,6 +106,8 @@ def token_ids(value, field: str) -> list[int]:
     """A list of token ids, checked (bools and negative or huge ids refused)."""
     if not isinstance(value, list) or not value:
         raise ClientError(f"{field}: give a non-empty string or a non-empty list of token ids", param=field)
+    if set(map(type, value)) == {int} and min(value) >= 0 and max(value) <= MAX_TOKEN_ID:
+        return value              # the common case, in C: a third of the time of the loop below
     for t in value:
         if type(t) is not int or not 0 <= t <= MAX_TOKEN_ID:
             raise ClientError(f"{field}: {t!r} is not a token id; give integers in [0, {MAX_TOKEN_ID}]", param=field)
