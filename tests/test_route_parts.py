@@ -120,3 +120,18 @@ def test_metrics_count_usage_against_predictions():
     assert metric(text, "kvatlas_route_event_malformed_total", replica="a", dp_rank="0") == 3
     assert metric(text, "kvatlas_route_event_stale", replica="a", dp_rank="0") == 1
     assert metric(text, "kvatlas_route_stale_replicas") == 1
+
+
+@pytest.mark.parametrize("policy", ["round_robin", "least_loaded", "kvatlas", "main_group_prefix"])
+def test_requests_nobody_holds_go_round_every_replica_and_score_takes_no_turn(policy):
+    from kvatlas.routing.choose import Chooser
+    specs = [parse_replica(f"http://127.0.0.1:{4000 + i},name=r{i}", i) for i in range(4)]
+    chooser = Chooser("deepseek-v4-flash", specs, policy)
+    states = [ReplicaState(spec=s) for s in specs]
+    sent = []
+    for _ in range(8):
+        scored = chooser.score([7] * 300, states)["choice"]["replica"]
+        chosen = chooser.rank([7] * 300, states)[0].replica
+        assert scored == chosen                      # /score answers what the next request gets
+        sent.append(chosen)
+    assert sent == ["r0", "r1", "r2", "r3"] * 2

@@ -119,14 +119,24 @@ class Chooser:
             self.unconfirmed_s.setdefault(key, now)
 
     # --- ranking ---------------------------------------------------------------------------------
-    def rank(self, token_ids, states) -> list[Candidate]:
+    def rank(self, token_ids, states, *, advance: bool = True) -> list[Candidate]:
+        """The replicas best first. `advance=False` (POST /score) answers as the next request would be
+        routed without taking its turn: ties and round_robin still go round for the requests."""
+        if not advance:
+            self._turn, turn = _peeked(self._turn)
+            self.policy._turn, policy_turn = _peeked(self.policy._turn)
+            try:
+                return self.rank(token_ids, states)
+            finally:
+                self._turn, self.policy._turn = turn, policy_turn
         now = time.monotonic()
         if now - self._refreshed_s >= REFRESH_EVERY_S:   # a third of a request's routing time when done every time
             self._refreshed_s = now
             self.refresh_stale()
         # the policy breaks ties by the order of `loads`: rotated per request, so equal replicas share
-        # the work in turn instead of the first listed taking every request nobody holds
-        k = next(self._turn) % len(states)
+        # the work in turn instead of the first listed taking every request nobody holds (round_robin
+        # turns on its own: rotating its input too would step two replicas a request)
+        k = 0 if self.policy_name == "round_robin" else next(self._turn) % len(states)
         loads = {s.spec.name: ReplicaLoad(in_flight=s.in_flight, running=s.running or 0, waiting=s.waiting or 0)
                  for s in list(states[k:]) + list(states[:k])}
         choices = self.policy.choose(token_ids, loads)
@@ -148,7 +158,7 @@ class Chooser:
         return out
 
     def score(self, token_ids, states) -> dict:
-        cands = self.rank(token_ids, states)
+        cands = self.rank(token_ids, states, advance=False)
         by_name = {c.replica: c for c in self._last_choices}
         st = {s.spec.name: s for s in states}
         rows = []
@@ -193,6 +203,12 @@ class Chooser:
 
     def state(self) -> dict:
         return {"rule": self.index.rule.to_dict()}
+
+
+def _peeked(counter: itertools.count) -> tuple[itertools.count, itertools.count]:
+    """Two counters at `counter`'s next value: one to use, one to put back."""
+    n = next(counter)
+    return itertools.count(n), itertools.count(n)
 
 
 def _lag(st) -> float | None:
