@@ -109,3 +109,13 @@ def test_rank_endpoint_and_bad_input():
         Subscriber("tcp://127.0.0.1:1", on_batch=None)
     with pytest.raises(ConfigError, match="dp_rank"):
         Subscriber("tcp://127.0.0.1:1", on_batch=print, dp_rank=-1)
+
+
+def test_lost_last_batch_found_by_the_idle_probe(wire):
+    """No later batch reveals the gap: after idle_probe_s of quiet the replay socket is asked."""
+    pub, sub, got, lost, _ = wire
+    pub.publish(batch(0))
+    pub.publish(batch(1), drop=True)
+    assert wait_for(lambda: len(got) == 2, 10.0)
+    s = sub.stats()
+    assert [b.seq for b in got] == [0, 1] and s.replayed_batches == 1 and s.gaps == 1 and not lost

@@ -1,7 +1,10 @@
 """One engine's KV-event stream: a ZMQ SUB socket on its own thread, per replica and DP rank.
 
-vLLM's publisher binds PUB on `endpoint` (port + DP rank) and, optionally, ROUTER on
-`replay_endpoint` (port + DP rank), keeping its last `buffer_steps` batches. The subscriber
+vLLM's publisher binds PUB on `endpoint` (port + DP rank) when the endpoint has a wildcard host
+(`tcp://*:5557`) and connects to it otherwise, so either side may bind: `bind=True` makes the
+subscriber bind (e.g. on loopback, the publisher configured with `tcp://127.0.0.1:5557`). The
+replay socket is always the publisher's ROUTER on `replay_endpoint` (port + DP rank), keeping its
+last `buffer_steps` batches. The subscriber
 - numbers what it gets: a batch whose seq is past the next expected one is a gap, answered by
   the replay socket (a DEALER sends the 8-byte start seq; the publisher answers each buffered
   batch from it, then seq -1), applied in order before the batch that revealed it;
@@ -9,6 +12,9 @@ vLLM's publisher binds PUB on `endpoint` (port + DP rank) and, optionally, ROUTE
   batch dropped) calls `on_lost(reason)`: the engine's index is then stale until `on_reset`;
 - a seq that goes back to 0 is a restarted publisher (a new engine, an empty cache): `on_reset`;
 - joining late (the first batch seen is not seq 0) asks the replay socket for everything from 0;
+- a batch lost at the end of a burst shows no gap until the next one arrives, so after
+  `idle_probe_s` without traffic the subscriber asks the replay socket for anything past its last
+  seq (an idle publisher answers with the end marker alone);
 - reconnects are ZMQ's own (TCP reconnects with backoff); a ZMQ monitor reports connect and
   disconnect in `stats().connected`;
 - memory is bounded: the socket's receive high-water mark (`hwm` batches; past it ZMQ drops, which
@@ -76,7 +82,8 @@ class Subscriber:
                  on_batch: Callable[[EventBatch], None], replica: str = "", dp_rank: int = 0, topic: str = "",
                  on_lost: Callable[[str], None] | None = None, on_reset: Callable[[], None] | None = None,
                  hwm: int = 100_000, replay_timeout_s: float = 5.0, poll_interval_s: float = 0.05,
-                 stale_after_s: float | None = None, context: zmq.Context | None = None) -> None:
+                 stale_after_s: float | None = None, idle_probe_s: float | None = 1.0, bind: bool = False,
+                 context: zmq.Context | None = None) -> None:
         if not callable(on_batch):
             raise ConfigError("on_batch", "is not callable", "pass a function taking an EventBatch")
         if not isinstance(dp_rank, int) or dp_rank < 0:
@@ -88,6 +95,8 @@ class Subscriber:
         self.on_batch, self.on_lost, self.on_reset = on_batch, on_lost, on_reset
         self.hwm, self.replay_timeout_s, self.poll_interval_s = hwm, replay_timeout_s, poll_interval_s
         self.stale_after_s = stale_after_s
+        self.idle_probe_s = idle_probe_s if replay_endpoint else None
+        self.bind = bind
         self._ctx = context or zmq.Context.instance()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -138,24 +147,35 @@ class Subscriber:
         sub.setsockopt(zmq.RCVHWM, self.hwm)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.SUBSCRIBE, self.topic)
-        monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
-        sub.connect(self.endpoint)
+        monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+        try:
+            sub.bind(self.endpoint) if self.bind else sub.connect(self.endpoint)
+        except zmq.ZMQError as exc:
+            sub.close(0)
+            monitor.close(0)
+            self._lost(f"cannot {'bind' if self.bind else 'connect'} {self.endpoint}: {exc}")
+            return
         poller = zmq.Poller()
         poller.register(sub, zmq.POLLIN)
         poller.register(monitor, zmq.POLLIN)
         timeout_ms = max(1, int(self.poll_interval_s * 1000))
+        quiet_since = time.monotonic()
         try:
             while not self._stop.is_set():
                 ready = dict(poller.poll(timeout_ms))
                 if monitor in ready:
                     self._monitor(monitor)
                 if sub in ready:
+                    quiet_since = time.monotonic()
                     while not self._stop.is_set():
                         try:
                             frames = sub.recv_multipart(zmq.NOBLOCK)
                         except zmq.Again:
                             break
                         self._receive(frames)
+                elif self.idle_probe_s is not None and time.monotonic() - quiet_since > self.idle_probe_s:
+                    self._probe()
+                    quiet_since = time.monotonic()
         finally:
             sub.disable_monitor()
             monitor.close(0)
@@ -168,7 +188,7 @@ class Subscriber:
             except zmq.Again:
                 return
             with self._lock:
-                self._connected = msg["event"] == zmq.EVENT_CONNECTED
+                self._connected = msg["event"] in (zmq.EVENT_CONNECTED, zmq.EVENT_ACCEPTED)
 
     def _receive(self, frames) -> None:
         try:
@@ -220,7 +240,16 @@ class Subscriber:
                 self._counts["lost_batches"] += stop - got_to
             self._lost(f"batches {got_to}..{stop - 1} missed and not replayable")
 
-    def _ask_replay(self, start: int, stop: int) -> int:
+    def _probe(self) -> None:
+        """Ask the replay socket for anything past the last batch seen (nothing, usually)."""
+        start = 0 if self._last_seq is None else self._last_seq + 1
+        got_to = self._ask_replay(start, None)
+        if got_to > start:
+            with self._lock:
+                self._counts["gaps"] += 1
+                self._counts["replays"] += 1
+
+    def _ask_replay(self, start: int, stop: int | None) -> int:
         dealer = self._ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
         next_seq = start
@@ -240,7 +269,7 @@ class Subscriber:
                     with self._lock:
                         self._counts["malformed"] += 1
                     break
-                if batch.seq != next_seq or batch.seq >= stop:
+                if batch.seq != next_seq or (stop is not None and batch.seq >= stop):
                     if batch.seq < next_seq:
                         continue
                     break                            # the buffer no longer reaches back, or done
