@@ -21,6 +21,7 @@ def test_replica_flag_gives_url_ranks_and_replay_ports():
         (2, "tcp://10.0.0.5:5559", "tcp://10.0.0.5:5602")]
     plain = parse_replica("http://h:8000", 4)
     assert plain.name == "r4" and plain.ranks[0].events_endpoint is None and plain.dp_size == 1
+    assert not s.bind and parse_replica("http://h:8000=tcp://127.0.0.1:5557,bind,dp=2", 0).bind
 
 
 @pytest.mark.parametrize("text, field_words", [
@@ -28,7 +29,9 @@ def test_replica_flag_gives_url_ranks_and_replay_ports():
     ("http://h:8000=udp://h:1", "ZMQ tcp endpoint"), ("http://h:8000=tcp://h", "ZMQ tcp endpoint"),
     ("http://h:8000=tcp://h:1,dp=0", "rank count"), ("http://h:8000=tcp://h:1,dp=x", "rank count"),
     ("http://h:8000=tcp://h:1,foo=1", "not an option"), ("http://h:8000=tcp://h:65535,dp=2", "port 65536"),
-    ("http://h:8000=tcp://h:1,name=a b", "name="), ("http://h:99999=tcp://h:1", "base URL")])
+    ("http://h:8000=tcp://h:1,name=a b", "name="), ("http://h:99999=tcp://h:1", "base URL"),
+    ("http://h:8000,bind", "bind without an events endpoint"), ("http://h:8000=tcp://h:1,bind=1", "not an option"),
+    ("http://h:8000=tcp://h:1,bind,bind", "not an option")])
 def test_bad_replica_flags_name_the_flag_and_the_fix(text, field_words):
     with pytest.raises(ConfigError) as e:
         parse_replica(text, 0)

@@ -56,7 +56,7 @@ class Chooser:
         for s in specs:
             if s.ranks[0].events_endpoint is not None:
                 self.fleet.add(s.name, s.ranks[0].events_endpoint, replay_endpoint=s.ranks[0].replay_endpoint,
-                               dp_size=s.dp_size)
+                               dp_size=s.dp_size, bind=s.bind)
         self.subs = {(sub.replica, sub.rank): sub for sub in self.fleet.subscribers()}
         # (replica, rank) → the first answer that must have published, with no event seen since
         self.unconfirmed_s: dict[tuple[str, int], float] = {}

@@ -11,9 +11,11 @@ s), since a replica whose /health answers while its completions hang would other
 timeout per health interval. A replica taken
 out still gets a request when every replica is out (the last resort beats refusing the client).
 
-`--replica` syntax: `HTTP_URL[=EVENTS][,replay=REPLAY][,dp=N][,name=NAME]`. EVENTS is the ZMQ endpoint
-the engine publishes KV events on (vLLM's `KVEventsConfig.endpoint`, `tcp://host:port`), REPLAY its
-replay endpoint; with N data-parallel ranks, rank r publishes on port + r and answers replays on
+`--replica` syntax: `HTTP_URL[=EVENTS][,replay=REPLAY][,dp=N][,name=NAME][,bind]`. EVENTS is the ZMQ
+endpoint the engine publishes KV events on (vLLM's `KVEventsConfig.endpoint`, `tcp://host:port`), REPLAY
+its replay endpoint. vLLM's publisher binds when its endpoint has a wildcard host (`tcp://*:5557`)
+and connects when it names one; for the latter, `bind` makes the router bind EVENTS (an address of the
+router's own) for the engine to connect to; with N data-parallel ranks, rank r publishes on port + r and answers replays on
 replay port + r (vLLM offsets both by the rank), and a request is pinned to a rank with vLLM's
 `X-data-parallel-rank` header. `HTTP_URL` alone (no `=`) routes by load only: no events.
 """
@@ -43,6 +45,7 @@ class ReplicaSpec:
     name: str
     url: str                      # base URL, no trailing slash: http://host:8000
     ranks: tuple[RankSpec, ...]
+    bind: bool = False            # the router binds the events endpoints; the engines connect
 
     @property
     def dp_size(self) -> int:
@@ -86,15 +89,16 @@ def parse_replica(text: str, index: int) -> ReplicaSpec:
     opts = {}
     for p in opt_parts:
         k, eq, v = p.partition("=")
-        if not eq or k not in ("replay", "dp", "name") or k in opts:
+        if (not eq and k != "bind") or (eq and k not in ("replay", "dp", "name")) or k in opts:
             raise ConfigError(field, f"{p!r} is not an option", "after the events endpoint give replay=tcp://HOST:PORT, "
-                              "dp=N or name=NAME, each once, separated by commas")
+                              "dp=N, name=NAME or bind, each once, separated by commas")
         opts[k] = v
     dp = opts.get("dp", "1")
     if not dp.isdigit() or not 1 <= int(dp) <= MAX_DP_RANKS:
         raise ConfigError(field, f"dp={dp!r} is not a rank count", f"give dp=N with 1 ≤ N ≤ {MAX_DP_RANKS}")
-    if not events and "replay" in opts:
-        raise ConfigError(field, "replay= without an events endpoint", "give URL=tcp://HOST:PORT,replay=…")
+    for k in ("replay", "bind"):
+        if not events and k in opts:
+            raise ConfigError(field, f"{k} without an events endpoint", f"give URL=tcp://HOST:PORT,{k}…")
     ev = _endpoint(events, field) if events else None
     rp = _endpoint(opts["replay"], field) if "replay" in opts else None
     ranks = tuple(RankSpec(dp_rank=r, events_endpoint=_offset(*ev, r, field) if ev else None,
@@ -102,7 +106,8 @@ def parse_replica(text: str, index: int) -> ReplicaSpec:
     name = opts.get("name") or f"r{index}"
     if not name.replace("-", "").replace("_", "").replace(".", "").isalnum():
         raise ConfigError(field, f"name={name!r}", "give a name of letters, digits, '-', '_' or '.'")
-    return ReplicaSpec(name=name, url=urllib.parse.urlunsplit((u.scheme, u.netloc, "", "", "")), ranks=ranks)
+    return ReplicaSpec(name=name, url=urllib.parse.urlunsplit((u.scheme, u.netloc, "", "", "")), ranks=ranks,
+                       bind="bind" in opts)
 
 
 def parse_replicas(texts: list[str]) -> tuple[ReplicaSpec, ...]:
