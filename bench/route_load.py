@@ -111,7 +111,7 @@ async def load(urls: list[str], clients: int, seconds: float, pid: int | None) -
     if mem:
         warm = mem[min(2, len(mem) - 1)]
         out.update(rss_first_kib=warm, rss_last_kib=mem[-1], rss_max_kib=max(mem[2:] or mem),
-                   rss_samples=len(mem))
+                   rss_samples=len(mem), rss_kib_every_s=mem)
     return out
 
 

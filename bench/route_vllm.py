@@ -23,7 +23,7 @@ count) then say which replica served it and what it really resumed. Per policy:
 - the router's own routing time (tokenize + predict + score; its /metrics histogram) p50/p99;
 - every request answered (HTTP 200), the router's exit status.
 
-    python bench/route_vllm.py --trace TRACE.jsonl [--requests 120] [--replicas 4] [--memory 32GiB]
+    python bench/route_vllm.py --trace TRACE.jsonl [--start 0] [--requests 120] [--replicas 4] [--memory 32GiB]
         [--policies kvatlas,main_group_prefix,round_robin,least_loaded] [--max-tokens 16]
         [--json FILE]
 
@@ -62,7 +62,7 @@ class Replica:
 
     def flag(self) -> str:
         return (f"{self.url}=tcp://127.0.0.1:{self.events_port},replay=tcp://127.0.0.1:{self.replay_port},"
-                f"name={self.name}")
+                f"name={self.name},bind")
 
     def spawn(self) -> "Replica":
         self.proc = subprocess.Popen([sys.executable, str(SERVER), "--http-port", str(self.http_port),
@@ -145,6 +145,8 @@ async def replay(router_url: str, requests, max_tokens: int) -> list[dict]:
                      "prompt": len(ids), "cached": (usage.get("prompt_tokens_details") or {}).get("cached_tokens"),
                      "scored_choice": score["choice"]["replica"], "predicted": cand.get("device_tokens"),
                      "main_group": min(cand.get("main_group_tokens", 0), len(ids) - 1) if cand else None,
+                     "best_device": max(c["device_tokens"] for c in score["candidates"]),
+                     "best_main_group": max(min(c.get("main_group_tokens", 0), len(ids) - 1) for c in score["candidates"]),
                      "error": None if status == 200 else answer})
 
     async with aiohttp.ClientSession(timeout=timeout) as session:
@@ -203,6 +205,7 @@ def run_policy(model, replicas, policy, requests, max_tokens):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--trace", required=True)
+    ap.add_argument("--start", type=int, default=0, help="the first request of the subset (in arrival order)")
     ap.add_argument("--requests", type=int, default=120)
     ap.add_argument("--replicas", type=int, default=4)
     ap.add_argument("--memory", default="32GiB")
@@ -210,13 +213,14 @@ def main() -> None:
     ap.add_argument("--policies", default=POLICIES)
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--json")
+    ap.add_argument("--rows", action="store_true", help="keep every request's row in the JSON")
     args = ap.parse_args()
     assert 1 <= args.requests <= 4000 and 1 <= args.replicas <= 8
     from kvatlas.driving.traces import read_trace
     requests, _ = read_trace(args.trace)
-    requests = sorted(requests, key=lambda r: r.arrival_s)[:args.requests]
+    requests = sorted(requests, key=lambda r: r.arrival_s)[args.start:args.start + args.requests]
     reps = [Replica(f"r{i}", args.memory, args.model) for i in range(args.replicas)]
-    out = {"trace": os.path.basename(args.trace), "requests": len(requests),
+    out = {"trace": os.path.basename(args.trace), "start": args.start, "requests": len(requests),
            "trace_span_s": requests[-1].arrival_s - requests[0].arrival_s, "replicas": args.replicas,
            "memory": args.memory, "policies": []}
     try:
@@ -229,6 +233,7 @@ def main() -> None:
         for policy in args.policies.split(","):
             res, rows, _ = run_policy(args.model, reps, policy, requests, args.max_tokens)
             print(json.dumps(res), flush=True)
+            res["rows"] = rows if args.rows else None
             out["policies"].append(res)
     finally:
         for r in reps:

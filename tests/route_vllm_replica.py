@@ -17,6 +17,10 @@ reads, and nothing else:
 - `POST /_reset`: abort everything, `reset_prefix_cache` (vLLM publishes `AllBlocksCleared`).
 - `GET /_info`: requests served, engine steps, events published.
 
+Its engine's publisher is given `tcp://127.0.0.1:EVENTS`: vLLM connects to a named host (it binds
+only a wildcard one, which would listen beyond loopback), so the router binds there (`--replica
+…,bind`). The replay socket is the engine's own, bound on loopback.
+
 The engine steps on a thread of its own; with `--pass-time` each step then takes the time kvatlas's
 default time model gives its computed tokens (20 ms + 40 µs per prefill token + 100 µs per decode
 token; hit tokens cost nothing), so replicas are busy as long as a GPU would be and the load the

@@ -40,7 +40,7 @@ class Engine:
         return f"http://127.0.0.1:{self.http}"
 
     def flag(self):
-        return f"{self.url}=tcp://127.0.0.1:{self.events},replay=tcp://127.0.0.1:{self.replay},name={self.name}"
+        return f"{self.url}=tcp://127.0.0.1:{self.events},replay=tcp://127.0.0.1:{self.replay},name={self.name},bind"
 
     def stop(self):
         if self.proc is not None:
