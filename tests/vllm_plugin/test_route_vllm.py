@@ -30,7 +30,7 @@ class Engine:
     def spawn(self):
         import subprocess
         self.proc = subprocess.Popen([sys.executable, SERVER, "--http-port", str(self.http), "--events-port",
-                                      str(self.events), "--replay-port", str(self.replay), "--memory", "2GiB"],
+                                      str(self.events), "--replay-port", str(self.replay), "--memory", "4GiB"],
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                      start_new_session=True)   # its own group: vLLM's helper processes die with it
         return self
