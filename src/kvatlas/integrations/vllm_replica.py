@@ -11,8 +11,9 @@ publisher would send), and the engine's own answers a router is measured against
   as `KVCacheManager.get_computed_blocks` calls it (a lookup: nothing is touched or allocated).
 - `group_metadata(engine)`: the groups as vLLM 0.34's `EngineCore.get_kv_cache_group_metadata()`
   lists them (`[{group_idx, kind, block_size, sliding_window}]`), read from the scheduler's config.
-- `serve_replica(conn, ...)`: a replica's process body for the routing harness (bench/
-  routing_cluster.py, tests/vllm_plugin/test_routing_cluster.py): commands over a pipe.
+- `ReplicaServer(model, memory, endpoint, replay_endpoint, options)`: one replica of the routing
+  harness (bench/routing_cluster.py) answering its commands; `serve_replica(conn, ...)` runs one
+  in a process of its own, commands over a pipe.
 """
 
 from __future__ import annotations
@@ -112,3 +113,94 @@ def evict_cached(engine, token_ids, group: int, end_tokens: int) -> int:
         ids.add(block.block_id)
         engine.kv_cache_manager.evict_blocks({block.block_id})
     return len(ids)
+
+
+# ---- a replica's process, for the routing harness ------------------------------------------------
+
+class _Counting:
+    """Counts the batches the scheduler hands its publisher (the publisher numbers them 0, 1, ...
+    in that order), so the harness knows which seq the router must have seen."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.published = inner, 0
+
+    def publish(self, batch) -> None:
+        self.published += 1
+        self.inner.publish(batch)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+class ReplicaServer:
+    """One replica for the routing harness: the engine (events published on `endpoint`) and the
+    harness's commands, `handle(cmd, *args)`: ("add", id, token_ids, max_tokens), ("step",) → what
+    the step did, ("hit", token_ids) → `engine_hit`, ("reset",) → empty the cache, ("stop",).
+    In the harness's process, or in a process of its own (`serve_replica`)."""
+
+    def __init__(self, model, memory, endpoint: str, replay_endpoint: str | None, options: dict) -> None:
+        self.engine = build_publishing_engine(model, memory, endpoint=endpoint, replay_endpoint=replay_endpoint,
+                                              **options)
+        self.scheduler = self.engine.core.scheduler
+        self.scheduler.kv_event_publisher = _Counting(self.scheduler.kv_event_publisher)
+        self.metadata = group_metadata(self.engine)
+        self.seen_outputs = 0
+
+    def handle(self, cmd: str, *args):
+        eng, sched = self.engine, self.scheduler
+        if cmd == "add":
+            rid, tokens, max_tokens = args
+            eng.add_request(rid, [int(t) for t in tokens], max_tokens=max_tokens)
+            return None
+        if cmd == "step":
+            out = _step(eng, self.seen_outputs)
+            self.seen_outputs = len(eng.outputs)
+            return out
+        if cmd == "hit":
+            return engine_hit(eng, args[0])
+        if cmd == "reset":
+            eng.abort(list(sched.requests))
+            while eng.has_requests():
+                eng.step()
+            ok = eng.core.reset_prefix_cache()
+            flush_events(eng)
+            self.seen_outputs = len(eng.outputs)
+            return ok, sched.kv_event_publisher.published
+        if cmd == "stop":
+            sched.kv_event_publisher.shutdown()
+            return None
+        raise ValueError(f"unknown replica command {cmd!r}")
+
+
+def serve_replica(conn, model, memory, endpoint: str, replay_endpoint: str | None, options: dict) -> None:
+    """A replica's process body: a `ReplicaServer` answering the harness's calls over `conn`, one
+    at a time, until ("stop",)."""
+    server = ReplicaServer(model, memory, endpoint, replay_endpoint, options)
+    conn.send(("ready", server.metadata))
+    while True:
+        cmd, *args = conn.recv()
+        conn.send(server.handle(cmd, *args))
+        if cmd == "stop":
+            return
+
+
+def _step(eng, seen_outputs: int) -> dict:
+    sched = eng.scheduler
+    before = {rid: (r.num_computed_tokens, r.num_prompt_tokens) for rid, r in sched.requests.items()}
+    ran = eng.step() if eng.has_requests() else False
+    prefill = decode = 0
+    for rid, (done, prompt) in before.items():
+        r = sched.requests.get(rid)
+        delta = (r.num_computed_tokens if r is not None else max(prompt, done + 1)) - done
+        fill = max(0, min(prompt, done + delta) - done)
+        prefill, decode = prefill + fill, decode + max(0, delta - fill)
+    cached, finished = {}, []
+    for outs in eng.outputs[seen_outputs:]:
+        for o in outs.outputs:
+            if o.prefill_stats is not None:
+                cached[o.request_id] = o.prefill_stats.num_local_cached_tokens
+            if o.finish_reason is not None:
+                finished.append(o.request_id)
+    return {"ran": ran, "prefill_tokens": prefill, "decode_tokens": decode, "cached": cached,
+            "finished": finished, "running": len(sched.running), "waiting": len(sched.waiting),
+            "published": sched.kv_event_publisher.published}

@@ -264,30 +264,61 @@ class _Engine:
                 main = len(hashes) * align
             best = 0
             if not impossible:
-                for b in range(min(len(hashes), cap), 0, -1):
-                    if all(self._tail(g, hashes[b - 1], b * align, media) for g in sliding):
-                        best = b * align
-                        break
+                best = self._boundary(hashes, min(len(hashes), cap), sliding, media)
             out.append(best)
         return out[0], out[1], out[2], main
 
     def _full_run(self, keys, full: list[int], media) -> list[int]:
-        tables = [self.res[m].get(g) for m in media for g in full]
-        tables = [t for t in tables if t]
+        """The full group's resident blocks along the prompt's keys, from token 0."""
+        tables = [[t for t in (self.res[m].get(g) for m in media) if t] for g in full]
         run = []
-        if not tables:
+        if not tables or not all(tables):
             return run
         by_key = self.by_key
+        if len(tables) == 1 and len(tables[0]) == 1:          # one full group on one medium: the common case
+            table = tables[0][0]
+            for k in keys:
+                h = by_key.get(k)
+                if h is None or h not in table:
+                    break
+                run.append(h)
+            return run
         for k in keys:
             h = by_key.get(k)
-            if h is None or not all(any(h in self.res[m].get(g, ()) for m in media) for g in full):
+            if h is None or not all(any(h in t for t in ts) for ts in tables):
                 break
             run.append(h)
         return run
 
-    def _tail(self, spec: GroupSpec, anchor: int, end_tokens: int, media) -> bool:
-        tables = [t for t in (self.res[m].get(spec.index) for m in media) if t]
-        if not tables or not any(anchor in t for t in tables):
+    def _boundary(self, hashes: list[int], top: int, sliding: list[GroupSpec], media) -> int:
+        """The largest b <= top (in blocks of the full group) where every sliding group's tail
+        ending at b is resident; in tokens. Each group's anchor (its block ending at b) is checked
+        first, so a boundary without tails costs one lookup."""
+        align = self.rule.align_tokens
+        if not sliding:
+            return top * align
+        groups = []
+        for g in sliding:
+            tables = [t for t in (self.res[m].get(g.index) for m in media) if t]
+            if not tables:
+                return 0
+            groups.append((g, tables))
+        groups.sort(key=lambda gt: sum(len(t) for t in gt[1]))     # the sparsest group rules most boundaries out
+        first, first_tables = groups[0]
+        single = first_tables[0] if len(first_tables) == 1 else None
+        for b in range(top, 0, -1):
+            anchor = hashes[b - 1]
+            if single is not None:
+                if anchor not in single:
+                    continue
+            elif not any(anchor in t for t in first_tables):
+                continue
+            if all(self._tail(g, tables, anchor, b * align) for g, tables in groups):
+                return b * align
+        return 0
+
+    def _tail(self, spec: GroupSpec, tables, anchor: int, end_tokens: int) -> bool:
+        if not any(anchor in t for t in tables):
             return False
         block = spec.block_tokens
         for j in range(1, spec.tail_blocks):
