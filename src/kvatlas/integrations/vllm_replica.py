@@ -18,7 +18,7 @@ publisher would send), and the engine's own answers a router is measured against
 
 from __future__ import annotations
 
-from . import vllm as kv
+from .vllm import offline as kv
 
 
 class CapturePublisher:
