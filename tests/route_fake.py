@@ -17,7 +17,8 @@ without the engine. This one does both, for DeepSeek-V4's four KV cache groups, 
   hashes chained per 4 tokens (a block publishes the hash of its last 4 tokens, so blocks of different
   groups ending at one token share a hash); a ROUTER replay socket that answers a start seq with every
   buffered batch from it, then seq −1.
-- Faults on demand, `POST /_fake/faults` (JSON): `event_delay_s` (hold each batch that long),
+- Faults on demand, `POST /_fake/faults` (JSON): `event_delay_s` (hold each batch that long, from
+  the wire and the replay buffer alike),
   `drop_batches` (skip publishing the next N batches; they stay in the replay buffer, so a subscriber
   sees a gap), `malformed` (publish the next N batches as bytes that are not msgpack, with a seq),
   `events_off` (publish nothing), `first_byte_delay_s` (answer that late), `fail_status` (answer the
@@ -152,6 +153,13 @@ class Publisher:
     async def publish(self, events: list[dict]) -> None:
         seq, self.seq = self.seq, self.seq + 1
         payload = msgpack.packb([time.time(), events, self.dp_rank])
+        f = self.faults
+        if f["event_delay_s"] > 0:   # late on the wire and in the replay buffer alike, as a slow engine is
+            asyncio.get_running_loop().call_later(f["event_delay_s"], self._emit, seq, payload)
+        else:
+            self._emit(seq, payload)
+
+    def _emit(self, seq: int, payload: bytes) -> None:
         self.buffer.append((seq, payload))
         f = self.faults
         if f["events_off"]:
@@ -163,12 +171,6 @@ class Publisher:
         if f["malformed"] > 0:
             f["malformed"] -= 1
             payload = b"\xc1 not msgpack"
-        if f["event_delay_s"] > 0:
-            asyncio.get_running_loop().call_later(f["event_delay_s"], self._send, seq, payload)
-        else:
-            self._send(seq, payload)
-
-    def _send(self, seq: int, payload: bytes) -> None:
         self.published += 1
         self.pub.send_multipart((b"", seq.to_bytes(8, "big"), payload))
 

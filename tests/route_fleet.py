@@ -80,7 +80,7 @@ class Fake:
         return self
 
     def ready(self) -> "Fake":
-        _ready_line(self.proc, f"fake replica {self.name}", 60)
+        _ready_line(self.proc, f"fake replica {self.name}", 180)
         return self
 
     def kill9(self) -> None:
@@ -109,7 +109,7 @@ class Router:
             argv += ["--replica", r]
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                      env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        line = _ready_line(self.proc, "kvatlas route", 60)
+        line = _ready_line(self.proc, "kvatlas route", 180)
         assert "listening at" in line, line
         self.url = f"http://127.0.0.1:{self.port}"
 
