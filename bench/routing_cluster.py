@@ -2,7 +2,7 @@
 
 Each replica is vLLM 0.33's real engine core (its scheduler, hybrid KV cache manager and ZMQ
 KV-event publisher with a replay socket, on loopback), built offline on the CPU by
-`kvatlas.integrations.vllm_replica.ReplicaServer`: all in this process by default (one import of
+`kvatlas.integrations.vllm.replica.ReplicaServer`: all in this process by default (one import of
 vLLM, what a 2-core machine affords), each in a process of its own with `--processes`. Either way the
 router learns what a replica holds only from the events it publishes. The router is kvatlas.routing: one `Fleet`
 subscribing to every replica's events, one `PrefixIndex`, and the policy under test choosing a
@@ -67,7 +67,7 @@ class Replica:
     through vLLM's own ZMQ publisher on loopback and reach the router only that way."""
 
     def __init__(self, name: str, memory: str, own_process: bool) -> None:
-        from kvatlas.integrations.vllm_replica import ReplicaServer, serve_replica
+        from kvatlas.integrations.vllm.replica import ReplicaServer, serve_replica
         self.name = name
         port, replay = free_port(), free_port()
         self.endpoint, self.replay = f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{replay}"

@@ -37,7 +37,7 @@ import tracemalloc
 import msgpack
 import numpy as np
 
-from kvatlas.integrations.vllm_replica import build_publishing_engine, engine_hit, flush_events, group_metadata
+from kvatlas.integrations.vllm.replica import build_publishing_engine, engine_hit, flush_events, group_metadata
 from kvatlas.routing import PrefixIndex, ReplicaLoad, groups_from_metadata, make_policy
 from kvatlas.routing.events import BlockRemoved, BlockStored
 from kvatlas.routing.vllm_events import decode_payload

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from kvatlas.integrations.vllm_replica import ReplicaServer
+from kvatlas.integrations.vllm.replica import ReplicaServer
 from kvatlas.routing import Fleet, PrefixIndex, groups_from_metadata
 
 MODEL = "deepseek-v4-flash"
