@@ -21,7 +21,7 @@ import pytest
 from hypothesis import HealthCheck, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from kvatlas.integrations.vllm_replica import (build_publishing_engine, engine_hit, evict_cached, flush_events,
+from kvatlas.integrations.vllm.replica import (build_publishing_engine, engine_hit, evict_cached, flush_events,
                                                group_metadata)
 from kvatlas.routing import PrefixIndex, groups_from_metadata
 from kvatlas.routing.vllm_events import decode_payload

@@ -23,7 +23,8 @@ Modules:
 - `vllm_events`: vLLM's wire → those (`decode_frames`, `decode_payload`, `decode_seq`,
   `encode_batch`); all of vLLM's wire format is there.
 - `subscriber`: `Subscriber(endpoint, *, replay_endpoint=None, on_batch, replica, dp_rank, topic,
-  on_lost, on_reset, hwm, replay_timeout_s, stale_after_s)` with `start()`, `stop()`, `stats()` →
+  on_lost, on_reset, hwm, replay_timeout_s, stale_after_s, idle_probe_s, bind)` with `start()`,
+  `stop()`, `stats()` →
   `SubscriberStats` (last_seq, batches, events, gaps, replays, replayed_batches, lost_batches,
   malformed, resets, connected, last_event_time, last_batch_ts, stale_reason); `rank_endpoint`.
 - `rule`: `HitRule.for_model(model)` (family, alignment, sliding windows), `GroupSpec`,
