@@ -1,6 +1,6 @@
 """One vLLM replica for `kvatlas route`'s end-to-end run: vLLM's real engine core (its scheduler,
 hybrid KV cache manager and ZMQ KV-event publisher with a replay socket; `kvatlas.integrations.
-vllm_replica.build_publishing_engine`, the offline executor: no model runs on these CPUs) behind a
+vllm.replica.build_publishing_engine`, the offline executor: no model runs on these CPUs) behind a
 minimal OpenAI-style HTTP server (aiohttp) on loopback.
 
 Why not vLLM's own OpenAI API server: it drives the engine through `AsyncLLM`, whose engine-core
@@ -167,7 +167,7 @@ def make_app(args, et: EngineThread) -> web.Application:
 
     async def reset(request):
         def do(eng):
-            from kvatlas.integrations.vllm_replica import flush_events
+            from kvatlas.integrations.vllm.replica import flush_events
             eng.abort(list(eng.scheduler.requests))
             while eng.has_requests():
                 eng.step()
@@ -193,7 +193,7 @@ def make_app(args, et: EngineThread) -> web.Application:
 
 
 async def main(args) -> None:
-    from kvatlas.integrations.vllm_replica import build_publishing_engine
+    from kvatlas.integrations.vllm.replica import build_publishing_engine
     eng = build_publishing_engine(args.model, args.memory, endpoint=f"tcp://127.0.0.1:{args.events_port}",
                                   replay_endpoint=f"tcp://127.0.0.1:{args.replay_port}", **SERVING)
     et = EngineThread(eng, asyncio.get_running_loop(), args.pass_time)
