@@ -55,8 +55,8 @@ def build_publishing_engine(model, memory, *, endpoint: str | None = None, repla
     is then a `CapturePublisher`)."""
     from vllm.config import KVEventsConfig
     from vllm.v1.engine.core import EngineCore
-    from ..errors import ConfigError
-    from ..units import parse_bytes
+    from ...errors import ConfigError
+    from ...units import parse_bytes
     if capture == (endpoint is not None):
         raise ConfigError("endpoint", "give either an endpoint to publish on or capture=True", "not both, not neither")
     opts = kv.EngineOptions.of(options, kwargs)
