@@ -4,8 +4,8 @@ inside a network namespace that has only `lo` (so nothing here can reach or be r
 other address), or directly: python -m pytest -q tests/shared_live.py.
 
 One process stores a prefix and another restores it and reads exactly what its cold twin
-reads; a partial prefix; two processes writing the same key; stale, foreign, corrupt and
-truncated values read as misses with their reason; eviction under a small store; the memory
+reads; a partial prefix; two processes writing the same key; stale, foreign, corrupt (two
+compensating bit flips too) and truncated values read as misses with their reason; eviction under a small store; the memory
 daemon, the master and redis-server killed mid-run."""
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ def start(kind, tmp, **kw):
     return (ss.Redis(tmp, **kw) if kind == "redis" else ss.Mooncake(tmp, **kw)).start()
 
 
-SEEDS = {"restore": 101, "partial": 102, "stale": 110, "foreign": 111, "corrupt": 112, "size_mismatch": 113}
+SEEDS = {"restore": 101, "partial": 102, "stale": 110, "foreign": 111, "corrupt": 112, "size_mismatch": 113,
+         "compensating": 114}
 
 
 @pytest.fixture(scope="module", params=BACKENDS)
@@ -131,12 +132,17 @@ def _damage(blob: bytes, how: str) -> bytes:
         struct.pack_into("<Q", b, 8, struct.unpack_from("<Q", b, 8)[0] ^ 1)
     elif how == "corrupt":
         b[HEADER_BYTES + 1000] ^= 0x40
+    elif how == "compensating":   # bit 3 flipped in two 8-byte words, one 0->1, one 1->0 (format 1 missed it)
+        at = [next(HEADER_BYTES + 8 * w for w in range(8, 10_000) if (b[HEADER_BYTES + 8 * w] >> 3 & 1) == v)
+              for v in (0, 1)]
+        for x in at:
+            b[x] ^= 0x08
     else:
         del b[-8:]
     return bytes(b)
 
 
-@pytest.mark.parametrize("how", ["stale", "foreign", "corrupt", "size_mismatch"])
+@pytest.mark.parametrize("how", ["stale", "foreign", "corrupt", "size_mismatch", "compensating"])
 def test_a_damaged_value_is_a_miss_with_its_reason_and_is_never_restored(servers, how):
     s = reader(servers.url)
     seq = prompts(SEEDS[how])[0]
@@ -145,7 +151,7 @@ def test_a_damaged_value_is_a_miss_with_its_reason_and_is_never_restored(servers
     assert admit_only(s, seq) == 0              # nothing restored: computed cold
     assert s.link.tier.snapshot().groups["pages"].units_used == 0
     snap = s.close()
-    assert snap.misses["page"][how] == 1 and snap.hit_tokens == 0
+    assert snap.misses["page"]["corrupt" if how == "compensating" else how] == 1 and snap.hit_tokens == 0
 
 
 def test_eviction_under_a_small_store(servers, tmp_path):

@@ -36,7 +36,7 @@ from .breaker import Breaker
 from .counters import SHARED_SCHEMA_VERSION, SharedCounters, SharedSnapshot
 from .inbox import Inbox, _timed, copy_payload, read_chunks
 from .store import ABSENT, EXISTS, GET_FAILED, STORED, WRONG_SIZE, StoreUnavailable
-from .values import HEADER_BYTES, check, checksum, checksums, header
+from .values import HEADER_BYTES, check, checksums, header, sealed
 
 MAX_PUTS_IN_FLIGHT = 256
 READ_CHUNK = 64     # values per store call of a read (a later chunk is read while one is checked)
@@ -230,7 +230,7 @@ class SharedTier:
                 read = [_split(entries[i], v) for i, v in zip(range(a, b), views(k, sizes[a:b]))]
             else:
                 read = [(self._headers[ids[i]], self._parts(entries[i])) for i in range(a, b)]
-            sums = self._digests(entries[a:b], codes, [parts for _, parts in read])
+            sums = self._digests(entries[a:b], codes, read)
             for j, (i, code) in enumerate(zip(range(a, b), codes)):
                 why = self._judge(entries[i], code, *read[j], sums[j])
                 if staged and why is None:   # a hit's payload, from the inbox into its parts
@@ -257,13 +257,13 @@ class SharedTier:
         self._give_headers(ids)
         return Got(reasons)
 
-    def _digests(self, entries, codes, parts) -> list:
-        """The checksums of the payloads (`parts`, per entry) of the values read whole (the
-        others are misses without one), made at once across the sum threads."""
+    def _digests(self, entries, codes, read) -> list:
+        """The checksums of the values read whole (`read`: per entry its header and payload
+        ranges; the others are misses without one), made at once across the sum threads."""
         if self.modeled_scale:
             return [None] * len(entries)
         whole = [j for j, (e, c) in enumerate(zip(entries, codes)) if c == self.value_bytes(e.kind)]
-        sums = checksums([parts[j] for j in whole], self._sums, SUM_THREADS)
+        sums = checksums([read[j] for j in whole], self._sums, SUM_THREADS)
         out = [None] * len(entries)
         for j, d in zip(whole, sums):
             out[j] = d
@@ -319,9 +319,9 @@ class SharedTier:
         for i in todo:
             e, h = entries[i], self._headers[ids[i]]
             parts = self._parts(e)
-            digest = 0 if self.modeled_scale else checksum(parts)
-            h[:] = np.frombuffer(header(self.layout, e.kind, e.page_key, e.boundary_tokens,
-                                        self.layout.payload_bytes[e.kind], digest, self.writer), np.uint8)
+            head = header(self.layout, e.kind, e.page_key, e.boundary_tokens, self.layout.payload_bytes[e.kind], 0,
+                          self.writer)
+            h[:] = np.frombuffer(head if self.modeled_scale else sealed(head, parts), np.uint8)
             values.append([h] + parts)
         for i, o in zip(todo, self.store.put_many([keys[i] for i in todo], values)):
             out[i] = o
