@@ -24,7 +24,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import store_servers as ss  # noqa: E402
-from shared_session import SharedSession, admit_only, prompts, write_through  # noqa: E402
+from shared_session import SharedSession, Writer, admit_only, prompts, write_through  # noqa: E402
 
 from kvatlas.tiers.shared import Breaker, open_store  # noqa: E402
 from kvatlas.tiers.shared.values import HEADER_BYTES  # noqa: E402
@@ -185,6 +185,34 @@ def test_eviction_under_a_small_store(servers, tmp_path):
         assert snap.puts["page"]["stored"] + snap.puts["page"]["full"] == n
         assert np.array_equal(dst[hit], src[hit]) and snap.misses["page"]["absent"] == got.count("absent")
         tier.close()
+    finally:
+        srv.stop()
+
+
+def test_a_full_redis_is_full_not_failed_and_its_puts_land_once_there_is_room(tmp_path):
+    """A Redis at its maxmemory with `noeviction` refuses every SET (redis-py raises its
+    OutOfMemoryError): the puts count as `full`, not as failures (no error, the breaker stays
+    closed) and nothing is known; once Redis has room, the same prompt finishing again puts them,
+    and another cache restores them."""
+    import redis
+    srv = start("redis", tmp_path, maxmemory="1", policy="noeviction")   # 1 byte: every write refused
+    try:
+        w = Writer(srv.url)
+        seq = prompts(120)[0]
+        w.run(seq)
+        w.link.shared.flush(10.0)
+        snap = w.link.shared_snapshot()
+        assert (snap.puts["page"]["full"], snap.puts["checkpoint"]["full"]) == (2, 1), snap.puts
+        assert snap.puts["page"]["failed"] == 0 and sum(snap.errors.values()) == 0 and not snap.breaker_open
+        redis.Redis(host=ss.LOOPBACK, port=srv.port).config_set("maxmemory", 0)    # room again
+        assert w.run(seq) == 512
+        w.link.shared.flush(10.0)
+        snap = w.link.shared_snapshot()
+        assert (snap.puts["page"]["stored"], snap.puts["checkpoint"]["stored"]) == (2, 1), snap.puts
+        w.close()
+        r = reader(srv.url)
+        assert admit_only(r, seq) == 512
+        r.close()
     finally:
         srv.stop()
 

@@ -12,7 +12,7 @@ from kvatlas.tiers.shared import Breaker, Entry, SharedTier, open_store, parse_u
 from kvatlas.tiers.shared.memory_store import MemoryStore
 from kvatlas.tiers.shared.values import HEADER_BYTES, Layout, check, checksum, checksums, header, parse, sealed
 
-from shared_session import SharedSession, admit_only, prompts, write_through
+from shared_session import SharedSession, Writer, admit_only, prompts, write_through
 
 LAYOUT = Layout(namespace="t", layout_hash=0x1234, payload_bytes={"page": 4096, "checkpoint": 1024})
 
@@ -329,3 +329,55 @@ def test_zero_copy_reads_through_the_inbox_whole_or_in_chunks(chunk_bytes):
     for i, (s, d) in enumerate(zip(srcs, dsts)):
         assert np.array_equal(d, s) if i != 3 else (d == 0xAB).all()
     assert tier.snapshot().misses["page"]["corrupt"] == 1
+
+
+@pytest.mark.parametrize("refusal", ["failed", "full"])
+def test_a_put_the_store_refused_is_offered_again_and_lands_once_the_store_is_back(refusal):
+    """A finish whose puts fail (the store down) or find it full leaves nothing known: when the
+    same prompt finishes again once the store is back, its pages and resume point are put again,
+    and another process restores them. (Before, the keys were remembered when queued: the second
+    finish offered nothing and the other process restored 0 tokens.)"""
+    store = MemoryStore(capacity_bytes=1 if refusal == "full" else None)
+    a = Writer(store, breaker=Breaker(cooloff_s=0.05))
+    seq = prompts(31, 1)[0]
+    store.down = refusal == "failed"
+    a.run(seq)
+    a.link.shared.flush(5.0)
+    snap = a.link.shared_snapshot()
+    tried = {k: snap.puts[k][refusal] + snap.puts[k]["skipped"] for k in ("page", "checkpoint")}   # (skipped: the
+    assert tried == {"page": 2, "checkpoint": 1} and snap.puts["page"][refusal] >= 1 and not store.values  # breaker)
+    store.down, store.capacity_bytes = False, None
+    time.sleep(0.1)                       # the breaker's cool-off (the store was down)
+    assert a.run(seq) == 512              # from its own device this time; the finish offers them again
+    a.link.shared.flush(5.0)
+    before = a.link.shared_snapshot().puts
+    assert before["page"]["stored"] == 2 and before["checkpoint"]["stored"] == 1
+    assert a.run(seq) == 512              # known now: a third finish offers nothing
+    a.link.shared.flush(5.0)
+    assert a.link.shared_snapshot().puts == before
+    a.close()
+    b = SharedSession(store)
+    assert admit_only(b, seq) == 512      # another process: both pages and the resume point from the store
+    b.close()
+
+
+def test_a_refused_entry_is_offered_at_most_OFFERS_times_and_an_outage_costs_no_tries():
+    from kvatlas.tiers.shared.link import OFFERS
+    store = MemoryStore(capacity_bytes=1)          # full for good: every put refused
+    a = Writer(store, breaker=Breaker(cooloff_s=60))
+    seq = prompts(32, 1)[0]
+    store.down = True                              # an outage first: the breaker opens, puts are skipped
+    for _ in range(2):
+        a.run(seq)
+        a.link.shared.flush(5.0)
+    assert a.link.shared_snapshot().puts["page"]["skipped"] >= 2
+    store.down = False
+    a.link.shared.breaker.success()                # (the store is back)
+    for _ in range(OFFERS + 1):
+        a.run(seq)
+        a.link.shared.flush(5.0)
+    snap = a.link.shared_snapshot()
+    tries = {k: snap.puts[k]["full"] + snap.puts[k]["failed"] for k in ("page", "checkpoint")}
+    assert tries == {"page": 2 * OFFERS, "checkpoint": OFFERS} and snap.puts["page"]["full"] >= 2
+    assert not store.values
+    a.close()

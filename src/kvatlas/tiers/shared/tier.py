@@ -24,6 +24,7 @@ the store's memory pressure, and count the real payload sizes as moved.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -35,7 +36,7 @@ from ...errors import ConfigError
 from .breaker import Breaker
 from .counters import SHARED_SCHEMA_VERSION, SharedCounters, SharedSnapshot
 from .inbox import Inbox, _timed, copy_payload, read_chunks
-from .store import ABSENT, EXISTS, GET_FAILED, STORED, WRONG_SIZE, StoreUnavailable
+from .store import ABSENT, EXISTS, FAILED, GET_FAILED, STORED, WRONG_SIZE, StoreUnavailable
 from .values import HEADER_BYTES, check, checksums, header, sealed
 
 MAX_PUTS_IN_FLIGHT = 256
@@ -76,11 +77,11 @@ class Got:
 
 
 class _PutJob:
-    __slots__ = ("future", "issued", "entries", "headers", "release", "late")
+    __slots__ = ("future", "issued", "entries", "headers", "release", "landed", "late")
 
-    def __init__(self, future, entries, headers, release) -> None:
+    def __init__(self, future, entries, headers, release, landed) -> None:
         self.future, self.issued, self.entries = future, time.monotonic(), entries
-        self.headers, self.release, self.late = headers, release, False
+        self.headers, self.release, self.landed, self.late = headers, release, landed, False
 
 
 def _split(e: Entry, value) -> tuple:
@@ -116,6 +117,7 @@ class SharedTier:
         self._sums = ThreadPoolExecutor(SUM_THREADS - 1, thread_name_prefix="kvatlas-shared-sum") \
             if SUM_THREADS > 1 else None
         self._puts: list[_PutJob] = []
+        self._lock = threading.Lock()    # poll may run on a scrape's thread (snapshot) beside put's
         self._late_reads: list = []   # (future, header ids)
         staged = inbox and store.zero_copy and not modeled_scale
         self._inbox = Inbox(store, max(self.value_bytes(k) for k in layout.payload_bytes)) if staged else None
@@ -289,9 +291,11 @@ class SharedTier:
         return why
 
     # ------------------------------------------------------------------ writes
-    def put(self, entries, release=None) -> bool:
+    def put(self, entries, release=None, landed=None) -> bool:
         """Queue entries for the store (first writer wins); `release()` is called (by poll) once
-        the store no longer reads their parts. False (released at once) when skipped."""
+        the store no longer reads their parts, and `landed(entries, outcomes)` with what the store
+        said of each (stored, exists, full or failed; poll may run on another thread than put's).
+        False (released at once, `landed` never called) when skipped."""
         entries = list(entries)
         self.poll()
         ids = None
@@ -304,7 +308,8 @@ class SharedTier:
                 release()
             return False
         fut = self._writes.submit(_timed, self._put_now, entries, ids)
-        self._puts.append(_PutJob(fut, entries, ids, release))
+        with self._lock:
+            self._puts.append(_PutJob(fut, entries, ids, release, landed))
         return True
 
     def _put_now(self, entries, ids) -> list[str]:
@@ -330,6 +335,10 @@ class SharedTier:
     def poll(self) -> int:
         """Retire finished puts; a put past its deadline counts once as an error and opens the
         breaker. Returns the puts still in flight."""
+        with self._lock:
+            return self._poll()
+
+    def _poll(self) -> int:
         left, now = [], time.monotonic()
         for job in self._puts:
             if not job.future.done():
@@ -353,8 +362,9 @@ class SharedTier:
             if not job.late:
                 self.c.errors["put"] += 1
                 self.breaker.failure()
+            outcomes = [FAILED] * len(job.entries)
             for e in job.entries:
-                self.c.puts[e.kind]["failed"] += 1
+                self.c.puts[e.kind][FAILED] += 1
         else:
             self.c.op_count["put"] += 1
             self.c.op_seconds["put"] += secs
@@ -368,6 +378,8 @@ class SharedTier:
         self._give_headers(job.headers)
         if job.release is not None:
             job.release()
+        if job.landed is not None:
+            job.landed(job.entries, outcomes)
 
     def flush(self, timeout_s: float | None = None) -> None:
         """Wait for the queued puts (benchmarks and tests; never on the serving path)."""
