@@ -33,8 +33,8 @@ def prompts(seed: int, n: int = 2, length: int = 520) -> list:
 
 
 class SharedSession(Session):
-    def __init__(self, store, *, host=HOST, **link_options):
-        super().__init__(make_plan(0))
+    def __init__(self, store, *, host=HOST, model="tiny-v4", **link_options):
+        super().__init__(make_plan(0, model))
         self.link = attach_shared_tier(self.hot, host, store, checkpoint_share=0.5, outbox_bytes="2MiB",
                                        **link_options)
         self.ready = None
@@ -89,11 +89,11 @@ class Writer:
     """A writing process's cache: the hot cache alone (no cold twin, no read checks), each
     request's rows written from its token ids (prefix_model), finished and written through."""
 
-    def __init__(self, store, prefetch: bool = True, **link_options):
+    def __init__(self, store, prefetch: bool = True, model="tiny-v4", **link_options):
         from prefix_model import Model
 
         from kvatlas import allocate
-        self.cache = allocate(make_plan(0))
+        self.cache = allocate(make_plan(0, model))
         self.link = attach_shared_tier(self.cache, HOST, store, checkpoint_share=0.5, outbox_bytes="2MiB",
                                        **link_options)
         self.model, self.prefetch, self.n = Model(self.cache, "torch"), prefetch, 0

@@ -254,7 +254,7 @@ class SharedLink(HostLink):
 
     def _count_hit(self, keys, pages: int) -> None:
         shared = sum(1 for k in keys if k in self._fetched)
-        if shared or any(isinstance(k, tuple) for k in self._fetched):
+        if shared:   # (a resume point alone restores no token from the store: not a hit request)
             self.shared_hit_tokens += shared * self.P
             self.shared_hit_requests += 1
             self.shared.hit_tokens, self.shared.hit_requests = self.shared_hit_tokens, self.shared_hit_requests

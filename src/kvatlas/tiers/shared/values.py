@@ -5,9 +5,12 @@ A key names the content and everything that makes its bytes comparable:
     kvatlas/<namespace>/<layout tag>/<kind>/<page key, 16 hex digits>
 
 `kind` is `p` (one full-token page of every host-page buffer) or `c` (a resume point). The layout
-tag is 16 hex digits of a hash over the model, the layout and row formats, the byte sizes of
-every buffer a value holds and the rank shape (tp, pp, pp rank: a rank of another shape holds other
-layers or heads). Two caches whose tags agree read each other's values byte for byte.
+tag is 16 hex digits of a hash over the model's identity (the digest of its whole config, never
+its name: two models in folders of one name are two models, one config in two folders is one),
+the layout and row formats, the byte sizes of every buffer a value holds, the rank shape (tp, pp,
+pp rank: a rank of another shape holds other layers or heads) and, for a bookkeeping run whose
+payloads are modeled, its scale. Two caches whose tags agree read each other's values byte for
+byte; the namespace separates deployments of one model.
 
 The header (little-endian, 64 bytes) comes first in every value:
 
@@ -66,11 +69,24 @@ class Layout:
         return f"kvatlas/{self.namespace}/{self.tag}/{KINDS[kind].decode()}/{int(page_key):016x}"
 
 
-def layout_of(host_plan, device_plan, namespace: str = "default") -> Layout:
-    """The Layout of a host plan's values (its buffers are what a value holds, in this order)."""
+def model_identity(model) -> str:
+    """What makes one model's KV another's: its config's digest (kvatlas.planning.model.config_digest),
+    never its name (a folder's basename); a ModelSpec made by hand: a digest of all its fields."""
+    if model.config_digest:
+        return model.config_digest
+    from dataclasses import replace
+    return hashlib.blake2b(repr(replace(model, name="")).encode(), digest_size=16).hexdigest()
+
+
+def layout_of(host_plan, device_plan, namespace: str = "default", modeled_scale: int = 0) -> Layout:
+    """The Layout of a host plan's values (its buffers are what a value holds, in this order);
+    `modeled_scale` > 0: a bookkeeping run's values (payloads of zeros, kvatlas.tiers.shared.tier),
+    under a tag of their own so that a real run never meets them."""
     o = device_plan.options
-    parts = [device_plan.model.name, o.kv_layout, f"tp{o.tp}", f"pp{o.pp}.{o.pp_rank}",
+    parts = [model_identity(device_plan.model), o.kv_layout, f"tp{o.tp}", f"pp{o.pp}.{o.pp_rank}",
              f"page{device_plan.page_tokens}", f"v{FORMAT_VERSION}"]
+    if modeled_scale:
+        parts.append(f"modeled1/{int(modeled_scale)}")
     for b in host_plan.buffers:
         parts.append(f"{b.name}:{b.dtype}:{b.unit_bytes}:{b.inner_shape}:{b.layers}")
     digest = hashlib.blake2b("|".join(map(str, parts)).encode(), digest_size=8).digest()
