@@ -381,3 +381,35 @@ def test_a_refused_entry_is_offered_at_most_OFFERS_times_and_an_outage_costs_no_
     assert tries == {"page": 2 * OFFERS, "checkpoint": OFFERS} and snap.puts["page"]["full"] >= 2
     assert not store.values
     a.close()
+
+
+def test_a_prefetch_waits_one_deadline_for_its_lookup_and_its_read_together():
+    """The existence check and the read each take 0.3 s, the deadline is 0.4 s: the read gets
+    only what the check left (a miss, `deadline`), and the prefetch returns within about one
+    deadline. (Before, each call had a deadline of its own: 0.6 s, and a hit.)"""
+    store, seq = MemoryStore(), prompts(33, 1)[0]
+    write_through(store, [seq])
+    b = SharedSession(store, deadline_s=0.4, breaker=Breaker(cooloff_s=60))
+    store.delay_s, store.slow = 0.3, {"exists", "get"}
+    t = time.monotonic()
+    ready = b.link.prefetch(len(seq), token_ids=seq)
+    took = time.monotonic() - t
+    assert ready is None and took < 0.4 + 0.2, took
+    snap = b.link.shared_snapshot()
+    assert snap.misses["page"]["deadline"] == 2 and snap.op_count["exists"] == 1 and snap.hit_tokens == 0
+    time.sleep(0.4)                      # the late read lands before the session closes
+    b.close()
+
+
+def test_a_restore_of_a_resume_point_alone_is_not_a_hit_request():
+    """The shared tier counts a hit request only when it brought back tokens (pages): a resume
+    point alone over pages the host tier had restores no token from the store."""
+    s = SharedSession(MemoryStore())
+    link, keys = s.link, [11, 12]
+    link._fetched = {("checkpoint", 12)}
+    link._count_hit(keys, 2)
+    assert (link.shared_hit_requests, link.shared_hit_tokens) == (0, 0)
+    link._fetched = {11, 12, ("checkpoint", 12)}
+    link._count_hit(keys, 2)
+    assert (link.shared_hit_requests, link.shared_hit_tokens) == (1, 512)
+    s.close()

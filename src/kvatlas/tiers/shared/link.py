@@ -19,7 +19,8 @@ shared store below it:
   resume point) come into claimed host slots — zero-copy from Mooncake — and the host tier's
   own restore brings them to the device, so a restore reads exactly what the host path reads.
   An existence check is only a hint: an entry is used only when its read is a hit (size,
-  header, checksum), and the chain stops at the first miss.
+  header, checksum), and the chain stops at the first miss. The check and the read share one
+  deadline: a prefetch waits on the store at most `deadline_s` in all.
 - Off the serving path. Puts never wait; a read waits at most the tier's deadline, and a store
   that is down or slow opens the breaker: misses (`tier_unavailable`) until it is back. A read
   that missed its deadline keeps its host slots claimed until it lands (never reused under it).
@@ -27,6 +28,7 @@ shared store below it:
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict, deque
 
 import numpy as np
@@ -176,6 +178,7 @@ class SharedLink(HostLink):
 
     def _below(self, keys, path, host: int, cap: int) -> int:
         self._settle()
+        end_s = time.monotonic() + self.shared.deadline_s    # one deadline: the lookup and the read
         self._retire_quarantine()
         self._fetched = set()
         best = next((j for j in range(host, 0, -1) if self._has_checkpoint(keys, path, j)), 0)
@@ -184,7 +187,7 @@ class SharedLink(HostLink):
         pages = [Entry("page", int(k), 0) for k in keys[host:cap]]
         cks = [Entry("checkpoint", int(keys[j - 1]), j * self.P) for j in range(best + 1, cap + 1)
                if not self._has_checkpoint(keys, path, j)]
-        have = self.shared.exists(pages + cks)
+        have = self.shared.exists(pages + cks, end_s)
         if have is None:
             return host
         run = host + next((i for i, h in enumerate(have[:len(pages)]) if not h), len(pages))
@@ -196,7 +199,7 @@ class SharedLink(HostLink):
         if j is None:
             return host
         ck = next((e for e in cks if e.boundary_tokens == j * self.P and e.page_key in in_store), None)
-        return self._fetch(keys, len(path), host, j, ck)
+        return self._fetch(keys, len(path), host, j, ck, end_s)
 
     def _reserve(self, kind: str, keys: list):
         if not keys:
@@ -209,7 +212,7 @@ class SharedLink(HostLink):
                 self.boundary.pop(k, None)
         return claim
 
-    def _fetch(self, keys, device: int, host: int, j: int, ck) -> int:
+    def _fetch(self, keys, device: int, host: int, j: int, ck, end_s: float) -> int:
         """Read pages keys[host:j] (and resume point `ck`) into host slots; the new host depth."""
         ks = [int(k) for k in keys[host:j]]
         self.tier.touch("page", [int(k) for k in keys[device:host]])   # the reservation must not drop them
@@ -223,7 +226,7 @@ class SharedLink(HostLink):
         if cc is not None:
             entries.append(Entry("checkpoint", ck.page_key, ck.boundary_tokens,
                                  self.tier.entry_parts(HOST_CHECKPOINTS, int(cc.slots[0])) if self.bytes else ()))
-        got = self.shared.get(entries)
+        got = self.shared.get(entries, end_s)
         claims = [c for c in (pc, cc) if c is not None]
         if got.landing is not None:
             self._quarantine.append((got.landing, claims))

@@ -164,11 +164,14 @@ class SharedTier:
             self.c.misses[e.kind]["tier_unavailable"] += 1
         return True
 
-    def _call(self, op: str, pool, fn, *args):
+    def _end(self, end_s: float | None) -> float:
+        return time.monotonic() + self.deadline_s if end_s is None else end_s
+
+    def _call(self, op: str, pool, fn, *args, end_s: float | None = None):
         """(result, None) or (None, miss reason); the breaker and the counters see the outcome."""
         fut = pool.submit(_timed, fn, *args)
         try:
-            result, secs = fut.result(timeout=self.deadline_s)
+            result, secs = fut.result(timeout=max(self._end(end_s) - time.monotonic(), 0.0))
         except FutureTimeout:
             self.breaker.failure(at_once=True)
             self.c.errors[op] += 1
@@ -184,16 +187,18 @@ class SharedTier:
     def miss(self, kind: str, reason: str) -> None:
         self.c.misses[kind][reason] += 1
 
-    def exists(self, entries) -> list[bool] | None:
+    def exists(self, entries, end_s: float | None = None) -> list[bool] | None:
         """Which entries the store says it holds (a hint); None when it was not asked or failed
-        (one lookup, one miss: counted on the first entry, with the reason)."""
+        (one lookup, one miss: counted on the first entry, with the reason). `end_s` (monotonic
+        seconds): the deadline, when the caller's lookup and read share one (a prefetch's do);
+        by default now + deadline_s."""
         if not entries:
             return []
         if not self.breaker.allow() or self._reader_stuck():
             self.miss(entries[0].kind, "tier_unavailable")
             return None
         keys = [self.layout.key(e.kind, e.page_key) for e in entries]
-        result, why = self._call("exists", self._reads, self.store.exists_many, keys)
+        result, why = self._call("exists", self._reads, self.store.exists_many, keys, end_s=end_s)
         if why is not None:
             self.miss(entries[0].kind, why)
             if why == "deadline":
@@ -202,9 +207,10 @@ class SharedTier:
         self.breaker.success()
         return result
 
-    def get(self, entries) -> Got:
+    def get(self, entries, end_s: float | None = None) -> Got:
         """Read entries into their parts; a hit is a value of the expected size whose header
-        and checksum hold. Waits at most the deadline (kvatlas.tiers.shared.inbox: how)."""
+        and checksum hold. Waits at most until `end_s`, by default the deadline from now
+        (kvatlas.tiers.shared.inbox: how)."""
         entries = list(entries)
         if not entries:
             return Got([])
@@ -241,7 +247,7 @@ class SharedTier:
                 reasons.append(why)
 
         why, upto, late = read_chunks(self._reads, self.store.get_many, keys, dests_of, spans,
-                                      time.monotonic() + self.deadline_s, judged)
+                                      self._end(end_s), judged)
         if why is not None:
             self.breaker.failure(at_once=why == "deadline")
             self.c.errors["get"] += 1
