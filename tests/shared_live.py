@@ -5,8 +5,9 @@ other address), or directly: python -m pytest -q tests/shared_live.py.
 
 One process stores a prefix and another restores it and reads exactly what its cold twin
 reads; a partial prefix; two processes writing the same key; stale, foreign, corrupt (two
-compensating bit flips too) and truncated values read as misses with their reason; eviction under a small store; the memory
-daemon, the master and redis-server killed mid-run."""
+compensating bit flips, two swapped words and two swapped rows too) and truncated values read as
+misses with their reason; eviction under a small store; a full Redis; the memory daemon, the
+master and redis-server killed mid-run."""
 
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ def start(kind, tmp, **kw):
 
 
 SEEDS = {"restore": 101, "partial": 102, "stale": 110, "foreign": 111, "corrupt": 112, "size_mismatch": 113,
-         "compensating": 114}
+         "compensating": 114, "swapped_words": 115, "swapped_rows": 116}
 
 
 @pytest.fixture(scope="module", params=BACKENDS)
@@ -137,12 +138,18 @@ def _damage(blob: bytes, how: str) -> bytes:
               for v in (0, 1)]
         for x in at:
             b[x] ^= 0x08
+    elif how in ("swapped_words", "swapped_rows"):   # two 8-byte words / two 576-byte rows of one range
+        n = 8 if how == "swapped_words" else 576
+        x, y = HEADER_BYTES + n, HEADER_BYTES + 5 * n
+        assert b[x:x + n] != b[y:y + n]
+        b[x:x + n], b[y:y + n] = b[y:y + n], b[x:x + n]
     else:
         del b[-8:]
     return bytes(b)
 
 
-@pytest.mark.parametrize("how", ["stale", "foreign", "corrupt", "size_mismatch", "compensating"])
+@pytest.mark.parametrize("how", ["stale", "foreign", "corrupt", "size_mismatch", "compensating", "swapped_words",
+                                 "swapped_rows"])
 def test_a_damaged_value_is_a_miss_with_its_reason_and_is_never_restored(servers, how):
     s = reader(servers.url)
     seq = prompts(SEEDS[how])[0]
@@ -151,7 +158,8 @@ def test_a_damaged_value_is_a_miss_with_its_reason_and_is_never_restored(servers
     assert admit_only(s, seq) == 0              # nothing restored: computed cold
     assert s.link.tier.snapshot().groups["pages"].units_used == 0
     snap = s.close()
-    assert snap.misses["page"]["corrupt" if how == "compensating" else how] == 1 and snap.hit_tokens == 0
+    want = how if how in ("stale", "foreign", "corrupt", "size_mismatch") else "corrupt"
+    assert snap.misses["page"][want] == 1 and snap.hit_tokens == 0
 
 
 def test_eviction_under_a_small_store(servers, tmp_path):
