@@ -151,6 +151,7 @@ def _swapped(blob: bytes, x: int, y: int, n: int) -> bytes:
 
 @pytest.mark.parametrize("damage,reason", [
     (lambda b: b[:4] + (9).to_bytes(2, "little") + b[6:], "stale"),
+    (lambda b: b[:4] + (1).to_bytes(2, "little") + b[6:], "stale"),      # a value of format 1 (the word sum)
     (lambda b: b[:8] + (0x999).to_bytes(8, "little") + b[16:], "foreign"),
     (lambda b: b[:24] + (13).to_bytes(8, "little") + b[32:], "foreign"),          # another page's key
     (lambda b: b[:-1] + bytes([b[-1] ^ 0x80]), "corrupt"),
@@ -163,7 +164,8 @@ def _swapped(blob: bytes, x: int, y: int, n: int) -> bytes:
 ])
 def test_a_damaged_value_is_a_miss_with_its_reason(damage, reason):
     """Every damage here but the last three was seen by the version-1 word sum too; those three
-    (two compensating flips of one bit position, two swapped words, two swapped rows) it missed."""
+    (two compensating flips of one bit position, two swapped words, two swapped rows) it missed.
+    A value of format 1 (which that code wrote) now reads as stale."""
     tier, store = _tier()
     tier.put([Entry("page", 12, 0, (_page(3),))])
     tier.flush()
