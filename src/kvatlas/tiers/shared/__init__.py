@@ -1,6 +1,7 @@
 """The shared tier: a store that every cache process of a deployment reads and writes, below each
-one's host tier (DESIGN §6). `store` is the small interface and `open_store(url)`; the backends
-(`mooncake_store`, `redis_store`, `memory_store`) are the only modules that import a client;
+one's host tier (DESIGN §6). `store` is the small interface; `opening` the factory above the
+backends (`open_store(url)`); the backends (`mooncake_store`, `redis_store`, `memory_store`) are
+the only modules that import a client;
 `values` the keys, header and checksum; `tier` the client with deadlines and a breaker; `link`
 the walk device → host → shared under the prefix cache."""
 
@@ -8,8 +9,8 @@ from __future__ import annotations
 
 from .breaker import Breaker
 from .link import POLICIES, SharedLink
-from .store import (DEFAULT_STARTUP_S, OpeningStore, Store, StoreUnavailable, StoreURL, check_startup, check_url,
-                    open_store, parse_url)
+from .opening import DEFAULT_STARTUP_S, OpeningStore, check_startup, check_url, open_store
+from .store import Store, StoreUnavailable, StoreURL, parse_url
 from .tier import Entry, Got, SharedTier
 from .values import MISS_REASONS, Layout, layout_of
 
@@ -28,7 +29,7 @@ def attach_shared_tier(cache, host_memory_bytes, store, *, namespace: str = "def
                        **host_options) -> SharedLink:
     """A HostTier for `cache` with `store` (a Store or a URL) below it, wired under its prefix
     cache; `cache.host` reports both tiers. A URL is opened waiting at most `startup_s`; a store
-    not open by then serves misses (`tier_unavailable`) until it is (store.open_store)."""
+    not open by then serves misses (`tier_unavailable`) until it is (opening.open_store)."""
     from ...units import parse_bytes
     from ..host import HostTier
     from .outbox import Outbox

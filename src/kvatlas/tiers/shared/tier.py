@@ -10,7 +10,7 @@ Store calls run on two threads of the tier's own, one for reads and one for writ
 of puts never delays a read); the serving thread only waits for a read, and never longer than
 the deadline. A call that fails, or is not back by its deadline, opens the breaker (a missed
 deadline at once: the store's thread is still stuck in the call), and while it is open (or
-while the store has not opened yet: store.OpeningStore) every read is a miss with reason
+while the store has not opened yet: opening.OpeningStore) every read is a miss with reason
 `tier_unavailable` and every put is skipped; it closes by itself
 when a trial call succeeds after the cool-off. A read that missed its deadline may still land
 later: `Got.landing` is its future, and the caller keeps the destination memory untouched until
