@@ -29,7 +29,7 @@ import pytest
 import store_servers as ss
 from kvatlas.errors import ConfigError
 from kvatlas.tiers.shared import Entry, OpeningStore, SharedTier, StoreUnavailable, open_store
-from kvatlas.tiers.shared import store as store_mod
+from kvatlas.tiers.shared import opening as store_mod
 from kvatlas.tiers.shared.memory_store import MemoryStore
 from kvatlas.tiers.shared.values import Layout
 
@@ -366,7 +366,7 @@ def test_every_error_of_the_redis_client_after_start_up_is_a_named_miss(error):
     reason `tier_unavailable` and an error counted, never an exception to the caller."""
     redis = client("redis")
     from kvatlas.tiers.shared.redis_store import RedisStore
-    from kvatlas.tiers.shared.store import check_url
+    from kvatlas.tiers.shared.opening import check_url
     store = RedisStore(check_url(f"redis://{ss.LOOPBACK}:{ss.free_port()}?timeout=0.5"))   # (no connection made)
     exc = getattr(redis.exceptions, error)("from the client") if isinstance(error, str) else error
 
