@@ -121,7 +121,7 @@ class VllmReplay:
     def __init__(self, budget: int, retention: int | None, requests, tm: TimeModel, window: int = 0) -> None:
         import vllm
 
-        from kvatlas.integrations import vllm as kv
+        from kvatlas.integrations.vllm import offline as kv
         self.version = vllm.__version__
         self.eng = kv.build_engine(MODEL, budget, prefix_cache_retention_interval=retention, **SERVING)
         if window:   # vLLM 0.34's cache-aware admission (read by its scheduler at every schedule())
