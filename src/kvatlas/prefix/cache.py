@@ -85,6 +85,9 @@ class PrefixCache:
         # still to share, `_coming` counts per key the running requests that will write it
         self.share_as_written = bool(share_as_written)
         self._filling: dict = {}
+        # per slot, while filling: the pages its keys cover (0: not filling) and the next to share,
+        # so a pass finds the slots with a page to share in one vector comparison, not a loop
+        self._fill_end, self._fill_next = np.zeros(n, np.int64), np.zeros(n, np.int64)
         self._coming: dict = {}
         allocator.on_capture = self._on_capture
         allocator.on_need_checkpoint = self._need_checkpoint
@@ -181,6 +184,7 @@ class PrefixCache:
         self._count(m, prompt_tokens)
         if self.share_as_written and len(m.keys) > j and self.alloc.full is not None:
             self._filling[slot] = req
+            self._fill_end[slot], self._fill_next[slot] = len(m.keys), j
             for k in m.keys[j:].tolist():
                 self._coming[k] = self._coming.get(k, 0) + 1
             self.alloc.on_pass_over = self._share_written
@@ -232,13 +236,12 @@ class PrefixCache:
         the policy keeps them (_keep_intermediate)."""
         a, P = self.alloc, self.P
         tree, coming = self.tree, self._coming
-        for slot, req in list(self._filling.items()):
-            done = min(int(a.length[slot]) // P, len(req.keys))
+        done = np.minimum(a.length // P, self._fill_end)
+        for slot in np.flatnonzero(done > self._fill_next).tolist():
+            req, done_s = self._filling[slot], int(done[slot])
             i = len(req.path)
-            if done <= i:
-                continue
             parent = req.path[-1] if req.path else None
-            for k in req.keys[i:done].tolist():
+            for k in req.keys[i:done_s].tolist():
                 node = tree.nodes.get(k)
                 if node is None:
                     page = a.share_written(slot, i)
@@ -253,8 +256,10 @@ class PrefixCache:
             for ck in [ck for ck in req.kept if ck.node is None and ck.boundary_tokens <= i * P]:
                 req.kept.remove(ck)   # kept before its page was shared: it joins now
                 self._place(ck, req.path)
+            self._fill_next[slot] = i
             if i == len(req.keys):
                 del self._filling[slot]
+                self._fill_end[slot] = 0
         if not self._filling:
             a.on_pass_over = None
 
@@ -268,6 +273,7 @@ class PrefixCache:
 
     def _stop_filling(self, slot: int) -> None:
         req = self._filling.pop(slot, None)
+        self._fill_end[slot] = 0
         if req is not None:
             for k in req.keys[len(req.path):].tolist():
                 self._unexpect(k, self._coming)
@@ -390,6 +396,7 @@ class PrefixCache:
         for k in new.tolist():
             self._coming[k] = self._coming.get(k, 0) + 1
         self._filling[slot] = req
+        self._fill_end[slot], self._fill_next[slot] = len(keys), len(req.path)
         a.on_pass_over = self._share_written
         return len(keys)
 
