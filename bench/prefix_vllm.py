@@ -16,7 +16,10 @@ concurrency, in one run.
 - vLLM as shipped: `VLLM_PLUGINS` is set empty before vLLM is imported, so no plugin installed in
   the venv (kvatlas's own among them) loads inside the vLLM side. vLLM 0.34's
   `cache_aware_admission_window` (`--admission-window N`, 0.34 only; its threshold left at its
-  default) runs as further settings beside the retention intervals.
+  default) runs as further settings beside the retention intervals. The offline builder
+  (`kvatlas.integrations.vllm.offline.build_engine`) supports 0.33 only so far: under 0.34 it
+  stops at its version check (0.34 moved the model runner's spec loop and changed
+  `ModelRunnerOutput`), so 0.34 runs wait for the builder's port.
 - The bound: the most any prefix cache can hit on the trace (unbounded memory, one request at a
   time, whole 512-token blocks, a token left to compute), printed beside every budget, with
   kvatlas's share of it.
