@@ -260,7 +260,8 @@ class Simulator:
         if self.cache.prefix is None:
             return None
         if self._keys_of is None or self._keys_of[0] is not r:
-            self._keys_of = (r, self.cache.prefix.prompt_keys(r.token_ids(), r.prompt_tokens))
+            ids = r.token_ids()   # (None: a request without content, never hits)
+            self._keys_of = (r, None if ids is None else self.cache.prefix.prompt_keys(ids, r.prompt_tokens))
         return self._keys_of[1]
 
     def _admit(self, now_s: float, room: int) -> None:
