@@ -12,8 +12,13 @@
    summed over the window against the off time. Target: ≤ 1.10×. The batch is steady (the same
    requests every step), so the resume rows come from the schedule made at each upkeep;
    `--scan` times what a batch that changes every step pays instead (a scan of the batch).
+3. `--scaling`: the same step at 64 / 256 / 1,024 / 4,096 running requests, with 256 and 4,096
+   resume-point units, on against off: µs per step and per request. With more running requests
+   than free units, the tails short of a unit take one as they are written, so the step must
+   stay linear in running requests whatever the number of units (issue 34).
 
     python bench/prefix_cost.py [--requests 1024] [--steps 6400] [--repeats 20] [--scan]
+    python bench/prefix_cost.py --scaling [--steps 1024] [--sizes 64,256,1024,4096] [--units 256,4096]
 """
 
 from __future__ import annotations
@@ -64,11 +69,12 @@ def admit_cost(repeats: int) -> tuple[float, float, float]:
     return statistics.median(hashing), statistics.median(admitting), pc.stats.hit_ratio
 
 
-def setup(requests: int, prefix: bool):
+def setup(requests: int, prefix: bool, units: int = 256):
     opts = dict(max_running_requests=requests, max_model_len=32768)
     if prefix:
-        opts["prefix_checkpoints"] = 256
-    p = kvatlas.plan("deepseek-v4-flash", "120GiB", **opts)
+        opts["prefix_checkpoints"] = units
+    # (bookkeeping only, nothing allocated: a budget where 8,192 tokens each fit the largest batch)
+    p = kvatlas.plan("deepseek-v4-flash", "120GiB" if requests <= 1024 else f"{requests * 120 // 1024}GiB", **opts)
     a = Allocator(p, Ledger(p, _NoArena()))
     pc = PrefixCache(a, a.ledger) if prefix else None
     lengths = np.random.default_rng(0).integers(100, 4000, requests)   # the same starts with and without
@@ -83,12 +89,12 @@ def setup(requests: int, prefix: bool):
     return a
 
 
-def step_pairs(requests: int, steps: int, scan: bool = False) -> tuple[list, list]:
+def step_pairs(requests: int, steps: int, scan: bool = False, units: int = 256) -> tuple[list, list]:
     """Seconds of each step, off and on: the two allocators step one after the other, which goes
     first alternating, so the machine's drift (its speed moves by tens of percent within a
     second on a shared VM) is the same for both. scan: the on side never uses a steady batch's
     schedule of resume rows (as when the batch changes every step)."""
-    off, on = setup(requests, False), setup(requests, True)
+    off, on = setup(requests, False), setup(requests, True, units)
     if scan:
         on._steady_rows = lambda *args: None
     rids = list(range(requests))
@@ -112,6 +118,19 @@ def window_ratios(off: list, on: list, window: int = WINDOW) -> list:
     return [sum(on[i:i + window]) / sum(off[i:i + window]) for i in range(0, len(off) - window + 1, window)]
 
 
+def scaling(sizes, units_list, steps: int) -> None:
+    """µs per step and per request, off and on, at each size and number of units (one line each)."""
+    print("| running | units | off µs/step | on µs/step | on µs/request | on/off (windows of 256) |")
+    print("|---|---|---|---|---|---|")
+    for units in units_list:
+        for n in sizes:
+            off, on = step_pairs(n, steps, units=units)
+            ratio = statistics.median(window_ratios(off, on))
+            t_off, t_on = sum(off) / len(off), sum(on) / len(on)   # means: the upkeep steps included
+            print(f"| {n:,} | {units:,} | {t_off * 1e6:.1f} | {t_on * 1e6:.1f} | {t_on / n * 1e6:.3f} | {ratio:.3f}x |",
+                  flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=1024)
@@ -119,7 +138,13 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--scan", action="store_true", help="the on side finds resume rows by scanning the batch "
                     "every step, as a batch that changes every step does (no steady-batch schedule)")
+    ap.add_argument("--scaling", action="store_true", help="the step at several sizes and numbers of units")
+    ap.add_argument("--sizes", default="64,256,1024,4096")
+    ap.add_argument("--units", default="256,4096")
     args = ap.parse_args()
+    if args.scaling:
+        scaling([int(x) for x in args.sizes.split(",")], [int(x) for x in args.units.split(",")], args.steps)
+        return
     h, m, _ = admit_cost(args.repeats)
     print(f"128K-token prompt: hash token ids {h * 1e3:.2f} ms; match + admit (all pages cached) "
           f"{m * 1e3:.2f} ms; ratio {m / h:.2f}x (target ≤ 3x)")

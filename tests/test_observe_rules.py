@@ -250,7 +250,7 @@ def test_a_real_prometheus_records_the_rules_and_answers_every_panel(prometheus,
     assert 0 < float(hit["value"][1]) < 1      # the shared system prompts hit
     missed = e2e.query(prom, "kvatlas:prefix_missed:ratio_rate15m")
     assert {m["metric"]["reason"] for m in missed} == {"no_cached_prefix", "no_checkpoint", "evicted",
-                                                       "partial_page"}
+                                                       "not_written_yet", "partial_page"}
     shared = e2e.query(prom, 'kvatlas:shared_tier_missed:ratio_rate15m{kind="page"}')
     assert {m["metric"]["reason"] for m in shared} == set(state["shared_tier"]["misses"]["page"])
     (breaker,) = e2e.query(prom, "kvatlas_shared_tier_breaker_open")

@@ -8,13 +8,19 @@ chain evictable ≤ occupied ≤ addressable per pool), and every running reques
 its cold twin (a cache that never hits, fed the same tokens from scratch) reads. A rule evicts
 everything evictable and checks that it frees exactly the evictable bytes, pool by pool.
 
+Pages are shared as they are written (issue 34): followers admitted with the head of what a
+running request has written so far (in prefill or decode, its decode pages given by `generated`)
+read its pages while it goes on writing, drafting and rolling back, is cut short, has everything
+evictable evicted (and, with the host tier, offloaded and brought back): still exactly what their
+cold twins read. hypothesis is steered (`target`) toward runs with more such readers.
+
 Before the issue 23 fix, two requests resumed from one point that retired a shared SWA page in
 the same pass counted it evictable twice: this machine found it in a few dozen steps."""
 
 import os
 
 import numpy as np
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, settings, target
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
@@ -58,6 +64,8 @@ class Concurrency(RuleBasedStateMachine):
         self.system = [rng.integers(0, VOCAB, n) for n in (300, 900)]
         self.finished: list = []
         self.running: dict = {}
+        self.hit_pages: dict = {}   # per running request, the pages its admission hit
+        self.read_running = 0       # admissions that read a page whose writer was still running
         self.n = 0
         self.hits = 0
         self.steps = 0   # rules run so far: the rare rules (flush, cut short, evict all) key on it
@@ -100,9 +108,11 @@ class Concurrency(RuleBasedStateMachine):
     @precondition(lambda self: len(self.running) < REQUESTS)
     @rule(kind=st.sampled_from(["system0", "system0", "system1", "system1", "turn", "fresh"]), extra=st.integers(1, 500),
           out=st.integers(1, 200), seed=st.integers(0, 2**31))
-    def admit(self, kind, extra, out, seed):
+    def admit(self, kind, extra, out, seed, head=None):
         rng = np.random.default_rng(seed)
-        if kind == "turn" and self.finished:
+        if head is not None:
+            pass
+        elif kind == "turn" and self.finished:
             head = self.finished[seed % len(self.finished)]
         elif kind.startswith("system"):
             head = self.system[int(kind[-1])]
@@ -119,9 +129,13 @@ class Concurrency(RuleBasedStateMachine):
         ok = self.hot.can_admit(P, out, token_ids=prompt)
         if not ok:
             return
+        shared = self._shared_as_written()
         adm = self.hot.admit(rid, P, out, token_ids=prompt)
+        if shared.intersection(id(n) for n in self.hot.prefix.requests[rid].path):
+            self.read_running += 1   # it reads a page whose writer is still running
         self.cold.admit(rid, P, out)
         r = self.running[rid] = _Req(seq, P)
+        self.hit_pages[rid] = adm.cached_tokens // 256
         self.hits += adm.cached_tokens > 0
         done = 0
         while done < adm.cached_tokens:   # the cold twin computes what the hot one took from the cache
@@ -144,6 +158,26 @@ class Concurrency(RuleBasedStateMachine):
         prefill side by side)."""
         for i, n in enumerate(extra):
             self.admit(f"system{system}", n, 1 + (seed + i) % 32, seed + i)
+
+    @precondition(lambda self: len(self.running) < REQUESTS and any(r.written >= 256 for r in self.running.values()))
+    @rule(data=st.data(), extra=st.integers(1, 300), out=st.integers(1, 64), seed=st.integers(0, 2**31))
+    def admit_follower(self, data, extra, out, seed):
+        """A request whose prompt begins with what a running request (in prefill or decode) has
+        written so far, or part of it: it reads the pages that writer has shared as written."""
+        writer = data.draw(st.sampled_from(sorted(rid for rid, r in self.running.items() if r.written >= 256)))
+        w = self.running[writer]
+        head = w.seq[: data.draw(st.integers(256, w.written))]
+        self.admit("head", extra, out, seed, head=head)
+
+    @precondition(lambda self: any(r.decoding for r in self.running.values()))
+    @rule(data=st.data())
+    def generated(self, data):
+        """A decoding request gives its sequence so far: its full decode pages committed in passes
+        that are over join the cache at the next pass's end, while it still runs."""
+        rid = data.draw(st.sampled_from(sorted(rid for rid, r in self.running.items() if r.decoding)))
+        r = self.running[rid]
+        keyed = self.hot.generated(rid, r.seq[: r.written])
+        assert keyed <= r.written // 256
 
     def _prefilling(self):
         return [rid for rid, r in self.running.items() if r.written < r.prompt]
@@ -197,8 +231,14 @@ class Concurrency(RuleBasedStateMachine):
         """A request ends early (a stop token, a client gone), in prefill or decode."""
         self._finish(data.draw(st.sampled_from(sorted(self.running))))
 
+    def _shared_as_written(self) -> set:
+        """The tree's pages that running requests wrote and shared as written (past their hit)."""
+        reqs = self.hot.prefix.requests
+        return {id(n) for rid in self.running for n in reqs[rid].path[self.hit_pages[rid]:]}
+
     def _finish(self, rid):
         r = self.running.pop(rid)
+        del self.hit_pages[rid]
         self.hot.finish(rid, token_ids=r.seq[: r.written])
         self.cold.finish(rid)
         if r.written > r.prompt:
@@ -242,6 +282,10 @@ class Concurrency(RuleBasedStateMachine):
             hot, cold = self.mh.reads_many(rids), self.mc.reads_many(rids)
             for rid in rids:
                 assert_same_reads(hot[rid], cold[rid], rid)
+
+
+    def teardown(self):
+        target(float(self.read_running), label="admissions reading a running writer's pages")
 
 
 class HostConcurrency(Concurrency):

@@ -141,16 +141,57 @@ def test_bad_prefix_input_is_a_clear_error():
         plan("tiny-v4", "64MiB", prefix_checkpoints=2, swa_page_tokens=192)
 
 
+def one_prompt(policy):
+    """A 1800-token prompt run alone under `policy`: the cache afterwards."""
+    c = allocate(plan("tiny-v4", "64MiB", max_model_len=4096, max_running_requests=2, prefix_checkpoints=16,
+                      chunked_prefill_tokens=1024), prefix_policy=policy)
+    ids = np.random.default_rng(6).integers(0, 1000, 1800)
+    run(c, "a", ids, 1800)
+    c.finish("a", token_ids=ids)
+    return c
+
+
 def test_policies_differ_only_in_what_they_keep():
     kept = {}
     for policy in ("ends", "every-page", "kvatlas"):
-        c = allocate(plan("tiny-v4", "64MiB", max_model_len=4096, max_running_requests=2, prefix_checkpoints=16,
-                          chunked_prefill_tokens=1024), prefix_policy=policy)
-        ids = np.random.default_rng(6).integers(0, 1000, 1800)
-        run(c, "a", ids, 1800)
-        c.finish("a", token_ids=ids)
+        c = one_prompt(policy)
         kept[policy] = c.prefix.tree.checkpoints
         spacing = c.prefix.policy.spacing_pages
     # boundaries at pages 1..7; the end (page 7) is always kept; kvatlas keeps every spacing-th
     assert spacing > 1   # fitted to the plan: 16 resume points cannot cover every page
     assert kept == {"ends": 1, "every-page": 7, "kvatlas": 1 + sum(1 for i in range(1, 7) if i % spacing == 0)}
+
+
+def test_vllm_rules_as_named_policies():
+    """vLLM's retention rules: junctions only (its interval 0) keeps the end alone here; periodic-N
+    keeps a point every N tokens besides; a bad name is refused naming the field."""
+    kept = {}
+    for policy in ("junctions", "periodic-512", "periodic-1024"):
+        c = one_prompt(policy)
+        kept[policy] = sorted(n.depth for n in c.prefix.tree.nodes.values() if n.checkpoint is not None)
+    assert kept == {"junctions": [7], "periodic-512": [2, 4, 6, 7], "periodic-1024": [4, 7]}
+    for bad in ("periodic-", "periodic-x", "vllm"):
+        with pytest.raises(ConfigError, match="prefix_policy"):
+            cache(policy=bad)
+
+
+def test_kvatlas_spacing_is_refitted_to_what_the_cache_holds():
+    """After REFIT_FINISHES finishes the spacing follows the pages cached against the resume
+    points the ends leave: one 7-page prompt asked again and again, room for a point at every
+    page, so the next new prompt keeps all of its points."""
+    from kvatlas.prefix.cache import REFIT_FINISHES
+    c = allocate(plan("tiny-v4", "64MiB", max_model_len=4096, max_running_requests=2, prefix_checkpoints=16,
+                      chunked_prefill_tokens=1024))
+    assert c.prefix.policy.spacing_pages > 1   # the plan's fit: a cache full of pages
+    ids = np.random.default_rng(8).integers(0, 1000, 1800)
+    for i in range(REFIT_FINISHES):
+        run(c, f"r{i}", ids, 1800)
+        c.finish(f"r{i}")
+    t = c.prefix.tree
+    assert (len(t.nodes), t.marked) == (7, 1)
+    assert c.prefix.policy.spacing_pages == 1 and c.prefix.policy.refit
+    other = np.random.default_rng(9).integers(0, 1000, 1800)
+    run(c, "new", other, 1800)
+    c.finish("new", token_ids=other)
+    path = t.match(page_keys(other, 256))
+    assert len(path) == 7 and all(n.checkpoint is not None for n in path)   # every boundary, its end among them

@@ -37,7 +37,9 @@ def test_the_poisoning_of_the_report_is_refused_and_nothing_is_published():
     before = state(c)
     with pytest.raises(ContentMismatchError, match="token_ids: page 0 differs from the prompt it was admitted"):
         c.finish("a", token_ids=other)
-    assert state(c) == before and len(c.prefix.tree.nodes) == 0
+    # the prompt's two full pages were shared as written, under the admitted prompt's keys (issue
+    # 34); the poisoned report publishes nothing more
+    assert state(c) == before and len(c.prefix.tree.nodes) == 2
     c.check_integrity()
     assert c.admit("b", 800, 8, token_ids=other[:800]).cached_tokens == 0   # no hit on a's KV
     c.finish("a", token_ids=ids)                       # the true ids: a's pages are published

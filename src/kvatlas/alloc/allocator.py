@@ -259,6 +259,11 @@ class Allocator(Release, Sharing):
         if self._grouped:
             return
         if self.prefix_on:   # the pass is over: the resume points it reached are final
+            self._passes += 1
+            if self.on_pass_over is not None:   # (also with nothing written: pages keyed since, by generated)
+                if self._written:
+                    self.last_write[np.concatenate(self._written)] = 0   # (committed: see below)
+                self.on_pass_over()   # the prefix cache shares the pages now complete
             self._defer_tokens += self._pass_tokens
             self._pass_tokens = 0
             if settle or self._defer_tokens >= self._defer_limit:

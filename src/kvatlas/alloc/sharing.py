@@ -93,9 +93,13 @@ class Sharing:
         self._writes = 0              # writes and rollbacks so far (a steady batch's schedule checks it)
         self._steady = None           # (batch array, epoch, write number) of the last one-token step
         self._schedule = None         # _Schedule of that batch's resume rows; None when row_base changes
+        self._passes = 0              # forward passes begun (a pass short of units spares them once)
+        self._spared = None           # (pass, epoch) of the last spare (_take_checkpoint_unit)
+        self._no_eviction = None      # (pass, epoch) in which the cache had no resume point to evict
         self.on_capture = None        # prefix cache: (slots, boundaries, units, swa_pages[tail, m])
         self.on_need_checkpoint = None  # prefix cache: free one unit by eviction, or False
         self.on_slot_end = None       # prefix cache: a request it may know of leaves its slot
+        self.on_pass_over = None      # prefix cache: a pass is over, its pages committed (None: nothing to share)
 
     def _upkeep_interval(self) -> int:
         """The most tokens of progress between two upkeeps (_upkeep): due captures wait for it, as
@@ -215,10 +219,19 @@ class Sharing:
         self.row_base[slots] = NO_ROW
 
     def _take_checkpoint_unit(self, slot: int) -> int:
-        """Best effort: a resume point not saved is a miss later, never a refused write."""
+        """Best effort: a resume point not saved is a miss later, never a refused write. Within
+        one pass and epoch, sparing units again finds nothing the last try did not (the slots it
+        looks at are those not written in the pass, and they do not change), so a pass short of
+        units spares once, not once per missing unit: the step stays linear in running requests."""
         if self.ckpt.free == 0:
-            self.spare_checkpoint_units()
-        if self.ckpt.free == 0 and not (self.on_need_checkpoint and self.on_need_checkpoint()):
+            now = (self._passes, self._epoch)
+            if self._spared != now:
+                self._spared = now
+                self.spare_checkpoint_units()
+            if self.ckpt.free == 0 and self._no_eviction != now \
+                    and not (self.on_need_checkpoint and self.on_need_checkpoint()):
+                self._no_eviction = now   # (likewise: nothing the cache could evict appears within the pass)
+        if self.ckpt.free == 0:
             if self.ledger is not None:
                 self.ledger.checkpoints_skipped += 1
             return 0
@@ -292,7 +305,10 @@ class Sharing:
         are left out: what their writes reached may still be rewritten (a rollback), and the
         rows of this write are not saved yet."""
         if passed_only and self._written and slots is None:
-            slots = np.setdiff1d(np.arange(len(self.pend_b)), np.concatenate(self._written))
+            others = np.ones(len(self.pend_b), bool)   # (a mask: linear, where a set difference sorts)
+            for w in self._written:
+                others[w] = False
+            slots = others.nonzero()[0]
         cand = np.asarray(slots, np.int64) if slots is not None else None
         b = self.pend_b if cand is None else self.pend_b[cand]
         L = self.length if cand is None else self.length[cand]
@@ -489,6 +505,37 @@ class Sharing:
                 self.ledger.add_entries(ratio_key(r), len(pages) * (self.P // r))
             self.ledger.add_evictable(FULL_PAGES, len(pages))
         return pages
+
+    def share_written(self, slot: int, col: int, cached_page: int = 0) -> int:
+        """A running request's full page at table column `col`, complete and committed (written
+        in a pass that is over, so no rollback reaches it), becomes the cache's while its writer
+        keeps reading it: the page joins the slot's leading shared pages (`full_shared`), read-only
+        from now on, its writer one of its readers. `cached_page` (the same content cached
+        meanwhile by another request): the slot reads that page instead and its own is freed.
+        Columns go in order from the first not shared. Returns the page the slot now reads."""
+        if self.full is None or col != int(self.full_shared[slot]) or (col + 1) * self.P > int(self.length[slot]) \
+                or col >= int(self.full_held[slot]) or int(self.last_write[slot]) \
+                and (col + 1) * self.P > int(self.length[slot]) - int(self.last_write[slot]):
+            raise KvatlasError(f"share: column {col} of slot {slot} is not its next complete, committed page")
+        own = int(self.full_table[slot, col])
+        if self.full.owner[own] != slot + 1:
+            raise KvatlasError("share: a shared page is not the writer's own")
+        if cached_page:
+            if self.full.owner[cached_page] != CACHE_OWNER:
+                raise KvatlasError("share: the cached page given is not the cache's")
+            self._free(self.full, FULL_PAGES, np.array([own], np.int64))
+            if self.ledger is not None:
+                self.ledger.add_units(FULL_PAGES, -1)
+                for r in self.ratios:
+                    self.ledger.add_entries(ratio_key(r), -(self.P // r))
+                if self.full_refs[cached_page] == 0:
+                    self.ledger.add_evictable(FULL_PAGES, -1)
+            self.full_table[slot, col] = own = cached_page
+        else:
+            self.full.owner[own] = CACHE_OWNER   # (its entries move from the request's count to the cache's)
+        self.full_refs[own] += 1
+        self.full_shared[slot] = col + 1
+        return own
 
     def _unref_full(self, slot: int) -> None:
         k = int(self.full_shared[slot])

@@ -8,6 +8,7 @@ import numpy as np
 
 from ..alloc import Allocator
 from ..alloc.entries import ratio_key
+from ..alloc.sharing import CACHE_OWNER
 from ..alloc.integrity import check as check_allocator
 from .arena import Arena
 from ..planning.buffers import FULL_PAGES, REQUEST_SLOTS, SWA_PAGES
@@ -131,28 +132,48 @@ class KVCache:
                 check_token_ids(token_ids)
             self.allocator.finish(request_id)
 
+    def generated(self, request_id, token_ids) -> int:
+        """Prefix cache: the request's sequence so far (prompt + tokens kept), so that its full
+        decode pages are shared as they fill (kvatlas.prefix.PrefixCache.generated). Without a
+        prefix cache nothing is keyed: 0."""
+        if self.prefix is None:
+            from ..prefix.keys import check_token_ids
+            check_token_ids(token_ids)
+            return 0
+        return self.prefix.generated(request_id, token_ids)
+
     def flush(self) -> None:
         self.allocator.flush()
 
     def copy_contents(self, src_ids, dst_ids) -> None:
         """Each request of dst_ids takes over what the request at the same place of src_ids holds
         (beam search: a beam continues another's history), in every pool: its pages' entries, its
-        SWA pages, its rings. Requests of one length, none reading pages of the prefix cache; every
-        source is read before any destination is written, so the pairs may overlap."""
+        SWA pages, its rings. Requests of one length; pages of the prefix cache they read (a
+        resumed prefix, or their own pages shared as written) must be the same pages in each pair
+        and are not copied (others read them: they never change), and no destination's window may
+        hold a page of the cache; every source is read before any destination is written, so the
+        pairs may overlap."""
         a = self.allocator
         src, dst = ([a.slot_of[r] if r in a.slot_of else -1 for r in ids] for ids in (src_ids, dst_ids))
         if -1 in src or -1 in dst or len(src) != len(dst):
             raise RequestStateError("copy_contents: give two equally long lists of running request ids")
         src, dst = np.asarray(src, np.int64), np.asarray(dst, np.int64)
         both = np.concatenate((src, dst))
-        if len(set(a.length[both].tolist())) > 1 or (a.full is not None and a.full_shared[both].any()):
-            raise RequestStateError("copy_contents: requests of one length only, none resumed from the prefix cache")
+        k = int(a.full_shared[both].max(initial=0)) if a.full is not None else 0
+        if len(set(a.length[both].tolist())) > 1 or (k and (
+                np.any(a.full_shared[both] != k) or np.any(a.full_table[src, :k] != a.full_table[dst, :k]))):
+            raise RequestStateError("copy_contents: requests of one length only, reading the same cached pages "
+                                    "in each pair (or none)")
+        if a.swa is not None and a.prefix_on and any(
+                np.any(a.swa.owner[a.window_swa_pages(int(d))] == CACHE_OWNER) for d in dst.tolist()):
+            raise RequestStateError("copy_contents: a destination's window holds a page of the prefix cache "
+                                    "(a resume point's tail others read); copy after its window has passed it")
         if not self.arena.backend.holds_memory or not len(src):
             return
         units = {REQUEST_SLOTS: (src, dst)}
         if a.full is not None:
             n = int(a.full_held[src[0]])
-            units[FULL_PAGES] = (a.full_table[src, :n].ravel(), a.full_table[dst, :n].ravel())
+            units[FULL_PAGES] = (a.full_table[src, k:n].ravel(), a.full_table[dst, k:n].ravel())
         if a.swa is not None:
             cols = np.arange(a.swa_lo[src[0]], a.swa_hi[src[0]]) % a.ring
             units[SWA_PAGES] = (a.swa_table[src][:, cols].ravel(), a.swa_table[dst][:, cols].ravel())

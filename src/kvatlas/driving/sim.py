@@ -135,6 +135,7 @@ class Simulator:
         # scan of all running requests (256 of them, thousands of passes)
         self.running: dict[str, _Live] = {}
         self._prefilling: dict[str, _Live] = {}
+        self._keys_of = None       # (the waiting request at the head, its PromptKeys)
         self._decoding: dict[str, _Live] = {}
         self._finishing: list = []
         self.draft_tokens = cache.plan.options.draft_tokens
@@ -254,6 +255,15 @@ class Simulator:
                 room -= x.req.prompt_tokens - x.prefilled
         return room
 
+    def _prompt_keys(self, r):
+        """The head of the queue's page keys, hashed once however many passes it waits."""
+        if self.cache.prefix is None:
+            return None
+        if self._keys_of is None or self._keys_of[0] is not r:
+            ids = r.token_ids()   # (None: a request without content, never hits)
+            self._keys_of = (r, None if ids is None else self.cache.prefix.prompt_keys(ids, r.prompt_tokens))
+        return self._keys_of[1]
+
     def _admit(self, now_s: float, room: int) -> None:
         while self.waiting and room > 0:
             r = self.waiting[0]
@@ -264,15 +274,16 @@ class Simulator:
                 self.latency.rejected(r)
                 self._release_followers(r.id, now_s)
                 continue
-            ids = r.token_ids() if self.cache.prefix is not None else None
+            keys = self._prompt_keys(r)
             if self.host is not None and len(self.running) < self.max_running:   # not before it has a slot:
-                self.host_clock.prefetch(self.host, r, ids, now_s)   # restored pages would be evicted again
-            if not self.cache.can_admit(r.prompt_tokens, r.output_tokens, token_ids=ids):
+                self.host_clock.prefetch(self.host, r, keys, now_s)   # restored pages would be evicted again
+            if not self.cache.can_admit(r.prompt_tokens, r.output_tokens, page_keys=keys):
                 self.stats.blocked_steps += 1
                 self.limits.blocked(self.cache, len(self.running), self.max_running)
                 return
             self.waiting.popleft()
-            adm = self.cache.admit(r.id, r.prompt_tokens, r.output_tokens, token_ids=ids)
+            self._keys_of = None
+            adm = self.cache.admit(r.id, r.prompt_tokens, r.output_tokens, page_keys=keys)
             live = _Live(r, prefilled=adm.cached_tokens,   # the cached prompt is not computed again
                          ready_s=self.host_clock.admitted(r.id, now_s) if self.host is not None else 0.0)
             self.running[r.id] = self._prefilling[r.id] = live
@@ -435,8 +446,8 @@ class HostClock:
             self.free_s = max(self.free_s, now_s) + new
             self.charged_host_s += new
 
-    def prefetch(self, link, req, ids, now_s: float) -> None:
-        ready = link.prefetch(req.prompt_tokens, token_ids=ids)
+    def prefetch(self, link, req, keys, now_s: float) -> None:
+        ready = link.prefetch(req.prompt_tokens, page_keys=keys)
         self.charge_offloads(link, now_s)    # room made on the device goes first on the stream
         if ready is None:
             return

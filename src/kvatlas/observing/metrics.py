@@ -65,7 +65,8 @@ HELP = {
     "kvatlas_prefix_queried_tokens": "Prompt tokens looked up in the prefix cache at admission (counter)",
     "kvatlas_prefix_hit_tokens": "Prompt tokens taken from the prefix cache: not computed again (counter)",
     "kvatlas_prefix_missed_tokens": "Prompt tokens not taken from the prefix cache, by reason: no_cached_prefix, "
-                                    "no_checkpoint (pages cached but no resume point), evicted, partial_page "
+                                    "no_checkpoint (pages cached but no resume point), evicted, not_written_yet (a running "
+                                    "request had not yet written the shared prefix), partial_page "
                                     "(rounded off the partial last page) (counter)",
     "kvatlas_prefix_evicted_pages": "Full-token pages the prefix cache evicted (counter)",
     "kvatlas_prefix_evicted_checkpoints": "Resume points the prefix cache evicted (counter)",

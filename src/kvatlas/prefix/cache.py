@@ -19,10 +19,14 @@ from ..checks import request_id as check_request_id
 from ..errors import KvatlasError, PoolExhaustedError, RequestStateError
 from ..planning.buffers import CHECKPOINTS, FULL_PAGES, SWA_PAGES
 from ..units import cdiv
-from .keys import check_keys, page_keys, prompt_tail, verified_keys
-from .policy import fitted, policy_named
+from .keys import (ContentMismatchError, PromptKeys, as_tokens, check_keys, page_keys, prompt_keys, prompt_tail,
+                   verified_keys)
+from .policy import fitted, policy_named, refitted
 from .stats import PrefixStats
 from .tree import Checkpoint, Tree
+
+
+REFIT_FINISHES = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,12 +40,15 @@ class SharedPrefix:
 
 
 class _Request:
-    __slots__ = ("keys", "path", "kept", "prompt_tokens", "tail")
+    __slots__ = ("keys", "path", "kept", "prompt_tokens", "tail", "ids")
 
     def __init__(self, keys, path, prompt_tokens, tail=None) -> None:
+        # path: the tree's nodes of the request's leading pages that it reads (its hit, then the
+        # pages it shared as it wrote them), each holding one reference of it
         self.keys, self.path, self.prompt_tokens = keys, path, prompt_tokens
         self.tail = tail   # the prompt's ids past its last full page (None: admitted without ids)
         self.kept: list = []
+        self.ids = None    # the ids `generated` checked, of the pages keyed past the prompt
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,13 +59,14 @@ class _Match:
 
 
 class PrefixCache:
-    def __init__(self, allocator, ledger=None, policy="kvatlas") -> None:
+    def __init__(self, allocator, ledger=None, policy="kvatlas", share_as_written: bool = True) -> None:
         if not allocator.prefix_on:
             raise KvatlasError("prefix_checkpoints: the plan has no prefix cache; plan with prefix_checkpoints > 0")
         self.alloc, self.ledger = allocator, ledger
         self.P = allocator.P
         self.policy = fitted(policy_named(policy), max(allocator.plan.num_full_pages - 1, 0),
-                             allocator.plan.options.prefix_checkpoints)
+                             allocator.plan.options.prefix_checkpoints, self.P)
+        self._finishes = 0   # a refitting policy is fitted again every REFIT_FINISHES finishes
         self.stats = PrefixStats()
         self.tree = Tree(allocator, self.policy, self.stats, ledger)
         self.requests: dict = {}
@@ -72,6 +80,15 @@ class PrefixCache:
         self._tent_pages, self._tent_div = np.zeros((tail, n), np.int64), np.zeros(n, bool)
         self._mine, self._divergence = np.zeros(n, bool), np.full(n, -1, np.int64)
         self.publisher = None   # a tier below that writes through what a finish caches (tiers.shared)
+        # share as written: a running request's prompt pages join the tree at the end of the pass
+        # that completes them (_share_written); `_filling` holds the requests with prompt pages
+        # still to share, `_coming` counts per key the running requests that will write it
+        self.share_as_written = bool(share_as_written)
+        self._filling: dict = {}
+        # per slot, while filling: the pages its keys cover (0: not filling) and the next to share,
+        # so a pass finds the slots with a page to share in one vector comparison, not a loop
+        self._fill_end, self._fill_next = np.zeros(n, np.int64), np.zeros(n, np.int64)
+        self._coming: dict = {}
         allocator.on_capture = self._on_capture
         allocator.on_need_checkpoint = self._need_checkpoint
         allocator.on_slot_end = self._slot_end
@@ -85,7 +102,21 @@ class PrefixCache:
         self.tree.evictor = value
 
     # ---------------------------------------------------------------- matching
+    def prompt_keys(self, token_ids, prompt_tokens: int) -> PromptKeys:
+        """The prompt's keys, computed once: give them as `page_keys=` to every can_admit and
+        admit (and a tier's prefetch) of this prompt instead of its token_ids."""
+        return prompt_keys(token_ids, prompt_tokens, self.P)
+
     def _keys(self, prompt_tokens, token_ids, keys) -> np.ndarray:
+        if isinstance(keys, PromptKeys):
+            if keys.prompt_tokens != prompt_tokens or keys.page_tokens != self.P:
+                raise KvatlasError(f"page_keys: made for a {keys.prompt_tokens}-token prompt in {keys.page_tokens}-token "
+                                   f"pages, asked about a {prompt_tokens}-token prompt in {self.P}-token pages; make "
+                                   "them with prompt_keys(token_ids, prompt_tokens) of this cache and prompt")
+            if token_ids is not None:
+                raise KvatlasError("page_keys: PromptKeys already hold the prompt's content; give them or "
+                                   "token_ids, not both")
+            return keys.keys
         if keys is not None:
             return check_keys(keys, prompt_tokens, self.P, token_ids)
         if token_ids is None:
@@ -126,7 +157,10 @@ class PrefixCache:
         if request_id in self.alloc.slot_of:
             raise RequestStateError(f"request_id {request_id!r} is already running; finish it first or use a new id")
         m = self._match(prompt_tokens, token_ids, page_keys)
-        tail = prompt_tail(token_ids, prompt_tokens, self.P) if token_ids is not None and page_keys is None else None
+        if isinstance(page_keys, PromptKeys):
+            tail = page_keys.tail
+        else:
+            tail = prompt_tail(token_ids, prompt_tokens, self.P) if token_ids is not None and page_keys is None else None
         j = m.resume_pages
         hit = m.path[:j]
         self.tree.ref(hit)   # protected from the eviction below
@@ -146,8 +180,14 @@ class PrefixCache:
         slot = adm.request_slot
         self._mine[slot] = True
         self._divergence[slot] = len(m.path) * self.P if len(m.path) > j else -1
-        self.requests[request_id] = _Request(m.keys, hit, prompt_tokens, tail)
+        req = self.requests[request_id] = _Request(m.keys, list(hit), prompt_tokens, tail)
         self._count(m, prompt_tokens)
+        if self.share_as_written and len(m.keys) > j and self.alloc.full is not None:
+            self._filling[slot] = req
+            self._fill_end[slot], self._fill_next[slot] = len(m.keys), j
+            for k in m.keys[j:].tolist():
+                self._coming[k] = self._coming.get(k, 0) + 1
+            self.alloc.on_pass_over = self._share_written
         return adm
 
     def _shared(self, hit) -> SharedPrefix | None:
@@ -172,7 +212,73 @@ class PrefixCache:
         s.missed_partial_page += prompt - full * P + (P if matched > cap else 0)
         gone = self.tree.evicted_run(m.keys, matched)
         s.missed_evicted += gone * P
-        s.missed_no_cached_prefix += (full - matched - gone) * P
+        coming = self._coming_run(m.keys, matched + gone)
+        s.missed_not_written_yet += coming * P
+        s.missed_no_cached_prefix += (full - matched - gone - coming) * P
+
+    def _coming_run(self, keys, start: int) -> int:
+        """Pages from `start` that a running request will write and has not shared yet."""
+        n, coming = 0, self._coming
+        if coming:
+            for k in keys[start:].tolist():
+                if k not in coming:
+                    break
+                n += 1
+        return n
+
+    # ---------------------------------------------------------------- share as written
+    def _share_written(self) -> None:
+        """A pass is over: each request still writing its prompt shares the pages it completed
+        (their keys are its prompt's), in order, each joining the tree at once, read-only for
+        everyone and its writer one of their readers. A key the tree has already (the same
+        content, shared meanwhile by another request) is read from the tree instead, so the
+        request's later pages still hang below it. Resume points at their boundaries join as
+        the policy keeps them (_keep_intermediate)."""
+        a, P = self.alloc, self.P
+        tree, coming = self.tree, self._coming
+        done = np.minimum(a.length // P, self._fill_end)
+        for slot in np.flatnonzero(done > self._fill_next).tolist():
+            req, done_s = self._filling[slot], int(done[slot])
+            i = len(req.path)
+            parent = req.path[-1] if req.path else None
+            for k in req.keys[i:done_s].tolist():
+                node = tree.nodes.get(k)
+                if node is None:
+                    page = a.share_written(slot, i)
+                    node = tree.add(k, parent, page, self.clock)
+                else:
+                    a.share_written(slot, i, node.page)
+                tree.ref((node,))
+                req.path.append(node)
+                self._unexpect(k, coming)
+                parent = node
+                i += 1
+            for ck in [ck for ck in req.kept if ck.node is None and ck.boundary_tokens <= i * P]:
+                req.kept.remove(ck)   # kept before its page was shared: it joins now
+                self._place(ck, req.path)
+            self._fill_next[slot] = i
+            if i == len(req.keys):
+                del self._filling[slot]
+                self._fill_end[slot] = 0
+        if not self._filling:
+            a.on_pass_over = None
+
+    @staticmethod
+    def _unexpect(k, coming) -> None:
+        left = coming.get(k, 0) - 1
+        if left > 0:
+            coming[k] = left
+        else:
+            coming.pop(k, None)
+
+    def _stop_filling(self, slot: int) -> None:
+        req = self._filling.pop(slot, None)
+        self._fill_end[slot] = 0
+        if req is not None:
+            for k in req.keys[len(req.path):].tolist():
+                self._unexpect(k, self._coming)
+            if not self._filling:
+                self.alloc.on_pass_over = None
 
     # ---------------------------------------------------------------- resume points
     def _on_capture(self, slots, boundaries, units, swa_pages) -> None:
@@ -196,6 +302,12 @@ class PrefixCache:
         for j, row in enumerate(self._tent_pages):   # row by row: 1-D stores cost a fraction of 2-D
             row[slots] = swa_pages[j]
         self._tent_div[slots] = boundaries == self._divergence.take(slots)
+        if self.share_as_written:   # what the policy keeps anyway is kept now: readers may resume there
+            now = self.policy.keep(self._tent_div.take(slots), boundaries // self.P)
+            if now[now.argmax()]:
+                for slot in slots[now].tolist():
+                    self._keep_intermediate(slot, self._tentative(slot))
+                self._tent_u[slots[now]] = 0
 
     def _tentative(self, slot: int):
         """The slot's tentative point as a Checkpoint (None if it has none)."""
@@ -207,13 +319,18 @@ class PrefixCache:
 
     def _keep_intermediate(self, slot: int, ck) -> None:
         req = self.requests[self.alloc.rid_of[slot]]
+        if ck.boundary_tokens // self.P <= len(req.path) and self.share_as_written:
+            self._place(ck, req.path)   # its page is shared already: readers may resume there now
+            return
         req.kept.append(ck)
         if not ck.divergence:
             self._intermediate.append((req, ck))
 
     def _slot_end(self, slot: int) -> None:
         """The slot's request is gone (finish() has taken its tentative point already; a request
-        finished on the allocator directly leaves nothing to keep)."""
+        finished on the allocator directly leaves nothing to keep, but the pages it shared as it
+        wrote them stay cached)."""
+        self._stop_filling(slot)
         if self._tent_u[slot]:
             self._drop_many(self._tent_u[slot:slot + 1], self._tent_pages[:, slot:slot + 1])
         self._tent_u[slot] = self._tent_b[slot] = 0
@@ -247,6 +364,42 @@ class PrefixCache:
             self.alloc.release_checkpoints(units, swa_pages, pinned=True)
             self.stats.checkpoints_dropped += len(units)
 
+    def generated(self, request_id, token_ids) -> int:
+        """The request's sequence so far (its prompt, then the tokens it generated and kept): its
+        full pages past the prompt, written in passes that are over, get their keys and are shared
+        as written (at the end of the pass, as its prompt pages are). Pages the last write touched
+        wait for the next call: its drafts may still be rolled back. Ids must agree with the
+        admitted prompt and with what earlier calls gave (ContentMismatchError, nothing changed);
+        a call that keys no new page checks nothing. Returns the pages keyed so far. Cost: the prompt hashed once, at the first call; then the
+        new pages only."""
+        check_request_id(request_id)
+        a = self.alloc
+        if request_id not in a.slot_of or request_id not in self.requests:
+            raise RequestStateError(f"request_id {request_id!r} is not running in this cache; give a running request")
+        req, slot = self.requests[request_id], a.slot_of[request_id]
+        ids = as_tokens(token_ids)
+        committed = min(int(a.length[slot]) - int(a.last_write[slot]), len(ids))
+        pages = committed // self.P
+        if not self.share_as_written or a.full is None or pages <= len(req.keys) \
+                or len(req.keys) < req.prompt_tokens // self.P:   # (admitted with fewer keys than pages)
+            return len(req.keys)
+        if req.ids is None:
+            keys = verified_keys(req.keys, req.tail, req.prompt_tokens, ids, pages * self.P, self.P)
+        else:
+            n = len(req.ids)
+            if not np.array_equal(ids[:n], req.ids):
+                raise ContentMismatchError(f"token_ids: id {int(np.argmax(ids[:n] != req.ids))} differs from what "
+                                           "was given before; give the request's sequence as written")
+            keys = np.concatenate((req.keys, page_keys(ids[n: pages * self.P], self.P, int(req.keys[-1]))))
+        new = keys[len(req.keys):]
+        req.keys, req.ids = keys, ids[: pages * self.P].copy()
+        for k in new.tolist():
+            self._coming[k] = self._coming.get(k, 0) + 1
+        self._filling[slot] = req
+        self._fill_end[slot], self._fill_next[slot] = len(keys), len(req.path)
+        a.on_pass_over = self._share_written
+        return len(keys)
+
     # ---------------------------------------------------------------- finish: publish
     def finish(self, request_id, token_ids=None) -> None:
         """Finish a request; its full pages and kept resume points join the tree. token_ids (the
@@ -265,19 +418,42 @@ class PrefixCache:
         if token_ids is not None:
             keys = verified_keys(keys, req.tail, req.prompt_tokens, token_ids, L, self.P)
         a._commit_captures([slot])   # the last pass's resume points, while the request is known
+        self._stop_filling(slot)
         del self.requests[request_id]
         end = self._tentative(slot)
+        self.clock += 1
         if end is not None:
             end.end = True
             req.kept.append(end)
             self._tent_u[slot] = self._tent_b[slot] = 0
-        self.clock += 1
+        else:
+            self._mark_end(req, L // self.P)
         keep_cols, nodes = self._publish(slot, keys[: min(L // self.P, len(keys))])
         a.finish(request_id, keep_pages=keep_cols)
         placed = [ck for ck in req.kept if self._place(ck, nodes)]
+        self._finishes += 1
+        if self.policy.refit and self._finishes % REFIT_FINISHES == 0:
+            self._refit()
         if self.publisher is not None:   # before unref: no eviction can take these pages yet
             self.publisher.on_publish(nodes, placed)
         self.tree.unref(req.path, self.clock)
+
+    def _refit(self) -> None:
+        """The spacing fitted to what the cache holds: its pages, against the resume points the
+        plan keeps (`prefix_checkpoints`; running requests' captures have units of their own) less
+        the ends and divergence points on the tree (they stay: intermediate points go first)."""
+        room = self.alloc.plan.options.prefix_checkpoints - self.tree.marked
+        self.policy = refitted(self.policy, len(self.tree.nodes), room)
+        self.tree.policy = self.policy
+
+    def _mark_end(self, req, pages: int) -> None:
+        """The request ends at a point kept when captured (share as written): it is an end."""
+        ck = req.kept[-1] if req.kept else None
+        if ck is None or ck.boundary_tokens != pages * self.P:
+            node = req.path[pages - 1] if 0 < pages <= len(req.path) else None
+            ck = node.checkpoint if node is not None else None
+        if ck is not None and not ck.end:
+            self.tree.mark_end(ck, self.clock)
 
     def _publish(self, slot, keys) -> tuple[list, list]:
         """Walk the request's pages; make nodes for the ones the tree lacks (kept, not freed)."""

@@ -47,6 +47,9 @@ def _tree_problems(pc) -> list[str]:
         out.append(f"prefix tree: {t.idle_pages} idle pages counted, {sum(1 for n in nodes if n.refs == 0)} found")
     if t.checkpoints != sum(1 for n in nodes if n.checkpoint is not None):
         out.append("prefix tree: resume point count disagrees with the nodes that hold one")
+    marked = sum(1 for n in nodes if n.checkpoint is not None and (n.checkpoint.end or n.checkpoint.divergence))
+    if t.marked != marked:
+        out.append(f"prefix tree: {t.marked} end or divergence points counted, {marked} found")
     if a.full is not None:
         pages = np.fromiter((n.page for n in nodes), np.int64, len(nodes))
         held = np.flatnonzero(a.full.owner == CACHE_OWNER)

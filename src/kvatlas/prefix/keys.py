@@ -16,6 +16,7 @@ prompt it was admitted with.
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -29,10 +30,10 @@ class ContentMismatchError(KvatlasError):
 
 def check_token_ids(token_ids) -> None:
     """Refuse what is not a flat sequence of integer ids (KvatlasError naming token_ids)."""
-    _as_tokens(token_ids)
+    as_tokens(token_ids)
 
 
-def _as_tokens(token_ids, field: str = "token_ids") -> np.ndarray:
+def as_tokens(token_ids, field: str = "token_ids") -> np.ndarray:
     try:
         ids = np.asarray(token_ids)
     except (TypeError, ValueError):   # ragged nesting, objects numpy cannot hold
@@ -45,7 +46,7 @@ def _as_tokens(token_ids, field: str = "token_ids") -> np.ndarray:
 def page_keys(token_ids, page_tokens: int, parent: int = 0) -> np.ndarray:
     """Keys of the full pages of `token_ids` (a partial last page has none): key i hashes key
     i - 1 (`parent` for the first) and page i's token ids."""
-    ids = _as_tokens(token_ids)
+    ids = as_tokens(token_ids)
     whole("page_tokens", page_tokens, 1)
     n = len(ids) // page_tokens
     out = np.empty(n, np.uint64)
@@ -56,6 +57,30 @@ def page_keys(token_ids, page_tokens: int, parent: int = 0) -> np.ndarray:
         prev = hashlib.blake2b(prev + raw[i * step:(i + 1) * step], digest_size=8).digest()
         out[i] = int.from_bytes(prev, "little")
     return out
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class PromptKeys:
+    """A prompt's page keys and its ids past the last full page, computed once
+    (`PrefixCache.prompt_keys`): given as `page_keys=` to can_admit, admit and a tier's prefetch,
+    they hash nothing again, however many times a waiting request is asked about, and the finish
+    still checks its ids against the prompt (the tail is kept). Read-only arrays."""
+    keys: np.ndarray
+    tail: np.ndarray
+    prompt_tokens: int
+    page_tokens: int
+
+
+def prompt_keys(token_ids, prompt_tokens: int, page_tokens: int) -> PromptKeys:
+    ids = as_tokens(token_ids)
+    whole("prompt_tokens", prompt_tokens, 1)
+    if len(ids) < prompt_tokens:
+        raise KvatlasError(f"token_ids: {len(ids)} ids for a {prompt_tokens}-token prompt; give at least "
+                           "the prompt's ids")
+    keys, tail = page_keys(ids[:prompt_tokens], page_tokens), prompt_tail(ids, prompt_tokens, page_tokens)
+    keys.setflags(write=False)
+    tail.setflags(write=False)
+    return PromptKeys(keys, tail, int(prompt_tokens), int(page_tokens))
 
 
 def check_keys(keys, prompt_tokens: int, page_tokens: int, token_ids=None) -> np.ndarray:
@@ -69,7 +94,7 @@ def check_keys(keys, prompt_tokens: int, page_tokens: int, token_ids=None) -> np
                            "prompt; give one key per full page (a partial last page has none)")
     arr = arr.astype(np.uint64)
     if token_ids is not None:
-        own = page_keys(_as_tokens(token_ids)[:prompt_tokens], page_tokens)[: len(arr)]
+        own = page_keys(as_tokens(token_ids)[:prompt_tokens], page_tokens)[: len(arr)]
         _same(arr, own, "page_keys", "the keys of token_ids (kvatlas.prefix.page_keys)",
               "give the keys page_keys(token_ids) returns, or only one of the two")
     return arr
@@ -77,7 +102,7 @@ def check_keys(keys, prompt_tokens: int, page_tokens: int, token_ids=None) -> np
 
 def prompt_tail(token_ids, prompt_tokens: int, page_tokens: int) -> np.ndarray:
     """The prompt's ids past its last full page (a copy: the caller's array may change later)."""
-    return _as_tokens(token_ids)[prompt_tokens // page_tokens * page_tokens: prompt_tokens].copy()
+    return as_tokens(token_ids)[prompt_tokens // page_tokens * page_tokens: prompt_tokens].copy()
 
 
 def verified_keys(admitted: np.ndarray, tail: np.ndarray | None, prompt_tokens: int, token_ids,
@@ -88,7 +113,7 @@ def verified_keys(admitted: np.ndarray, tail: np.ndarray | None, prompt_tokens: 
     ids past them (None when admitted with page_keys: then only whole pages can be checked). The
     ids must agree with the prompt wherever both exist; past it they are the generated tokens.
     Raises ContentMismatchError (or KvatlasError for ids that are not ids), changing nothing."""
-    ids = _as_tokens(token_ids)
+    ids = as_tokens(token_ids)
     if not len(admitted) and tail is None:
         raise ContentMismatchError("token_ids: this request was admitted without token_ids or page_keys, so the "
                                    "pages it wrote cannot be checked against them; give token_ids at admit, or "

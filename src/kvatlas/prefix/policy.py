@@ -12,7 +12,14 @@ object so the benchmark runs several side by side:
                 intermediate points are evicted first. Short of room it sheds them before a single
                 end or divergence point, degrading to "ends" instead of below it. No fixed
                 spacing is best at every budget (SPEC §8): the spacing follows the plan's ratio of
-                pages to resume points.
+                pages to resume points, and, as it runs, the workload's (`refitted`: the pages
+                the cache holds against the units its ends and divergence points leave).
+
+vLLM's two rules, named so that the best of each runs beside kvatlas's in one bench:
+- "junctions":  vLLM's retention interval 0: each request's replay boundary (its end) and the
+                shared-prefix junctions (divergence points) only, plain LRU (the rule of "ends");
+- "periodic-N": vLLM's retention interval N (tokens, a multiple of the page): the junctions plus
+                a point every N tokens, plain LRU.
 """
 
 from __future__ import annotations
@@ -28,6 +35,8 @@ class Policy:
     keep_intermediate: bool
     protect_marked: bool     # ends and divergence points leave after every intermediate one
     spacing_pages: int = 1   # intermediate points kept only every this many pages (0: fit the plan)
+    every_tokens: int = 0    # periodic-N: the spacing in tokens (turned into pages by the cache)
+    refit: bool = False      # spacing fitted again as the cache runs (refitted)
 
     def keep(self, divergence, page):
         """Which previous points to keep when their request reaches its next boundary (arrays of
@@ -44,13 +53,19 @@ class Policy:
 POLICIES = {
     "ends": Policy("ends", keep_intermediate=False, protect_marked=False),
     "every-page": Policy("every-page", keep_intermediate=True, protect_marked=False),
-    "kvatlas": Policy("kvatlas", keep_intermediate=True, protect_marked=True, spacing_pages=0),
+    "kvatlas": Policy("kvatlas", keep_intermediate=True, protect_marked=True, spacing_pages=0, refit=True),
+    "kvatlas-plan": Policy("kvatlas-plan", keep_intermediate=True, protect_marked=True, spacing_pages=0),
+    "junctions": Policy("junctions", keep_intermediate=False, protect_marked=False),
 }
+PERIODIC = "periodic-"
 
 
-def fitted(policy: Policy, cached_pages: int, checkpoints: int) -> Policy:
+def fitted(policy: Policy, cached_pages: int, checkpoints: int, page_tokens: int = 0) -> Policy:
     """A policy with spacing 0 gets the smallest power of two at which one intermediate point per
-    `spacing` pages, over `cached_pages` pages, needs at most half of `checkpoints`."""
+    `spacing` pages, over `cached_pages` pages, needs at most half of `checkpoints`; a periodic
+    one, its interval in pages (page_tokens given)."""
+    if policy.every_tokens and page_tokens:
+        return replace(policy, spacing_pages=max(policy.every_tokens // page_tokens, 1))
     if policy.spacing_pages:
         return policy
     spacing = 1
@@ -59,9 +74,25 @@ def fitted(policy: Policy, cached_pages: int, checkpoints: int) -> Policy:
     return replace(policy, spacing_pages=spacing)
 
 
+def refitted(policy: Policy, cached_pages: int, room: int) -> Policy:
+    """The spacing again, from what the cache holds now: the smallest power of two at which one
+    intermediate point per `spacing` of its `cached_pages` fits the `room` its ends and divergence
+    points (and the running requests' captures) leave."""
+    spacing = 1
+    while cached_pages // spacing > max(room, 1):
+        spacing *= 2
+    return policy if spacing == policy.spacing_pages else replace(policy, spacing_pages=spacing)
+
+
 def policy_named(name) -> Policy:
     if isinstance(name, Policy):
         return name
+    if isinstance(name, str) and name.startswith(PERIODIC):
+        tokens = name[len(PERIODIC):]
+        if not tokens.isdigit() or int(tokens) < 1:
+            raise ConfigError("prefix_policy", f"{name!r} names no interval", "give periodic-N, N tokens (e.g. periodic-8192)")
+        return Policy(name, keep_intermediate=True, protect_marked=False, every_tokens=int(tokens))
     if name not in POLICIES:
-        raise ConfigError("prefix_policy", f"{name!r} is not a checkpoint policy", f"use one of {', '.join(POLICIES)}")
+        raise ConfigError("prefix_policy", f"{name!r} is not a checkpoint policy",
+                          f"use one of {', '.join(POLICIES)}, or {PERIODIC}N (N tokens)")
     return POLICIES[name]

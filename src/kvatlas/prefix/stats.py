@@ -9,6 +9,7 @@ MISS_REASONS = (
     "no_cached_prefix",   # its page was never cached (or keys were not given)
     "no_checkpoint",      # its page is cached, but no resume point at or after it before the match ends
     "evicted",            # its page, or the resume point that would have covered it, was evicted
+    "not_written_yet",    # a running request will write its page (the same prefix) but had not yet
     "partial_page",       # rounded off: the prompt's partial last page, or the last token to compute
 )
 
@@ -20,6 +21,7 @@ class PrefixStats:
     missed_no_cached_prefix: int = 0
     missed_no_checkpoint: int = 0
     missed_evicted: int = 0
+    missed_not_written_yet: int = 0
     missed_partial_page: int = 0
     evicted_pages: int = 0
     evicted_checkpoints: int = 0

@@ -57,6 +57,7 @@ class Tree:
         self.alloc, self.policy, self.stats, self.ledger = allocator, policy, stats, ledger
         self.nodes: dict[int, Node] = {}
         self.checkpoints = 0
+        self.marked = 0            # of them, ends and divergence points (the policy's refit reads it)
         self.idle_pages = 0        # nodes no running request reads: all evictable, leaves first
         self.evictor = None
         self._pages: list = []     # (last_used, seq, stamp, node)
@@ -113,9 +114,18 @@ class Tree:
         node.checkpoint, ck.node, ck.last_used = ck, node, now
         node.checkpoint_evicted = False
         self.checkpoints += 1
+        self.marked += ck.end or ck.divergence
         if self.ledger is not None:
             self.ledger.add_evictable("checkpoints", 1)
         self._push_ckpt(ck)
+
+    def mark_end(self, ck, now: int) -> None:
+        """A kept point turns out to be its request's end: its eviction class may rise."""
+        if ck.node is not None and not (ck.end or ck.divergence):
+            self.marked += 1
+        ck.end = True
+        if ck.node is not None:
+            self.touch_checkpoint(ck, now)
 
     def touch_checkpoint(self, ck, now: int) -> None:
         ck.last_used = now
@@ -175,6 +185,7 @@ class Tree:
         node.checkpoint, ck.node = None, None
         node.checkpoint_evicted = True
         self.checkpoints -= 1
+        self.marked -= ck.end or ck.divergence
         if self.ledger is not None:
             self.ledger.add_evictable("checkpoints", -1)
         self.alloc.release_checkpoint(ck.unit, ck.swa_pages)

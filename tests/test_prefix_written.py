@@ -1,0 +1,222 @@
+"""Pages shared as they are written (issue 34): a long system prompt, its first request still in
+prefill, followers arriving after each of its chunks. Each follower resumes at the last page the
+first has completed in a pass that is over (every page keeps its resume point here), reads exactly
+what its cold twin reads, and the miss reason names the pages not written yet. The writer's
+drafts rolled back, its being cut short, eviction and the host tier never change what a reader
+reads (the twins compared and every book recounted after each operation)."""
+
+import numpy as np
+import pytest
+
+from kvatlas import allocate, plan
+from kvatlas.tiers import attach_host_tier
+from prefix_model import Model
+from prefix_session import Session
+
+P, CHUNK, SYSTEM = 256, 256, 2000   # the system prompt: 7 full pages and 208 tokens
+
+
+def make_session(share=True, policy="every-page", host=None):
+    p = plan("tiny-v4", "48MiB", max_model_len=4096, max_running_requests=6, prefix_checkpoints=16,
+             chunked_prefill_tokens=CHUNK, draft_tokens=3, pp=2)
+    s = Session(p)
+    s.hot = allocate(p, prefix_policy=policy)
+    s.mh = Model(s.hot)
+    s.hot.prefix.share_as_written = share
+    link = attach_host_tier(s.hot, host, checkpoint_share=0.5) if host else None
+    return s, link
+
+
+def request(rng, system, extra=300, out=8):
+    prompt = np.concatenate((system, rng.integers(0, 50_000, extra)))
+    return np.concatenate((prompt, rng.integers(0, 50_000, out))), len(prompt)
+
+
+def test_followers_hit_the_pages_the_first_has_written_so_far():
+    s, _ = make_session()
+    rng = np.random.default_rng(3)
+    system = rng.integers(0, 50_000, SYSTEM)
+    seq, prompt = request(rng, system)
+    s.admit(seq, prompt, len(seq) - prompt)
+    writer = "r0"
+    hits = []
+    for chunk in range(4):   # the writer prefills 4 chunks; a follower arrives after each
+        s.extend(writer, CHUNK)
+        s.hot.flush()        # the pass is over (an engine's pass end): its pages are committed
+        s.cold.flush()
+        before = s.hot.prefix.stats.missed()["not_written_yet"]
+        f_seq, f_prompt = request(rng, system, extra=50 + chunk, out=4)
+        s.admit(f_seq, f_prompt, len(f_seq) - f_prompt)
+        rid = f"r{s.next_id - 1}"
+        cached = int(s.hot.allocator.length[s.hot.allocator.slot_of[rid]])
+        hits.append(cached)
+        # every page the writer completed, none it has not: chunk + 1 pages of 256
+        assert cached == (chunk + 1) * P
+        # the system prompt's pages past them: a running request will write them
+        assert s.hot.prefix.stats.missed()["not_written_yet"] - before == (SYSTEM // P - (chunk + 1)) * P
+        s.extend(rid, min(CHUNK, f_prompt - cached))   # the follower writes past its hit
+        s.check(f"follower {chunk} writes")
+        s.finish(rid)   # cut short: its pages past the shared ones are its own
+        s.check(f"follower {chunk} cut short")
+    assert hits == [256, 512, 768, 1024]
+    while s.running[writer].written < prompt:
+        s.extend(writer, min(CHUNK, prompt - s.running[writer].written))
+    for tokens, accepted in ((4, 2), (4, 1), (2, 2), (4, 3)):   # drafts rolled back
+        s.step(writer, tokens, accepted)
+    s.check("writer's drafts")
+    s.finish(writer)
+    s.check("writer finished")
+
+
+def test_without_sharing_as_written_followers_wait_for_the_finish():
+    """The control: the same workload with pages shared only at finish hits nothing while the
+    first request runs, and counts the system prompt as never cached."""
+    s, _ = make_session(share=False)
+    rng = np.random.default_rng(3)
+    system = rng.integers(0, 50_000, SYSTEM)
+    seq, prompt = request(rng, system)
+    s.admit(seq, prompt, len(seq) - prompt)
+    for _ in range(3):
+        s.extend("r0", CHUNK)
+        s.hot.flush()
+    f_seq, f_prompt = request(rng, system, out=4)
+    s.admit(f_seq, f_prompt, len(f_seq) - f_prompt)
+    assert s.hot.allocator.length[s.hot.allocator.slot_of["r1"]] == 0
+    assert s.hot.prefix.stats.missed()["not_written_yet"] == 0
+    s.check("control")
+
+
+@pytest.mark.parametrize("host", [None, "8MiB"])
+def test_readers_of_a_running_writer_read_what_a_cold_run_reads(host):
+    """Readers admitted mid-prefill of the writer; the writer then decodes with drafts rolled back
+    and is cut short while they still read its pages; everything evictable is evicted (offloaded
+    to the host tier when there is one) and a late follower takes the prefix back; every step
+    compared with the cold twin, every book recounted."""
+    s, link = make_session(host=host)
+    rng = np.random.default_rng(5)
+    system = rng.integers(0, 50_000, SYSTEM)
+    seq, prompt = request(rng, system, extra=600, out=16)
+    s.admit(seq, prompt, len(seq) - prompt)
+    writer = "r0"
+    for _ in range(5):
+        s.extend(writer, CHUNK)
+        s.hot.flush()
+        s.cold.flush()
+    readers = []
+    for i in range(2):
+        f_seq, f_prompt = request(rng, system, extra=100 + i, out=6)
+        s.admit(f_seq, f_prompt, len(f_seq) - f_prompt)
+        readers.append(f"r{s.next_id - 1}")
+    got = [int(s.hot.allocator.length[s.hot.allocator.slot_of[r]]) for r in readers]
+    assert all(0 < g <= 5 * P for g in got), got   # both resumed inside what the writer wrote
+    s.check("readers admitted")
+    while s.running[writer].written < prompt:   # the writer goes on while they read its pages
+        s.extend(writer, min(CHUNK, prompt - s.running[writer].written))
+        for r in readers:
+            q = s.running[r]
+            if q.written < q.prompt:
+                s.extend(r, min(64, q.prompt - q.written))
+    s.check("side by side")
+    for tokens, accepted in ((4, 1), (3, 3), (4, 2)):
+        s.step(writer, tokens, accepted)
+    s.check("writer's drafts")
+    s.finish(writer)   # cut short (16 tokens to go): its shared pages stay with the readers
+    s.check("writer cut short")
+    tree = s.hot.prefix.tree
+    while tree.evict_checkpoint():
+        pass
+    tree.evict_pages(len(tree.nodes))   # the readers' pages are held: only the rest goes
+    s.check("evicted what nobody reads")
+    for r in readers:
+        q = s.running[r]
+        while q.written < q.prompt:
+            s.extend(r, min(CHUNK, q.prompt - q.written))
+        while q.written < len(q.seq):
+            s.step(r, 2, 1)
+    s.check("readers done")
+    for r in readers:
+        s.finish(r)
+    s.check("all finished")
+    if link is not None:   # a late follower: the system prompt comes back from the host tier
+        f_seq, f_prompt = request(rng, system, extra=40, out=4)
+        ready = link.prefetch(f_prompt, token_ids=f_seq[:f_prompt])
+        if ready is not None:
+            ready.wait()
+        s.admit(f_seq, f_prompt, len(f_seq) - f_prompt)
+        s.check("late follower")
+        link.tier.check_integrity()
+
+
+def test_decode_pages_are_shared_as_they_fill():
+    """A writer decoding (drafts rolled back) gives its sequence as it goes; a follower whose
+    prompt continues that sequence hits the decode pages committed so far, while the writer runs,
+    and reads what its cold twin reads. Ids that contradict the prompt are refused."""
+    from kvatlas.prefix.keys import ContentMismatchError
+    s, _ = make_session()
+    rng = np.random.default_rng(9)
+    seq, prompt = request(rng, rng.integers(0, 50_000, 400), extra=100, out=700)   # 500-token prompt
+    s.admit(seq, prompt, len(seq) - prompt)
+    w = s.running["r0"]
+    s.extend("r0", 256)
+    s.extend("r0", prompt - 256)
+    while w.written < 1100:   # decode to page 4 with drafts, giving the sequence now and then
+        s.step("r0", 3, 1 + w.written % 3)
+        if w.written % 7 == 0 and w.written < 900:   # (pages 0-2 keyed; page 3 waits for the call below)
+            s.hot.generated("r0", w.seq[: w.written])
+    s.hot.flush()
+    s.cold.flush()
+    with pytest.raises(ContentMismatchError):
+        s.hot.generated("r0", np.concatenate(([w.seq[0] + 1], w.seq[1: w.written])))
+    assert s.hot.generated("r0", w.seq[: w.written]) == w.written // P   # every committed page keyed
+    s.hot.flush()   # the pass is over: they are shared
+    f_prompt = w.written + 30
+    f_seq = np.concatenate((w.seq[: w.written], rng.integers(0, 50_000, 34)))
+    s.admit(f_seq, f_prompt, 4)
+    slot = s.hot.allocator.slot_of["r1"]
+    assert s.hot.allocator.length[slot] == w.written // P * P   # 1024: past the 500-token prompt
+    s.check("follower of a decoding writer")
+    s.finish("r0")   # cut short while the follower reads its decode pages
+    q = s.running["r1"]
+    s.extend("r1", q.prompt - q.written)
+    s.check("follower after the writer left")
+
+
+def run_trace(tmp_path, share: bool):
+    """A long shared system prompt (40 blocks of 512 tokens, several chunks of prefill) and 15
+    followers arriving 2 ms apart while its first request is still in prefill, replayed by the
+    simulator (bookkeeping backend, every book recounted after every pass)."""
+    import json
+
+    from kvatlas.cli import _parse
+    from kvatlas.cli.common import plan_from_args
+    from kvatlas.cli.drive import build
+    trace = tmp_path / "system.jsonl"
+    system = list(range(40))
+    lines = [{"timestamp": 2 * i, "input_length": 41 * 512, "output_length": 64,
+              "hash_ids": system + [1000 + i]} for i in range(16)]
+    trace.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    _, args = _parse(["simulate", "deepseek-v4-flash", "--memory", "32GiB", "--backend", "none",
+                      "--prefix-checkpoints", "200", "--workload", str(trace), "--no-plot", "--check-integrity",
+                      "--out", str(tmp_path / ("on" if share else "off"))])
+    cache, sim, _ = build(args, plan_from_args)
+    cache.prefix.share_as_written = share
+    sim.run_offline()
+    assert sim.stats.finished == 16
+    return cache.prefix.stats
+
+
+def test_a_shared_system_prompt_in_prefill_is_hit_by_the_followers_on_a_trace(tmp_path):
+    """The followers arrive while the first request prefills its 20,480-token system prompt (8,192
+    tokens a pass). Shared as written: the second, admitted after two passes, finds the first
+    chunk's pages cached but its only resume point still the writer's tentative one (the plan's
+    spacing is 512 pages: no intermediate point is kept yet), so it hits nothing; the third and
+    fourth, admitted while the first two still prefill, resume at 8,192 (the divergence point the
+    second marked), and the pages the writers had not yet written are named `not_written_yet`;
+    the other twelve hit the whole system prompt. Shared at finish, all sixteen are admitted
+    before the first finishes and hit nothing."""
+    on, off = run_trace(tmp_path, True), run_trace(tmp_path, False)
+    prompt = 41 * 512
+    assert on.queried_tokens == off.queried_tokens == 16 * prompt
+    assert on.hit_tokens == 2 * 8192 + 12 * 40 * 512
+    assert on.missed()["not_written_yet"] > 0
+    assert off.hit_tokens == 0 and off.missed()["no_cached_prefix"] == 16 * prompt
