@@ -10,7 +10,7 @@ import json
 from ..observing.table import render
 from ..units import fmt_bytes, parse_bytes
 from .common import count, number
-from .drive import add_workload_args, requests_from_args, time_model
+from .drive import add_time_model_args, add_workload_args, requests_from_args, time_model
 
 ENGINES = ("sglang", "vllm", "kvatlas")
 
@@ -29,6 +29,7 @@ def add_parser(p) -> None:
     g.add_argument("--memory", help="the KV budget per rank instead (then the weights are not asked)")
     g.add_argument("--engines", default=",".join(ENGINES), help=f"comma list of {', '.join(ENGINES)} (default all)")
     add_workload_args(p)
+    add_time_model_args(p)
     p.add_argument("--simulate", action="store_true", help="also run the workload through kvatlas's cache with its "
                    "default and its tuned flags: prefix-hit ratio and queueing (bookkeeping backend, no memory)")
     p.add_argument("--json", action="store_true", help="print the advice as JSON (schema kvatlas.tune v1)")

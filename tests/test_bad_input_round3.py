@@ -1,0 +1,96 @@
+"""Bad input, round three (issue 38): what the newest commands still let through. Same shape as
+tests/test_bad_input_cli.py (whose `assert_refused` every case here goes through): exit status 2,
+one line on stderr naming the flag, no traceback, nothing allocated. In-process and table-driven,
+so the whole file runs in seconds; the few cases that need a real process (the rank processes of
+simulate --ranks, SIGTERM) start one each."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from kvatlas.cli import COMMANDS, Parser, main
+from test_bad_input_cli import TINY, assert_refused, no_allocation  # noqa: F401  (a fixture)
+
+
+def parser_flags(cmd: str) -> set[str]:
+    p = Parser(prog=cmd)
+    importlib.import_module(COMMANDS[cmd][0]).add_parser(p)
+    return {s for a in p._actions for s in a.option_strings}
+
+
+# ------------------------------------------------------------------ each parser takes only its flags
+RUN_ONLY = {"--host-memory", "--host-checkpoint-share", "--shared-tier", "--shared-policy", "--shared-deadline-ms",
+            "--shared-namespace", "--check-integrity", "--backend", "--device", "--write-layers", "--sample-ms",
+            "--accept-rate", "--rank", "--ranks-of", "--ranks"}
+
+
+def test_tune_shows_no_flag_it_ignores():
+    flags = parser_flags("tune")
+    assert not flags & RUN_ONLY, flags & RUN_ONLY
+    assert {"--workload", "--rate", "--seed", "--step-ms", "--simulate", "--engines", "--memory"} <= flags
+
+
+def test_serve_shows_no_simulate_only_flag():
+    flags = parser_flags("serve")
+    assert not flags & {"--sample-ms", "--rank", "--ranks-of", "--ranks", "--out", "--max-steps"}
+    assert {"--host-memory", "--shared-tier", "--check-integrity", "--device", "--backend"} <= flags
+
+
+def test_hidden_rank_flags_exist_only_in_a_rank_process(monkeypatch):
+    assert not parser_flags("simulate") & {"--rank", "--ranks-of"}
+    from kvatlas.cli.ranks import RANK_CHILD_ENV
+    monkeypatch.setenv(RANK_CHILD_ENV, "1")
+    assert {"--rank", "--ranks-of"} <= parser_flags("simulate")
+
+
+# flags tune used to show and ignore; abbreviations of longer flags; the hidden rank flags
+IGNORED_BY_TUNE = ["--host-memory", "--shared-tier", "--shared-policy", "--check-integrity", "--backend", "--device",
+                   "--write-layers", "--sample-ms", "--accept-rate", "--host-checkpoint-share", "--shared-namespace",
+                   "--shared-deadline-ms", "--rank", "--ranks-of", "--max-running-requests", "--prefix-checkpoints",
+                   "--max-steps", "--out", "--plot", "--layout"]
+VALUE = {"--check-integrity": None}
+ABBREVIATIONS = [
+    (["serve", *TINY, "--ranks", "2"], "--ranks"),
+    (["plan", "--mem", "1GiB"], "--mem"),
+    (["plan", "--max-running", "4"], "--max-running"),
+    (["plan", "--pref", "4"], "--pref"),
+    (["compare", "--engine", "vllm"], "--engine"),
+    (["simulate", *TINY, "--max-step", "3"], "--max-step"),
+    (["simulate", *TINY, "--host-mem", "1GiB"], "--host-mem"),
+    (["simulate", *TINY, "--shared", "redis://127.0.0.1:1"], "--shared"),
+    (["simulate", *TINY, "--rank", "1", "--ranks-of", "2"], "--rank"),
+    (["simulate", *TINY, "--ranks-of", "2"], "--ranks-of"),
+    (["serve", *TINY, "--rank", "5", "--ranks-of", "2"], "--rank"),
+    (["serve", *TINY, "--ranks-of", "2"], "--ranks-of"),
+    (["serve", *TINY, "--sample-ms", "5"], "--sample-ms"),
+    (["tune", "--sim"], "--sim"),
+    (["tune", "--work", "x.jsonl"], "--work"),
+    (["observe", "--wri", "x"], "--wri"),
+    (["observe", "--li"], "--li"),
+    (["alloc", *TINY, "--dev", "cpu"], "--dev"),
+    (["audit", "--sglang", "--memory", "1GiB", "--context", "5"], "--context"),
+    (["models", "--js"], "--js"),
+]
+PARSER_CASES = ([pytest.param(["tune", "tiny-v4", f, *([] if f in VALUE else ["1"])], f, id=f"tune{f}")
+                 for f in IGNORED_BY_TUNE]
+                + [pytest.param(a, n, id=" ".join(a)[:50]) for a, n in ABBREVIATIONS])
+
+
+@pytest.mark.parametrize("argv,needle", PARSER_CASES)
+def test_flag_the_command_does_not_take(no_allocation, capsys, argv, needle):
+    assert_refused(capsys, argv, needle)
+
+
+@pytest.mark.parametrize("rank,of", [("5", "2"), ("2", "2"), ("64", "2"), ("0", "1"), ("0", "65"), ("-1", "2")])
+def test_rank_flags_checked_in_a_rank_process(no_allocation, capsys, monkeypatch, rank, of):
+    from kvatlas.cli.ranks import RANK_CHILD_ENV
+    monkeypatch.setenv(RANK_CHILD_ENV, "1")
+    assert_refused(capsys, ["simulate", *TINY, "--rank", rank, "--ranks-of", of], "--rank")
