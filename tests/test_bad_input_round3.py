@@ -94,3 +94,39 @@ def test_rank_flags_checked_in_a_rank_process(no_allocation, capsys, monkeypatch
     from kvatlas.cli.ranks import RANK_CHILD_ENV
     monkeypatch.setenv(RANK_CHILD_ENV, "1")
     assert_refused(capsys, ["simulate", *TINY, "--rank", rank, "--ranks-of", of], "--rank")
+
+
+# ------------------------------------------------------------------ observe
+def _observe_cases(tmp="TMP"):
+    afile = os.path.join(tmp, "afile")
+    return [
+        (["observe", "--write", "/proc/x"], "--write"),
+        (["observe", "--write", "/proc/x/y"], "--write"),
+        (["observe", "--write", os.path.join(afile, "sub")], "--write"),
+        (["observe", "--write", afile], "--write"),
+        (["observe", "--write", ""], "--write"),
+        (["observe", "--write", " "], "--write"),
+        (["observe", "kvatlas.plan", "--write", os.path.join(tmp, "o1")], "--write"),
+        (["observe", "--list", "--write", os.path.join(tmp, "o2")], "--write"),
+        (["observe", "--path", "--write", os.path.join(tmp, "o3")], "--write"),
+        (["observe", "rules", "--write", os.path.join(tmp, "o4")], "--write"),
+        (["observe", ""], "name"),
+        (["observe", " "], "name"),
+        (["observe", "--path", ""], "name"),
+        (["observe", "--path"], "--path"),
+        (["observe", "--list", "rules"], "--list"),
+        (["observe", "--list", "--path"], "--list"),
+        (["observe", "kvatlas.nope"], "kvatlas.nope"),
+        (["observe", "grafana"], "grafana"),
+        (["observe", "kvatlas."], "kvatlas."),
+        (["observe", "--path", "kvatlas.tunes"], "kvatlas.tunes"),
+    ]
+
+
+@pytest.mark.parametrize("i", range(len(_observe_cases())), ids=[" ".join(a)[:40] for a, _ in _observe_cases()])
+def test_observe_refusals_write_nothing(no_allocation, capsys, i):
+    tmp = str(no_allocation)
+    open(os.path.join(tmp, "afile"), "w").close()
+    argv, needle = _observe_cases(tmp)[i]
+    assert_refused(capsys, argv, needle)
+    assert sorted(os.listdir(tmp)) == ["afile"], os.listdir(tmp)   # nothing written beside the refusal
