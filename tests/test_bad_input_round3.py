@@ -130,3 +130,19 @@ def test_observe_refusals_write_nothing(no_allocation, capsys, i):
     argv, needle = _observe_cases(tmp)[i]
     assert_refused(capsys, argv, needle)
     assert sorted(os.listdir(tmp)) == ["afile"], os.listdir(tmp)   # nothing written beside the refusal
+
+
+# ------------------------------------------------------------------ the user's values stay as typed
+# values that spell a Python argument kvatlas rewrites into a flag: the message quotes them as given
+AS_TYPED = ["gpu", "tp", "memory_bytes", "max_model_len", "kv_layout", "pp", "seed", "tp=4", "backend", "gpu:0"]
+AS_TYPED_FLAGS = {"--device": "alloc", "--indexer": "plan", "--state-dtype": "plan", "--layout": "plan",
+                  "--backend": "alloc"}
+
+
+@pytest.mark.parametrize("flag,value", [(f, v) for f in AS_TYPED_FLAGS for v in AS_TYPED
+                                        if not (f == "--state-dtype" and v == "seed")])
+def test_a_value_that_spells_a_flag_is_quoted_as_typed(no_allocation, capsys, flag, value):
+    rc = main([AS_TYPED_FLAGS[flag], *TINY, flag, value])
+    line = capsys.readouterr().err.strip()
+    assert rc == 2 and "\n" not in line and "Traceback" not in line, line
+    assert line.startswith(f"kvatlas {AS_TYPED_FLAGS[flag]}: error: {flag}: ") and repr(value) in line, line

@@ -225,18 +225,22 @@ FLAGS = {
 }
 # names that are also plain words ("the backend", "a device") are flags only as `name=` or `name:`
 _WORDS = {"engine", "platform", "entrypoint", "indexer", "backend", "device", "rate", "duration", "seed", "workload", "turns", "host", "port"}
-_NAME = re.compile(r"(?<![\w.\-])(" + "|".join(sorted(FLAGS, key=len, reverse=True)) + r")(?![\w\-])"
-                   r"(=(['\"]?)([^\s'\",;)]*)\3|:)?")
+_NAME = re.compile(r"(?P<quoted>(?<![\w=])'[^'\n]*'|(?<![\w=])\"[^\"\n]*\")"   # a value the user gave, quoted
+                   r"|(?<![\w.\-])(" + "|".join(sorted(FLAGS, key=len, reverse=True)) + r")(?![\w\-])"
+                   r"(=(['\"]?)([^\s'\",;)]*)\4|:)?")
 
 
 def cli_terms(message: str) -> str:
     """`message` with Python argument names as the flags: "max_model_len=4096" becomes
-    "--max-model-len 4096", "backend='plain'" "--backend plain", "kv_layout:" "--layout:"."""
+    "--max-model-len 4096", "backend='plain'" "--backend plain", "kv_layout:" "--layout:". A quoted value ('tp') is the user's own word
+    and stays as typed."""
     def swap(m: re.Match) -> str:
-        name, tail = m.group(1), m.group(2) or ""
+        if m.group("quoted"):   # the user's own value (repr-quoted): never rewritten
+            return m.group(0)
+        name, tail = m.group(2), m.group(3) or ""
         if name in _WORDS and not tail:
             return m.group(0)
         if tail.startswith("="):
-            return f"{FLAGS[name]} {m.group(4)}".rstrip()
+            return f"{FLAGS[name]} {m.group(5)}".rstrip()
         return FLAGS[name] + tail
     return _NAME.sub(swap, message)
