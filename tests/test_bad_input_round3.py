@@ -146,3 +146,65 @@ def test_a_value_that_spells_a_flag_is_quoted_as_typed(no_allocation, capsys, fl
     line = capsys.readouterr().err.strip()
     assert rc == 2 and "\n" not in line and "Traceback" not in line, line
     assert line.startswith(f"kvatlas {AS_TYPED_FLAGS[flag]}: error: {flag}: ") and repr(value) in line, line
+
+
+# ------------------------------------------------------------------ tune: workloads that cannot run, only its own flags
+LONG_TRACE = "long.jsonl"   # written by the test into its scratch directory
+TUNE = [
+    (["--prompt-len", "2000000", "--tp", "4"], ("--prompt-len", "2,000,000", "1,048,576")),
+    (["--output-len", "2000000", "--tp", "4"], ("--output-len", "1,048,576")),
+    (["--prompt-len", "1048576", "--output-len", "1", "--tp", "4"], ("--output-len", "1,048,577")),
+    (["tiny-v4", "--memory", "1GiB", "--prompt-len", "5000"], ("--prompt-len", "4,096")),
+    (["tiny-v4", "--memory", "1GiB", "--prompt-len", "4000", "--output-len", "200"], ("--output-len", "4,200")),
+    (["tiny-v4", "--memory", "1GiB", "--max-model-len", "1000"], ("--max-model-len 1,000",)),
+    (["tiny-v4", "--memory", "1GiB", "--max-model-len", "5000"], ("--max-model-len",)),
+    (["--workload", LONG_TRACE, "--tp", "4"], ("--workload", "'big'", "2,000,010", "1,048,576")),
+    (["--workload", LONG_TRACE, "--tp", "4", "--max-model-len", "65536"], ("--workload", "--max-model-len 65,536")),
+    (["--max-model-len", "0"], ("--max-model-len",)),
+    (["--max-model-len", "x"], ("--max-model-len",)),
+    (["--max-model-len", "2000000", "--tp", "4"], ("--max-model-len",)),
+    (["--weights", "1.5", "--tp", "4"], ("--weights", "fraction of a byte")),
+    (["--weights", "1.5B", "--tp", "4"], ("--weights", "fraction of a byte")),
+    (["--weights", "-1"], ("--weights",)),
+    (["--weights", "abc"], ("--weights",)),
+    (["--weights", "40GiB", "--memory", "100GiB"], ("--weights", "--memory")),
+    (["--pp", "0"], ("--pp",)),
+    (["--pp", "1000"], ("--pp",)),
+    (["--weights", "200GiB"], ("--weights",)),
+    (["tiny-v4", "--memory", "4MiB"], ("--memory", "one request")),
+    (["tiny-v4", "--memory", "64MiB"], ("--memory", "sglang", "--engines")),
+    (["tiny-v4", "--memory", "64MiB", "--engines", "vllm"], ("--memory", "vllm", "--engines")),
+    (["tiny-v4", "--memory", "64MiB", "--rate", "1000", "--duration", "100"], ("--memory",)),
+    (["tiny-v4", "--memory", "64MiB", "--engines", "kvatlas", "--simulate"], ("--simulate", "--memory")),
+    (["--engines", ""], ("--engines",)),
+    (["--engines", ","], ("--engines",)),
+    (["--engines", "kvatlas,trtllm"], ("--engines", "trtllm")),
+    (["--engines", "sglang", "--simulate"], ("--simulate", "kvatlas")),
+    (["--engines", "KVATLAS"], ("--engines",)),
+    (["--tp", "3"], ("--tp",)),
+    (["--gpu", "a100"], ("--gpu",)),
+    (["--mem-fraction", "0"], ("--mem-fraction",)),
+    (["--mem-fraction", "1.5"], ("--mem-fraction",)),
+    (["--step-ms", "0"], ("--step-ms",)),
+    (["--prefill-us-per-token", "nan"], ("--prefill-us-per-token",)),
+    (["--decode-us-per-token", "-1"], ("--decode-us-per-token",)),
+    (["--rate", "0"], ("--rate",)),
+    (["--duration", "inf"], ("--duration",)),
+    (["--turns", "0"], ("--turns",)),
+    (["--workload", "no-such.jsonl"], ("--workload",)),
+    (["--workload", "/dev/zero"], ("--workload",)),
+]
+
+
+@pytest.mark.parametrize("argv,needles", TUNE, ids=[" ".join(a)[:50] for a, _ in TUNE])
+def test_tune_refuses_naming_only_its_own_flags(no_allocation, capsys, argv, needles):
+    with open(LONG_TRACE, "w") as f:
+        f.write('{"id": "small", "arrival_s": 0, "prompt_tokens": 100, "output_tokens": 5}\n'
+                '{"id": "big", "arrival_s": 1, "prompt_tokens": 2000000, "output_tokens": 10}\n')
+    rc = main(["tune", *argv])
+    line = capsys.readouterr().err.strip()
+    assert rc == 2 and "\n" not in line and "Traceback" not in line, line
+    assert line.startswith("kvatlas tune: error: ") and all(n in line for n in needles), line
+    import re
+    named = set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", line))
+    assert named <= parser_flags("tune"), f"names flags tune does not take: {named - parser_flags('tune')}: {line}"

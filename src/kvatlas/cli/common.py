@@ -188,14 +188,19 @@ def options_from_args(args) -> dict:
         "memory_bytes": parse_bytes(args.memory, "--memory") if args.memory is not None else None,
     }
     if args.weights is not None:
-        w = args.weights.strip()
-        out["weights_bytes"] = "auto" if w == "auto" else 0 if w == "0" else parse_bytes(args.weights, "--weights")
+        out["weights_bytes"] = weights_arg(args.weights)
     elif args.memory is None:
         out["weights_bytes"] = "auto"
     for key, value in (("gpu", args.gpu), ("mem_fraction", args.mem_fraction)):
         if value is not None:
             out[key] = value
     return out
+
+
+def weights_arg(text: str):
+    """--weights as plan() takes it: "auto", 0 (none: the whole fraction is KV) or bytes."""
+    w = text.strip()
+    return "auto" if w == "auto" else 0 if w in ("0", "0B") else parse_bytes(text, "--weights")
 
 
 def plan_from_args(args):
@@ -219,12 +224,12 @@ FLAGS = {
     "system_prompts": "--system-prompts", "turns": "--turns", "rate": "--rate", "duration": "--duration",
     "seed": "--seed", "workload": "--workload", "host": "--host", "port": "--port",
     # compare's engine options (kvatlas.engines.compare(engine_options=...))
-    "engine": "--engines", "swa_ratio": "--sglang-swa-ratio", "prefix_tails": "--sglang-prefix-tails",
+    "engine": "--engines", "engines": "--engines", "swa_ratio": "--sglang-swa-ratio", "prefix_tails": "--sglang-prefix-tails",
     "platform": "--sglang-platform", "max_num_batched_tokens": "--vllm-max-num-batched-tokens",
     "entrypoint": "--vllm-entrypoint",
 }
 # names that are also plain words ("the backend", "a device") are flags only as `name=` or `name:`
-_WORDS = {"engine", "platform", "entrypoint", "indexer", "backend", "device", "rate", "duration", "seed", "workload", "turns", "host", "port"}
+_WORDS = {"engine", "engines", "platform", "entrypoint", "indexer", "backend", "device", "rate", "duration", "seed", "workload", "turns", "host", "port"}
 _NAME = re.compile(r"(?P<quoted>(?<![\w=])'[^'\n]*'|(?<![\w=])\"[^\"\n]*\")"   # a value the user gave, quoted
                    r"|(?<![\w.\-])(" + "|".join(sorted(FLAGS, key=len, reverse=True)) + r")(?![\w\-])"
                    r"(=(['\"]?)([^\s'\",;)]*)\4|:)?")
