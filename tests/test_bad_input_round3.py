@@ -208,3 +208,54 @@ def test_tune_refuses_naming_only_its_own_flags(no_allocation, capsys, argv, nee
     import re
     named = set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", line))
     assert named <= parser_flags("tune"), f"names flags tune does not take: {named - parser_flags('tune')}: {line}"
+
+
+# ------------------------------------------------------------------ plan --fit: what it cannot honour beside it
+FIT = [
+    (["--fit", "8x128K,32x4K"], ("--fit", "--tp 2")),                     # README's mix at tp 1: weights fill the GPU
+    (["--fit", "8x128K"], ("--fit", "--tp 2")),
+    (["--fit", "8x128K", "--mem-fraction", "0.5", "--tp", "2"], ("--fit", "--mem-fraction 0.5", "--tp 4")),
+    (["--fit", "1000000x1M"], ("--fit", "no --tp")),
+    (["--fit", "1000000x1M", "--tp", "8"], ("--fit",)),
+    (["--fit", "1000x1M", "--tp", "8"], ("--fit",)),
+    (["--fit", "8x128K", "--weights", "130GiB"], ("--fit", "--weights")),
+    (["--fit", "8x128K", "--memory", "1GiB"], ("--memory", "--fit")),
+    (["--fit", "8x128K", "--memory", "120GiB", "--tp", "4"], ("--memory", "--fit")),
+    (["--fit", "8x128K", "--max-running-requests", "8", "--tp", "4"], ("--max-running-requests", "--fit")),
+    (["--fit", "128K", "--max-running-requests", "5", "--tp", "4"], ("--max-running-requests", "--fit")),
+    (["--fit", "128K", "--max-running-requests=5", "--tp", "4"], ("--max-running-requests", "--fit")),
+    (["--fit", "8x128K", "--max-model-len", "4096", "--tp", "4"], ("--fit", "--max-model-len 4,096")),
+    (["--fit", "8x128K,128K", "--tp", "4"], ("--fit", "mixes")),
+    (["--fit=x"], ("--fit", "'x'")),
+    (["--fit", ""], ("--fit", "empty")),
+    (["--fit", ","], ("--fit", "','")),
+    (["--fit", "8x128K,"], ("--fit", "'8x128K,'")),
+    (["--fit", "8x"], ("--fit", "'8x'")),
+    (["--fit", "x128K"], ("--fit", "'x128K'")),
+    (["--fit", "１２８K"], ("--fit", "'１２８K'")),
+    (["--fit", "٨x128K"], ("--fit", "'٨x128K'")),
+    (["--fit", "8x١٢٨K"], ("--fit",)),
+    (["--fit", "0x128K"], ("--fit",)),
+    (["--fit", "-8x128K"], ("--fit",)),
+    (["--fit", "8x0"], ("--fit",)),
+    (["--fit", "8x128G"], ("--fit",)),
+    (["--fit", "8x1.5K"], ("--fit",)),
+    (["--fit", "8X128K"], ("--fit",)),
+    (["--fit", "99999999999x128K"], ("--fit",)),
+    (["--fit", "8x" + "9" * 20], ("--fit",)),
+    (["--fit", "8x128K", "--weights", "1.5"], ("--weights", "fraction")),
+]
+
+
+@pytest.mark.parametrize("argv,needles", FIT, ids=[" ".join(a)[:50] for a, _ in FIT])
+def test_plan_fit_refuses_what_it_cannot_honour(no_allocation, capsys, argv, needles):
+    assert_refused(capsys, ["plan", *argv], needles)
+
+
+def test_plan_fit_honours_weights_and_says_the_parallelism(capsys):
+    assert main(["plan", "--fit", "8x128K,32x4K", "--tp", "2"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].endswith("--max-running-requests 40 --max-model-len 131072 --tp 2")
+    assert "% of one h200" in out[1] and "from the config, per rank at tp=2" in out[1]
+    assert main(["plan", "--fit", "8x128K", "--weights", "40GiB"]) == 0
+    assert f"({40 * 2**30:,} B given)" in capsys.readouterr().out

@@ -59,7 +59,7 @@ def parse_tokens(text: str, field: str) -> int:
     body = text.strip().lower()
     unit = body[-1:] if body[-1:] in ("k", "m") else ""
     digits = body[: len(body) - len(unit)]
-    if not digits.isdigit() or len(digits) > 12 or int(digits) == 0:
+    if not _ascii_digits(digits) or len(digits) > 12 or int(digits) == 0:
         raise ConfigError(field, f"{_quote(text)} is not a token count",
                           "give a whole number of tokens above 0, e.g. 131072, 128K or 1M")
     return int(digits) * _TOKEN_UNITS[unit]
@@ -69,14 +69,25 @@ def parse_mix(text: str, field: str) -> list[tuple[int | None, int]]:
     """"8x128K,32x4K" → [(8, 131072), (32, 4096)]; a part without a count ("128K") → (None, 131072)."""
     out = []
     for part in text.split(","):
-        count_text, _, ctx_text = part.strip().rpartition("x")
-        if count_text and not (count_text.isdigit() and 0 < int(count_text) <= MAX_COUNT):
+        if not part.strip():
+            raise ConfigError(field, f"{_quote(text)} has an empty part" if text.strip() else "is empty",
+                              "write REQUESTSxCONTEXT parts joined by commas, e.g. 8x128K,32x4K, or a bare context such as 128K")
+        count_text, x, ctx_text = part.strip().rpartition("x")
+        if (count_text or x) and not (_ascii_digits(count_text) and 0 < int(count_text) <= MAX_COUNT):
             raise ConfigError(field, f"{_quote(part)} does not start with a request count",
+                              "write REQUESTSxCONTEXT, e.g. 8x128K, or a bare context such as 128K")
+        if not ctx_text.strip():
+            raise ConfigError(field, f"{_quote(part)} names no context",
                               "write REQUESTSxCONTEXT, e.g. 8x128K, or a bare context such as 128K")
         out.append((int(count_text) if count_text else None, parse_tokens(ctx_text, field)))
     if not out:
         raise ConfigError(field, f"{_quote(text)} names nothing to fit", "give e.g. 8x128K or 8x128K,32x4K")
     return out
+
+
+def _ascii_digits(text: str) -> bool:
+    """0-9 only: str.isdigit() also takes full-width (１２８) and Arabic-Indic (٨) digits."""
+    return text.isascii() and text.isdigit()
 
 
 def _quote(text: str) -> str:
