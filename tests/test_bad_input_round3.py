@@ -259,3 +259,48 @@ def test_plan_fit_honours_weights_and_says_the_parallelism(capsys):
     assert "% of one h200" in out[1] and "from the config, per rank at tp=2" in out[1]
     assert main(["plan", "--fit", "8x128K", "--weights", "40GiB"]) == 0
     assert f"({40 * 2**30:,} B given)" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------ config fields that feed the weights
+# (tiny-v4: 4 heads, 6 layers, 8 routed experts, 2 per token)
+WEIGHT_FIELDS = {
+    "n_routed_experts": [0, -1, 1.5, "8", True, None, 2**40, (1, "num_experts_per_tok")],
+    "num_experts_per_tok": [0, 9, 100, -2, 2.0, "2", False],
+    "moe_intermediate_size": [0, -64, 64.5, "64", [64]],
+    "o_groups": [0, 3, 5, 8, -2, 2.5, "2", None],
+    "o_lora_rank": [0, -1, "x"],
+    "q_lora_rank": [0, -1, 1.5, None],
+    "hc_mult": [0, -4, 4.5, "4"],
+    "num_hash_layers": [7, 100, -1, 1.5],
+    "n_shared_experts": [-1, 1.5, "1"],
+    "vocab_size": [0, -1, "129280", 1e5],
+    "tie_word_embeddings": ["yes", 1, 0, "false", None, [True]],
+    "torch_dtype": ["float32", "float7", "float16", 16, ""],
+    "dtype": ["float32", "int8"],
+}
+
+
+def _weight_field_cases():
+    out = []
+    for key, values in WEIGHT_FIELDS.items():
+        for v in values:
+            v, needle = v if isinstance(v, tuple) else (v, key)
+            if v is None and key in ("n_routed_experts", "o_groups", "q_lora_rank"):
+                continue   # a missing MoE field: the weights are unknown (not an error); --weights then needed
+            out.append(pytest.param(key, v, f"config.{needle}", id=f"{key}={str(v)[:10]}"))
+    return out
+
+
+@pytest.mark.parametrize("key,value,needle", _weight_field_cases())
+def test_config_field_feeding_the_weights(no_allocation, capsys, key, value, needle):
+    from test_bad_input_cli import _tiny
+    from kvatlas import ConfigError, load_model
+    cfg = _tiny()
+    cfg[key] = value
+    path = no_allocation / "config.json"
+    path.write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError) as exc:
+        load_model(str(path))
+    assert needle in str(exc.value) and "\n" not in str(exc.value)
+    assert_refused(capsys, ["plan", str(path)], needle)                       # weights from the config
+    assert_refused(capsys, ["plan", str(path), "--memory", "64MiB"], needle)   # refused with a budget given too
