@@ -183,7 +183,7 @@ class Simulator:
                 self._finish_done(now_s)
                 self.stats.steps += 1
                 self.last_pass_s = self.time_model.pass_time_s(prefilled, decoded)
-                self.limits.pass_done(decoded + prefilled, self.chunk)
+                self.limits.pass_done(decoded + prefilled, self.chunk, now_s, self.last_pass_s, self.time_model.pass_s)
             else:   # idle, or every running request waits for its restores: no pass until they land
                 self.cache.flush()
                 self.last_pass_s = self.time_model.pass_s if blocked is None else min(self.time_model.pass_s,
