@@ -304,3 +304,101 @@ def test_config_field_feeding_the_weights(no_allocation, capsys, key, value, nee
     assert needle in str(exc.value) and "\n" not in str(exc.value)
     assert_refused(capsys, ["plan", str(path)], needle)                       # weights from the config
     assert_refused(capsys, ["plan", str(path), "--memory", "64MiB"], needle)   # refused with a budget given too
+
+
+# ------------------------------------------------------------------ simulate: every output, and --ranks, checked first
+SHARED = ["--prefix-checkpoints", "4", "--host-memory", "16MiB"]
+REDIS = "redis://127.0.0.1:1"   # never reached: every case is refused before a store is opened
+SIM_FIRST = [
+    (["--out", "run"], "run.requests.csv", ("--out", "run.requests.csv")),
+    (["--out", "run"], "run.png", ("--out", "run.png")),
+    (["--out", "run"], "run.csv", ("--out", "run.csv")),
+    (["--out", "run", "--ranks", "2", *SHARED, "--shared-tier", REDIS], "run.rank1.requests.csv",
+     ("--out", "run.rank1.requests.csv")),
+    (["--out", "run", "--ranks", "2", *SHARED, "--shared-tier", REDIS], "run.rank0.json", ("--out", "run.rank0.json")),
+    (["--out", "run", "--ranks", "3", *SHARED, "--shared-tier", REDIS], "run.rank2.png", ("--out", "run.rank2.png")),
+]
+
+
+@pytest.mark.parametrize("argv,blocker,needles", SIM_FIRST, ids=[b for _, b, _ in SIM_FIRST])
+def test_simulate_checks_every_output_before_the_run(no_allocation, capsys, argv, blocker, needles):
+    (no_allocation / blocker).mkdir()   # a directory where a file is to be written
+    assert_refused(capsys, ["simulate", *TINY, *argv], needles)
+
+
+def test_no_plot_writes_no_png_so_its_path_is_not_checked(no_allocation, capsys, monkeypatch):
+    (no_allocation / "run.png").mkdir()
+    monkeypatch.undo()   # allocation allowed: a real run
+    os.chdir(no_allocation)
+    assert main(["simulate", *TINY, "--out", "run", "--no-plot", "--duration", "0.2", "--backend", "none"]) == 0
+    assert (no_allocation / "run.csv").is_file() and (no_allocation / "run.requests.csv").is_file()
+
+
+RANKS = [
+    (["--ranks", "2"], ("--ranks", "--shared-tier")),
+    (["--ranks", "2", *SHARED, "--shared-tier", "memory://x"], ("--shared-tier", "memory://")),
+    (["--ranks", "2", *SHARED, "--shared-tier", "ftp://x"], ("--shared-tier",)),
+    (["--ranks", "2", *SHARED, "--shared-tier", ""], ("--shared-tier",)),
+    (["--ranks", "2", "--prefix-checkpoints", "4", "--host-memory", "1B", "--shared-tier", REDIS], ("--host-memory",)),
+    (["--ranks", "2", "--prefix-checkpoints", "4", "--host-memory", "x", "--shared-tier", REDIS], ("--host-memory",)),
+    (["--ranks", "2", "--host-memory", "16MiB", "--shared-tier", REDIS], ("--prefix-checkpoints",)),
+    (["--ranks", "2", "--shared-tier", REDIS], ("--shared-tier", "--host-memory")),
+    (["--ranks", "2", *SHARED, "--shared-tier", REDIS, "--device", "tpu"], ("--device",)),
+    (["--ranks", "2", *SHARED, "--shared-tier", REDIS, "--backend", "mmap"], ("--backend",)),
+    (["--ranks", "2", *SHARED, "--shared-tier", REDIS, "--write-layers", "x"], ("--write-layers",)),
+    (["--ranks", "2", *SHARED, "--shared-tier", REDIS, "--workload", "no-such.jsonl"], ("--workload",)),
+    (["--ranks", "2", *SHARED, "--shared-tier", REDIS, "--max-model-len", "100000"], ("--max-model-len",)),
+    (["--ranks", "2", *SHARED, "--shared-tier", REDIS, "--turns", "0"], ("--turns",)),
+    (["--ranks", "2", *SHARED, "--shared-tier", REDIS, "--host-checkpoint-share", "1"], ("--host-checkpoint-share",)),
+    (["--ranks", "0"], ("--ranks",)),
+    (["--ranks", "65"], ("--ranks",)),
+    (["--ranks", "x"], ("--ranks",)),
+]
+
+
+@pytest.mark.parametrize("argv,needles", RANKS, ids=[" ".join(a)[:60] for a, _ in RANKS])
+def test_ranks_refused_in_the_parent_before_any_rank_starts(no_allocation, capsys, monkeypatch, argv, needles):
+    started = []
+    monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: started.append(a) or pytest.fail("a rank started"))
+    assert_refused(capsys, ["simulate", *TINY, *argv], needles)
+    assert not started
+
+
+def test_sigterm_to_the_parent_stops_every_rank(tmp_path):
+    """The ranks are stopped by their PIDs when the parent is; none is left re-parented."""
+    import store_servers as ss
+    redis = ss.Redis(tmp_path).start()
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "kvatlas", "simulate", *TINY, *SHARED, "--shared-tier", redis.url,
+                                 "--ranks", "2", "--rate", "20", "--duration", "600", "--backend", "none",
+                                 "--no-plot", "--out", str(tmp_path / "r")], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+        children = []
+        deadline = time.monotonic() + 60
+        while len(children) < 2 and time.monotonic() < deadline:   # both ranks started
+            time.sleep(0.2)
+            children = _children(proc.pid)
+        assert len(children) == 2, "the ranks did not start"
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 143 and "stopped by SIGTERM; stopped 2 rank processes" in err, err
+        for pid in children:
+            assert not _alive(pid), f"rank process {pid} still runs"
+    finally:
+        redis.stop()
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(x) for x in f.read().split()]
+    except OSError:
+        return []
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
