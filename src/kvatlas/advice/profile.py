@@ -70,9 +70,10 @@ def profile(requests, pace: Pace = Pace(), chunk: int = 8192) -> Profile:
         raise ConfigError("requests", f"{type(requests).__name__} is not a list of requests",
                           "give requests with id, arrival_s, prompt_tokens and output_tokens (kvatlas.driving.workload)")
     reqs = list(requests)
-    bad = next((r for r in reqs if not all(hasattr(r, a) for a in ("id", "arrival_s", "prompt_tokens", "output_tokens"))), None)
-    if bad is not None:
-        raise ConfigError("requests", f"{bad!r:.40} is not a request",
+    fields = ("id", "arrival_s", "prompt_tokens", "output_tokens")
+    bad = [r for r in reqs if not all(hasattr(r, a) for a in fields)][:1]   # a list: None is a bad one too
+    if bad:
+        raise ConfigError("requests", f"{bad[0]!r:.40} is not a request",
                           "give requests with id, arrival_s, prompt_tokens and output_tokens (kvatlas.driving.workload)")
     if not reqs:
         raise ConfigError("workload", "holds no request", "give a trace or a synthetic workload with requests")

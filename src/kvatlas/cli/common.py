@@ -234,13 +234,14 @@ FLAGS = {
     "followup_len": "--followup-len", "system_prompt_len": "--system-prompt-len", "think_s": "--think",
     "system_prompts": "--system-prompts", "turns": "--turns", "rate": "--rate", "duration": "--duration",
     "seed": "--seed", "workload": "--workload", "host": "--host", "port": "--port",
+    "namespace": "--shared-namespace", "policy": "--shared-policy",
     # compare's engine options (kvatlas.engines.compare(engine_options=...))
     "engine": "--engines", "engines": "--engines", "swa_ratio": "--sglang-swa-ratio", "prefix_tails": "--sglang-prefix-tails",
     "platform": "--sglang-platform", "max_num_batched_tokens": "--vllm-max-num-batched-tokens",
     "entrypoint": "--vllm-entrypoint",
 }
 # names that are also plain words ("the backend", "a device") are flags only as `name=` or `name:`
-_WORDS = {"engine", "engines", "platform", "entrypoint", "indexer", "backend", "device", "rate", "duration", "seed", "workload", "turns", "host", "port"}
+_WORDS = {"engine", "engines", "namespace", "policy", "platform", "entrypoint", "indexer", "backend", "device", "rate", "duration", "seed", "workload", "turns", "host", "port"}
 _NAME = re.compile(r"(?P<quoted>(?<![\w=])'[^'\n]*'|(?<![\w=])\"[^\"\n]*\")"   # a value the user gave, quoted
                    r"|(?<![\w.\-])(" + "|".join(sorted(FLAGS, key=len, reverse=True)) + r")(?![\w\-])"
                    r"(=(['\"]?)([^\s'\",;)]*)\4|:)?")

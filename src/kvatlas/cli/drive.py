@@ -181,8 +181,9 @@ def check(args, plan_from_args) -> Checked:
         if host_bytes is None:
             raise ConfigError("--shared-tier", "the shared tier sits below the host tier, and there is none",
                               "add --host-memory BYTES (and --prefix-checkpoints N)")
-        from ..tiers.shared import parse_url
+        from ..tiers.shared import check_shared_args, parse_url
         parse_url(args.shared_tier, "--shared-tier")   # a bad URL is refused before anything is allocated
+        check_shared_args(args.shared_namespace, args.rank, args.shared_policy, args.shared_deadline_ms / 1e3)
     require_torch("allocating a cache")
     from ..cache.arena import parse_device
     device = parse_device(args.device)

@@ -126,14 +126,14 @@ def _smallest(args, fit):
                           "raise --max-model-len, or drop it (it is then the longest context of the mix)")
     opts = options_from_args(args)
     opts.pop("memory_bytes")   # the budget is what is asked for
-    weights = opts.get("weights_bytes", "auto")
-    opts["weights_bytes"] = 0  # the KV budget alone; the weights are added to check the GPU share
+    weights = opts.pop("weights_bytes", "auto")   # the KV budget alone; the weights and the GPU
+    fraction = opts.pop("mem_fraction", 0.9)        # share only check that it fits beside them
     opts.pop("max_running_requests")   # as many slots as requests in the mix
     if opts["max_model_len"] is None:
         opts.pop("max_model_len")      # the longest context of the mix
     p = budget_for_mix(args.model, fit, **opts)
     o = p.options
-    share = int(GPU_MEMORY_BYTES[o.gpu] * o.mem_fraction)
+    share = int(GPU_MEMORY_BYTES[o.gpu] * fraction)
     w = _weights_of(p, o) if weights == "auto" else weights
     if p.total_bytes + w <= share:
         return p, w
@@ -152,7 +152,7 @@ def _smallest(args, fit):
                 break
     raise ConfigError("--fit", f"{want} tokens at once need {p.total_bytes:,} B of KV per rank beside {w:,} B of "
                       f"weights, {100 * (p.total_bytes + w) / GPU_MEMORY_BYTES[o.gpu]:.1f}% of one {o.gpu}, more than "
-                      f"the {share:,} B --mem-fraction {o.mem_fraction:g} gives at --tp {o.tp} --pp {o.pp}",
+                      f"the {share:,} B --mem-fraction {fraction:g} gives at --tp {o.tp} --pp {o.pp}",
                       (hint or ("lower --weights (given per rank, whatever --tp), or ask for fewer or shorter requests"
                                 if weights != "auto" else "no --tp holds it on one GPU: ask for fewer or shorter "
                                 "requests, or spread them over --dp ranks"))

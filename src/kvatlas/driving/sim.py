@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..checks import real, whole
 from ..errors import ConfigError
 from .latency import LatencyLog
 from .limits import LimitLog
@@ -115,10 +116,52 @@ def _split_sessions(requests) -> tuple[list, dict]:
     return free, followers
 
 
+_REQUEST_FIELDS = ("id", "arrival_s", "prompt_tokens", "output_tokens")
+
+
+def _check_args(cache, requests, *, accept_rate, seed, writer, step_s, record, time_model, sample_s, host,
+                check_integrity) -> list:
+    """Every constructor argument checked before anything is built (a KvatlasError naming it);
+    the requests as a list."""
+    from ..cache.kvcache import KVCache
+    if not isinstance(cache, KVCache):
+        raise ConfigError("cache", f"{type(cache).__name__} is not a kvatlas cache", "give kvatlas.allocate(plan)")
+    if requests is None or isinstance(requests, (str, bytes, dict)) or not hasattr(requests, "__iter__"):
+        raise ConfigError("requests", f"{type(requests).__name__} is not a list of requests",
+                          "give kvatlas.driving.workload.Request objects (synthetic(), read_trace())")
+    requests = list(requests)
+    bad = [r for r in requests if not all(hasattr(r, a) for a in _REQUEST_FIELDS)][:1]   # None is a bad one too
+    if bad:
+        raise ConfigError("requests", f"{bad[0]!r:.40} is not a request",
+                          "give kvatlas.driving.workload.Request objects (synthetic(), read_trace())")
+    real("accept_rate", accept_rate, 0.0, 1.0)
+    real("step_s", step_s, 0.0, 3600.0, open_low=True)
+    whole("seed", seed, 0, 2**63 - 1)
+    real("sample_s", sample_s, 0.0, 1e12)
+    for name, flag in (("record", record), ("check_integrity", check_integrity)):
+        if not isinstance(flag, bool):
+            raise ConfigError(name, f"{flag!r} is not True or False", "give a bool")
+    if time_model is not None and not isinstance(time_model, TimeModel):
+        raise ConfigError("time_model", f"{type(time_model).__name__} is not a TimeModel",
+                          "give kvatlas.driving.timemodel.TimeModel(...) or None")
+    from .simwrite import KVWriter
+    if writer is not None and not isinstance(writer, KVWriter):
+        raise ConfigError("writer", f"{type(writer).__name__} is not a KVWriter", "give KVWriter(cache) or None")
+    if host is not None:
+        from ..tiers import HostLink
+        if not isinstance(host, HostLink) or host.prefix is not cache.prefix:
+            raise ConfigError("host", f"{type(host).__name__} is not a host tier under this cache's prefix cache",
+                              "pass cache.host after kvatlas.tiers.attach_host_tier(cache, ...), or None")
+    return requests
+
+
 class Simulator:
     def __init__(self, cache, requests, *, accept_rate: float = 0.7, seed: int = 0, writer=None, lock=None,
                  step_s: float = 0.02, record: bool = True, time_model: TimeModel | None = None,
                  sample_s: float = 0.0, host=None, check_integrity: bool = False) -> None:
+        requests = _check_args(cache, requests, accept_rate=accept_rate, seed=seed, writer=writer, step_s=step_s,
+                               record=record, time_model=time_model, sample_s=sample_s, host=host,
+                               check_integrity=check_integrity)
         self.cache = cache
         # debug mode: every book recounted after every pass (cache, prefix cache, host tier)
         self.check_integrity = check_integrity
@@ -172,6 +215,7 @@ class Simulator:
 
     # ------------------------------------------------------------------ one pass
     def step(self, now_s: float) -> None:
+        real("now_s", now_s, 0.0, 1e12)
         self._arrive(now_s)
         with self.lock:
             self._admit(now_s, self._prefill_room(now_s))
@@ -366,6 +410,10 @@ class Simulator:
     def run_offline(self, max_steps: int | None = None, on_step=None) -> SimStats:
         """As fast as possible on a virtual clock: each pass takes step_s; idle time is skipped.
         `on_step(simulator)`, if given, is called after every pass (the CLI's progress bar)."""
+        if max_steps is not None:
+            whole("max_steps", max_steps, 1)
+        if on_step is not None and not callable(on_step):
+            raise ConfigError("on_step", f"{type(on_step).__name__} is not callable", "give a function of the simulator, or None")
         t = 0.0
         steps = 0
         while not self.done and (max_steps is None or steps < max_steps):
