@@ -2,6 +2,7 @@
 for them (the engines' own code checks the same figures in tests/sglang_plugin and tests/vllm_plugin)."""
 
 import json
+import re
 
 import pytest
 
@@ -159,7 +160,8 @@ def test_every_tuned_row_says_why_its_figures_differ(flash):
         lines = [w for w in e.why if w.startswith("token capacity ")]
         assert len(lines) == 1 and f"{e.capacity_ratio:.2f}× the default's" in lines[0], e.why
     kva = flash.engine("kvatlas")
-    assert "resume points take" in next(w for w in kva.why if w.startswith("token capacity "))
+    assert re.search(r"[\d,]+ resume points (\([\d,]+ kept, [^)]*\) )?take [\d,]+ B",
+                     next(w for w in kva.why if w.startswith("token capacity ")))
 
 
 def test_the_kvatlas_default_row_is_what_compare_says(capsys):
@@ -168,7 +170,10 @@ def test_the_kvatlas_default_row_is_what_compare_says(capsys):
     assert main(["tune", "--tp", "8", "--engines", "kvatlas", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["engines"][0]["default"]["token_capacity"] == comp["token_capacity"]
-    assert doc["budget_bytes"] == json.loads(json.dumps(comp)).get("budget_bytes", doc["budget_bytes"])
+    assert doc["budget_bytes"] == comp["budget_bytes"] == 114_536_191_390
+    assert doc["engines"][0]["default"]["max_running_requests"] == comp["max_running_requests"]
+    why = next(w for w in doc["engines"][0]["why"] if w.startswith("token capacity "))
+    assert "resume points (7,018 kept" in why and f"{comp['token_capacity']:,} →" in why   # what differs, and why
 
 
 def test_engines_named_twice_are_advised_once(capsys):

@@ -391,8 +391,10 @@ def kvatlas_difference(model, default: Setting, tuned: Setting, budget: int, opt
     parts = []
     if cap.resume_points is not None:
         rp = cap.resume_points
-        parts.append(f"{rp.count:,} resume points take {rp.total_bytes:,} B, {rp.token_capacity_cost:,} tokens of "
-                     f"capacity ({rp.tokens_without:,} without them)")
+        held = "" if rp.count == rp.kept else (f" ({rp.kept:,} kept, the rest saved per running request or crossed by "
+                                                "a prefill chunk)")
+        parts.append(f"{rp.count:,} resume points{held} take {rp.total_bytes:,} B, {rp.token_capacity_cost:,} tokens "
+                     f"of capacity ({rp.tokens_without:,} without them)")
     reach = t["running"] * cdiv(opts.max_model_len, opts.page_tokens) * opts.page_tokens
     if reach < default.token_capacity:
         parts.append(f"{t['running']:,} requests of at most {opts.max_model_len:,} tokens address {reach:,} tokens "
