@@ -60,8 +60,10 @@ def add_run_args(p) -> None:
     g.add_argument("--accept-rate", type=number(0.0, 1.0), default=0.7, help="probability each draft token is accepted")
     g.add_argument("--write-layers", default=None,
                    help="layers per pool that get real KV writes: N or 'all' (default: 1 on CPU, all on CUDA)")
-    g.add_argument("--check-integrity", action="store_true", help="debug: recount every book (allocator, ledger, "
-                   "prefix cache, host tier) after every forward pass; a broken one stops the run as a bug (exit 1)")
+    g.add_argument("--check-integrity", action="store_true", help="debug: compare the counters after every forward "
+                   "pass and recount every book (allocator, ledger, prefix cache, host tier) after the first, the "
+                   "last and as many passes between as the same CPU time again allows (at most about 2x the run's "
+                   "CPU); a broken one stops the run as a bug (exit 1)")
     g.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
     g.add_argument("--backend", default="plain", help="arena backend: plain (default), vmm (CUDA), or none: "
                    "allocator and ledger only, no pool tensors (any plan size; no KV writes)")
@@ -313,6 +315,8 @@ def summary(cache, sim, writer, wall_s: float, how: str) -> str:
         ["shared tier", _shared_line(sim)],
         ["KV writes", _writes(writer)],
         *run_rows(cache, sim),
+        *([["integrity", f"{sim.integrity_recounts:,} whole recounts of every book over {s.steps:,} passes, the "
+                          "counters compared after each; all exact"]] if sim.check_integrity else []),
         ["time model", sim.time_model.describe() + _host_model(sim)],
         ["wall time", f"{wall_s:.2f} s ({how})"],
     ]
