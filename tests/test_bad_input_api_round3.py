@@ -64,7 +64,8 @@ def _calls():
         ("accept_rate", -0.1), ("accept_rate", NAN), ("accept_rate", "0.5"), ("time_model", "x"),
         ("time_model", 0.02), ("sample_s", -1), ("sample_s", NAN), ("sample_s", "1"), ("record", "yes"),
         ("record", 1), ("check_integrity", 1), ("check_integrity", None), ("host", "x"), ("host", 5),
-        ("writer", "x"), ("writer", object()), ("step_s", NAN), ("step_s", 0), ("step_s", "0.02"))]
+        ("writer", "x"), ("writer", object()), ("step_s", NAN), ("step_s", 0), ("step_s", "0.02"),
+        ("integrity_share", 0), ("integrity_share", -1.0), ("integrity_share", NAN), ("integrity_share", "1"))]
     out += [(f"run_offline(max_steps={v!r})", lambda w, v=v: _sim(w).run_offline(max_steps=v), "max_steps")
             for v in ("10", 0, -1, 1.5, True, NAN)]
     out += [(f"run_offline(on_step={v!r})", lambda w, v=v: _sim(w).run_offline(on_step=v), "on_step")
