@@ -101,7 +101,7 @@ class Server:
 
 
 class Redis:
-    def __init__(self, tmp, maxmemory: str | None = None) -> None:
+    def __init__(self, tmp, maxmemory: str | None = None, password: str | None = None) -> None:
         exe = _bin("redis-server")
         if exe is None:
             missing("redis-server is not installed (apt-get install redis-server)")
@@ -111,12 +111,17 @@ class Redis:
                 "--protected-mode", "yes", "--dir", str(tmp)]
         if maxmemory:
             args += ["--maxmemory", maxmemory, "--maxmemory-policy", "allkeys-lru"]
+        if password:
+            args += ["--requirepass", password]
+        self.password = password
         self.server = Server(args, self.port, open(os.path.join(tmp, f"redis-{self.port}.log"), "ab"))
         self.servers = [self.server]
 
     @property
     def url(self) -> str:
-        return f"redis://{LOOPBACK}:{self.port}?timeout=1"
+        from urllib.parse import quote
+        auth = f":{quote(self.password, safe='')}@" if self.password else ""
+        return f"redis://{auth}{LOOPBACK}:{self.port}?timeout=1"
 
     def start(self) -> "Redis":
         self.server.start()

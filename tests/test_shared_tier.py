@@ -191,7 +191,7 @@ def test_bad_urls_name_the_field_and_the_fix():
         with pytest.raises(ConfigError, match=words) as e:
             open_store(url, "--shared-tier")
         assert e.value.field == "--shared-tier"
-    assert parse_url("memory://a?capacity=1MiB")[0] == "memory"
+    assert parse_url("memory://a?capacity=1MiB").scheme == "memory"
     with pytest.raises(ConfigError, match="deadline_s"):
         SharedTier(MemoryStore(), LAYOUT, deadline_s=0)
 

@@ -50,7 +50,8 @@ def _child_argv(args, rank: int) -> list[str]:
     return ["simulate", *argv, "--out", f"{args.out}.rank{rank}", "--rank", str(rank), "--ranks-of", str(args.ranks)]
 
 
-def run_ranks(args) -> int:
+def run_ranks(args, prepare) -> int:
+    """`prepare`: drive.prepare, which checks every argument (passed in: drive imports this module)."""
     if args.shared_tier is None:
         raise ConfigError("--ranks", "N ranks with no store to share are N separate caches",
                           "add --shared-tier mooncake://... or redis://... (and --host-memory)")
@@ -58,8 +59,7 @@ def run_ranks(args) -> int:
         raise ConfigError("--shared-tier", "memory:// lives inside one process; the ranks are separate processes",
                           "give mooncake://... or redis://...")
     from .common import plan_from_args
-    from .drive import check
-    check(args, plan_from_args)   # every argument, once, before any rank starts
+    prepare(args, plan_from_args, defer_pipe=True)   # every argument, once, before any rank starts
     env = {**os.environ, RANK_CHILD_ENV: "1"}
     procs = []
     stopped = []

@@ -10,7 +10,7 @@ import time
 from ..errors import ConfigError
 from ..observing.progress import Bar, wanted
 from .common import add_deployment_args, check_output_file, count, number, plan_from_args
-from .drive import add_drive_args, build, summary
+from .drive import add_drive_args, build, prepare, summary
 from .ranks import RANK_CHILD_ENV
 
 
@@ -42,7 +42,7 @@ def run(args) -> int:
         raise ConfigError("--ranks", "given to a rank process", "drop --ranks")
     if args.ranks > 1:
         from .ranks import run_ranks
-        return run_ranks(args)
+        return run_ranks(args, prepare)   # drive's checks, passed down: drive imports ranks (deal)
     cache, sim, writer = build(args, plan_from_args)
     t0 = time.perf_counter()
     total = len(sim.pending)

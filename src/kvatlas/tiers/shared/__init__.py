@@ -1,6 +1,7 @@
 """The shared tier: a store that every cache process of a deployment reads and writes, below each
-one's host tier (DESIGN §6). `store` is the small interface and `open_store(url)`; the backends
-(`mooncake_store`, `redis_store`, `memory_store`) are the only modules that import a client;
+one's host tier (DESIGN §6). `store` is the small interface; `opening` the factory above the
+backends (`open_store(url)`); the backends (`mooncake_store`, `redis_store`, `memory_store`) are
+the only modules that import a client;
 `values` the keys, header and checksum; `tier` the client with deadlines and a breaker; `link`
 the walk device → host → shared under the prefix cache."""
 
@@ -12,7 +13,8 @@ from ...checks import known_options, of_type, real, whole
 from ...errors import ConfigError, KvatlasError
 from .breaker import Breaker
 from .link import POLICIES, SharedLink
-from .store import Store, StoreUnavailable, open_store, parse_url
+from .opening import DEFAULT_STARTUP_S, OpeningStore, check_startup, check_url, open_store
+from .store import Store, StoreUnavailable, StoreURL, parse_url
 from .tier import Entry, Got, SharedTier
 from .values import MISS_REASONS, Layout, layout_of
 
@@ -21,11 +23,11 @@ DEFAULT_OUTBOX_BYTES = 64 << 20
 MODELED_SCALE = 1024     # bookkeeping runs: a value's payload is 1/1024 of its bytes (zeros)
 
 
-def _store(store_or_url):
+def _store(store_or_url, startup_s):
     if not isinstance(store_or_url, (str, Store)):
         raise ConfigError("store", f"{type(store_or_url).__name__} is not a store",
                           "give a URL (redis://HOST:PORT, mooncake://..., memory://NAME) or a Store")
-    return open_store(store_or_url) if isinstance(store_or_url, str) else store_or_url
+    return open_store(store_or_url, startup_s=startup_s) if isinstance(store_or_url, str) else store_or_url
 
 
 def check_shared_args(namespace, writer, policy, deadline_s) -> None:
@@ -45,9 +47,11 @@ _SEGMENT = re.compile(r"[A-Za-z0-9._-]{1,128}")
 
 def attach_shared_tier(cache, host_memory_bytes, store, *, namespace: str = "default", policy: str = "finish",
                        deadline_s: float = DEFAULT_DEADLINE_S, outbox_bytes=DEFAULT_OUTBOX_BYTES, writer: int = 0,
-                       breaker: Breaker | None = None, **host_options) -> SharedLink:
+                       breaker: Breaker | None = None, startup_s: float = DEFAULT_STARTUP_S,
+                       **host_options) -> SharedLink:
     """A HostTier for `cache` with `store` (a Store or a URL) below it, wired under its prefix
-    cache; `cache.host` reports both tiers."""
+    cache; `cache.host` reports both tiers. A URL is opened waiting at most `startup_s`; a store
+    not open by then serves misses (`tier_unavailable`) until it is (opening.open_store)."""
     from ...cache.kvcache import KVCache
     from ...units import parse_bytes
     from ..host import HostTier
@@ -57,15 +61,18 @@ def attach_shared_tier(cache, host_memory_bytes, store, *, namespace: str = "def
     known_options("attach_shared_tier", host_options, HOST_TIER_OPTIONS)
     check_shared_args(namespace, writer, policy, deadline_s)
     if not isinstance(store, (str, Store)):
-        _store(store)
+        _store(store, startup_s)
     if cache.prefix is None:
         SharedLink(None, None, None)      # the prefix cache's own refusal, before anything is pinned
     if cache.host is not None:
         raise KvatlasError("cache: a host tier is attached already (a shared tier comes with its own); attach "
                            "one per cache (close the cache to drop it)")
     outbox_n = parse_bytes(outbox_bytes, "outbox_bytes")
+    if isinstance(store, str):    # a bad URL or bound refused before any host memory is pinned
+        check_url(store)
+        check_startup(startup_s)
     host = HostTier(cache, host_memory_bytes, **host_options)
-    s = _store(store)
+    s = _store(store, startup_s)
     outbox = Outbox(host, outbox_n)
     s.register(host.memory.slab.numpy())
     s.register(outbox.array())
@@ -78,14 +85,15 @@ def attach_shared_tier(cache, host_memory_bytes, store, *, namespace: str = "def
 
 def modeled_shared_link(prefix, host_index, store, *, namespace: str = "default", policy: str = "finish",
                         deadline_s: float = DEFAULT_DEADLINE_S, scale: int = MODELED_SCALE, writer: int = 0,
-                        breaker: Breaker | None = None) -> SharedLink:
+                        breaker: Breaker | None = None, startup_s: float = DEFAULT_STARTUP_S) -> SharedLink:
     """Bookkeeping only: a modeled host tier (no memory) over a real store that holds the real
     keys and headers, each payload zeros of 1/`scale` of its bytes (see tier.SharedTier)."""
     check_shared_args(namespace, writer, policy, deadline_s)
-    tier = SharedTier(_store(store), layout_of(host_index.plan, host_index.device_plan, namespace),
+    tier = SharedTier(_store(store, startup_s), layout_of(host_index.plan, host_index.device_plan, namespace),
                       deadline_s=deadline_s, breaker=breaker, modeled_scale=scale, writer=writer, policy=policy)
     return SharedLink(prefix, host_index, tier, policy=policy)
 
 
-__all__ = ["Breaker", "Entry", "Got", "Layout", "MISS_REASONS", "POLICIES", "SharedLink", "SharedTier", "Store",
-           "StoreUnavailable", "attach_shared_tier", "layout_of", "modeled_shared_link", "open_store", "parse_url"]
+__all__ = ["Breaker", "DEFAULT_STARTUP_S", "Entry", "Got", "Layout", "MISS_REASONS", "OpeningStore", "POLICIES",
+           "SharedLink", "SharedTier", "Store", "StoreURL", "StoreUnavailable", "attach_shared_tier", "check_url",
+           "layout_of", "modeled_shared_link", "open_store", "parse_url"]

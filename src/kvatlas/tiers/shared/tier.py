@@ -9,8 +9,9 @@
 Store calls run on two threads of the tier's own, one for reads and one for writes (so a backlog
 of puts never delays a read); the serving thread only waits for a read, and never longer than
 the deadline. A call that fails, or is not back by its deadline, opens the breaker (a missed
-deadline at once: the store's thread is still stuck in the call), and while it is open every
-read is a miss with reason `tier_unavailable` and every put is skipped; it closes by itself
+deadline at once: the store's thread is still stuck in the call), and while it is open (or
+while the store has not opened yet: opening.OpeningStore) every read is a miss with reason
+`tier_unavailable` and every put is skipped; it closes by itself
 when a trial call succeeds after the cool-off. A read that missed its deadline may still land
 later: `Got.landing` is its future, and the caller keeps the destination memory untouched until
 it is done.
@@ -156,7 +157,7 @@ class SharedTier:
 
     def _unavailable(self, entries, op: str) -> bool:
         """True (and the misses counted) when the store is not to be asked now."""
-        if self.breaker.allow() and not self._reader_stuck():
+        if self.store.ready and self.breaker.allow() and not self._reader_stuck():
             return False
         for e in entries:
             self.c.misses[e.kind]["tier_unavailable"] += 1
@@ -187,7 +188,7 @@ class SharedTier:
         (one lookup, one miss: counted on the first entry, with the reason)."""
         if not entries:
             return []
-        if not self.breaker.allow() or self._reader_stuck():
+        if not self.store.ready or not self.breaker.allow() or self._reader_stuck():
             self.miss(entries[0].kind, "tier_unavailable")
             return None
         keys = [self.layout.key(e.kind, e.page_key) for e in entries]
@@ -295,7 +296,7 @@ class SharedTier:
         entries = list(entries)
         self.poll()
         ids = None
-        if entries and self.breaker.allow() and len(self._puts) < MAX_PUTS_IN_FLIGHT:
+        if entries and self.store.ready and self.breaker.allow() and len(self._puts) < MAX_PUTS_IN_FLIGHT:
             ids = self._take_headers(len(entries))
         if ids is None:
             for e in entries:
@@ -386,7 +387,9 @@ class SharedTier:
         return SharedSnapshot(
             schema_version=SHARED_SCHEMA_VERSION, store=self.store.describe(), layout_tag=self.layout.tag,
             policy=self.policy, modeled_payload=bool(self.modeled_scale), deadline_s=self.deadline_s,
-            breaker_open=self.breaker.is_open, breaker_state=self.breaker.state,
+            # a store not open yet is bypassed as an open breaker is (the gauge and its alert see it)
+            breaker_open=self.breaker.is_open or not self.store.ready,
+            breaker_state=self.breaker.state if self.store.ready else "store_not_open",
             breaker_opened=self.breaker.times_opened, moved_bytes=copy(c.moved_bytes),
             moved_entries=copy(c.moved_entries), hits=copy(c.hits), misses=copy(c.misses), errors=copy(c.errors),
             op_count=copy(c.op_count), op_seconds=copy(c.op_seconds), puts=copy(c.puts),
