@@ -4,11 +4,12 @@ inside a network namespace that has only `lo` (so nothing here can reach or be r
 other address), or directly: python -m pytest -q tests/shared_live.py.
 
 One process stores a prefix and another restores it and reads exactly what its cold twin
-reads; a partial prefix; two processes writing the same key; stale, foreign, corrupt and
-truncated values read as misses with their reason; eviction under a small store; the memory
-daemon, the master and redis-server killed mid-run; a password-protected Redis, Redis over TLS
-and a Mooncake master behind a slow proxy; and the start-up tests of test_shared_startup.py that
-need a store's client (a master or Redis down, blackholed or never accepting)."""
+reads; a partial prefix; two processes writing the same key; stale, foreign, corrupt (two
+compensating bit flips, two swapped words and two swapped rows too) and truncated values read as
+misses with their reason; eviction under a small store; a full Redis; the memory daemon, the
+master and redis-server killed mid-run; a password-protected Redis, Redis over TLS and a Mooncake
+master behind a slow proxy; and the start-up tests of test_shared_startup.py that need a store's
+client (a master or Redis down, blackholed or never accepting)."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import store_servers as ss  # noqa: E402
-from shared_session import SharedSession, admit_only, prompts, write_through  # noqa: E402
+from shared_session import SharedSession, Writer, admit_only, prompts, write_through  # noqa: E402
 
 from kvatlas.tiers.shared import Breaker, open_store  # noqa: E402
 from kvatlas.tiers.shared.values import HEADER_BYTES  # noqa: E402
@@ -52,7 +53,8 @@ def start(kind, tmp, **kw):
     return (ss.Redis(tmp, **kw) if kind == "redis" else ss.Mooncake(tmp, **kw)).start()
 
 
-SEEDS = {"restore": 101, "partial": 102, "stale": 110, "foreign": 111, "corrupt": 112, "size_mismatch": 113}
+SEEDS = {"restore": 101, "partial": 102, "stale": 110, "foreign": 111, "corrupt": 112, "size_mismatch": 113,
+         "compensating": 114, "swapped_words": 115, "swapped_rows": 116}
 
 
 @pytest.fixture(scope="module", params=BACKENDS)
@@ -145,12 +147,23 @@ def _damage(blob: bytes, how: str) -> bytes:
         struct.pack_into("<Q", b, 8, struct.unpack_from("<Q", b, 8)[0] ^ 1)
     elif how == "corrupt":
         b[HEADER_BYTES + 1000] ^= 0x40
+    elif how == "compensating":   # bit 3 flipped in two 8-byte words, one 0->1, one 1->0 (format 1 missed it)
+        at = [next(HEADER_BYTES + 8 * w for w in range(8, 10_000) if (b[HEADER_BYTES + 8 * w] >> 3 & 1) == v)
+              for v in (0, 1)]
+        for x in at:
+            b[x] ^= 0x08
+    elif how in ("swapped_words", "swapped_rows"):   # two 8-byte words / two 576-byte rows of one range
+        n = 8 if how == "swapped_words" else 576
+        x, y = HEADER_BYTES + n, HEADER_BYTES + 5 * n
+        assert b[x:x + n] != b[y:y + n]
+        b[x:x + n], b[y:y + n] = b[y:y + n], b[x:x + n]
     else:
         del b[-8:]
     return bytes(b)
 
 
-@pytest.mark.parametrize("how", ["stale", "foreign", "corrupt", "size_mismatch"])
+@pytest.mark.parametrize("how", ["stale", "foreign", "corrupt", "size_mismatch", "compensating", "swapped_words",
+                                 "swapped_rows"])
 def test_a_damaged_value_is_a_miss_with_its_reason_and_is_never_restored(servers, how):
     s = reader(servers.url)
     seq = prompts(SEEDS[how])[0]
@@ -159,7 +172,8 @@ def test_a_damaged_value_is_a_miss_with_its_reason_and_is_never_restored(servers
     assert admit_only(s, seq) == 0              # nothing restored: computed cold
     assert s.link.tier.snapshot().groups["pages"].units_used == 0
     snap = s.close()
-    assert snap.misses["page"][how] == 1 and snap.hit_tokens == 0
+    want = how if how in ("stale", "foreign", "corrupt", "size_mismatch") else "corrupt"
+    assert snap.misses["page"][want] == 1 and snap.hit_tokens == 0
 
 
 def test_eviction_under_a_small_store(servers, tmp_path):
@@ -193,6 +207,34 @@ def test_eviction_under_a_small_store(servers, tmp_path):
         assert snap.puts["page"]["stored"] + snap.puts["page"]["full"] == n
         assert np.array_equal(dst[hit], src[hit]) and snap.misses["page"]["absent"] == got.count("absent")
         tier.close()
+    finally:
+        srv.stop()
+
+
+def test_a_full_redis_is_full_not_failed_and_its_puts_land_once_there_is_room(tmp_path):
+    """A Redis at its maxmemory with `noeviction` refuses every SET (redis-py raises its
+    OutOfMemoryError): the puts count as `full`, not as failures (no error, the breaker stays
+    closed) and nothing is known; once Redis has room, the same prompt finishing again puts them,
+    and another cache restores them."""
+    import redis
+    srv = start("redis", tmp_path, maxmemory="1", policy="noeviction")   # 1 byte: every write refused
+    try:
+        w = Writer(srv.url)
+        seq = prompts(120)[0]
+        w.run(seq)
+        w.link.shared.flush(10.0)
+        snap = w.link.shared_snapshot()
+        assert (snap.puts["page"]["full"], snap.puts["checkpoint"]["full"]) == (2, 1), snap.puts
+        assert snap.puts["page"]["failed"] == 0 and sum(snap.errors.values()) == 0 and not snap.breaker_open
+        redis.Redis(host=ss.LOOPBACK, port=srv.port).config_set("maxmemory", 0)    # room again
+        assert w.run(seq) == 512
+        w.link.shared.flush(10.0)
+        snap = w.link.shared_snapshot()
+        assert (snap.puts["page"]["stored"], snap.puts["checkpoint"]["stored"]) == (2, 1), snap.puts
+        w.close()
+        r = reader(srv.url)
+        assert admit_only(r, seq) == 512
+        r.close()
     finally:
         srv.stop()
 

@@ -21,5 +21,6 @@ DEPS=(numpy pydantic "transformers>=5.16.1,<5.21.0" psutil msgspec cachetools re
       py-cpuinfo pyzmq einops tqdm requests cbor2 aiohttp openai-harmony openai pybase64 uvloop xgrammar fastapi
       partial-json-parser llguidance pillow prometheus_client)
 OWN=("setuptools>=68" "rich>=13" "matplotlib>=3.7" "pytest>=7" "hypothesis>=6.80" "jsonschema>=4.18")
+OWN+=("msgpack>=1.0")   # kvatlas[routing] (pyzmq is in vLLM's own list): the routing tests against the engine
 engine_venv_begin || exit 0
 engine_venv_done "import vllm.v1.core.sched.scheduler, vllm.plugins, kvatlas.integrations.vllm"

@@ -87,9 +87,10 @@ def modeled_shared_link(prefix, host_index, store, *, namespace: str = "default"
                         deadline_s: float = DEFAULT_DEADLINE_S, scale: int = MODELED_SCALE, writer: int = 0,
                         breaker: Breaker | None = None, startup_s: float = DEFAULT_STARTUP_S) -> SharedLink:
     """Bookkeeping only: a modeled host tier (no memory) over a real store that holds the real
-    keys and headers, each payload zeros of 1/`scale` of its bytes (see tier.SharedTier)."""
+    keys and headers, each payload zeros of 1/`scale` of its bytes (see tier.SharedTier), under
+    a layout tag of their own (a real run of the same plan and namespace never meets them)."""
     check_shared_args(namespace, writer, policy, deadline_s)
-    tier = SharedTier(_store(store, startup_s), layout_of(host_index.plan, host_index.device_plan, namespace),
+    tier = SharedTier(_store(store, startup_s), layout_of(host_index.plan, host_index.device_plan, namespace, scale),
                       deadline_s=deadline_s, breaker=breaker, modeled_scale=scale, writer=writer, policy=policy)
     return SharedLink(prefix, host_index, tier, policy=policy)
 

@@ -184,7 +184,7 @@ class RedisStore(Store):
                 out.append(STORED)
             elif res is None:
                 out.append(EXISTS)
-            elif isinstance(res, self._redis.ResponseError) and "OOM" in str(res):
+            elif isinstance(res, self._redis.exceptions.OutOfMemoryError):
                 out.append(FULL)    # maxmemory with noeviction: refused, the store is fine
             else:
                 out.append(FAILED)
