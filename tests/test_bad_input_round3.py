@@ -329,7 +329,7 @@ def test_simulate_checks_every_output_before_the_run(no_allocation, capsys, argv
 def test_no_plot_writes_no_png_so_its_path_is_not_checked(no_allocation, capsys, monkeypatch):
     (no_allocation / "run.png").mkdir()
     monkeypatch.undo()   # allocation allowed: a real run
-    os.chdir(no_allocation)
+    monkeypatch.chdir(no_allocation)   # (undone after the test: later tests read paths from the checkout)
     assert main(["simulate", *TINY, "--out", "run", "--no-plot", "--duration", "0.2", "--backend", "none"]) == 0
     assert (no_allocation / "run.csv").is_file() and (no_allocation / "run.requests.csv").is_file()
 
