@@ -28,7 +28,7 @@ def test_plan_on_one_gpu_says_the_weights_do_not_fit(capsys):
 
 
 def test_plan_fit_smallest_budget_and_running_requests(capsys):
-    assert main(["plan", "--fit", "8x128K,32x4K", "--json"]) == 0
+    assert main(["plan", "--fit", "8x128K,32x4K", "--tp", "2", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     fit = doc["fit"]
     assert fit["kind"] == "smallest_budget" and fit["budget_bytes"] == doc["total_bytes"] == doc["budget_bytes"]

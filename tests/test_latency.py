@@ -167,3 +167,25 @@ def test_simulate_writes_the_requests_csv_and_prints_the_figures(tmp_path, capsy
         assert float(r["ttft_s"]) == pytest.approx(float(r["first_token_s"]) - float(r["arrival_s"]), abs=2e-6)
         assert r["tpot_s"] == "" if r["output_tokens"] == "1" else float(r["tpot_s"]) >= 0
     assert "binding limit" in text and "resume points" not in text
+
+
+def test_the_verdict_reads_the_modelled_gpus_busy_time_first():
+    """Long prompts arriving together under the default time model: the passes run back to back
+    and the fixed per-pass cost is a few percent of them, so no slot, memory or chunk flag finishes
+    the run sooner, whatever waits there were (issue 38: it said raise --max-running-requests)."""
+    from kvatlas.driving.timemodel import TimeModel
+    reqs = [Request(id=f"r{i}", arrival_s=0.001 * i, prompt_tokens=1800, output_tokens=2) for i in range(40)]
+    cache = kvatlas.allocate(kvatlas.plan("tiny-v4", "96MiB", max_running_requests=6, max_model_len=2048,
+                                          chunked_prefill_tokens=8192), backend="none")
+    sim = Simulator(cache, reqs, time_model=TimeModel(pass_s=0.02, prefill_s_per_token=40e-6, decode_s_per_token=100e-6),
+                    record=False)
+    sim.run_offline()
+    lim = sim.limits
+    assert lim.slot_waits > 0 and lim.busy_s == pytest.approx(lim.span_s)
+    assert lim.fixed_s == pytest.approx(0.02 * lim.passes) and lim.fixed_s < 0.2 * lim.busy_s
+    v = verdict(lim, cache.plan)
+    assert v.limit == "compute" and v.flag is None and "raise" not in v.text and "100% busy" in v.text
+    with pytest.raises(kvatlas.KvatlasError, match="log"):
+        verdict(None, cache.plan)
+    with pytest.raises(kvatlas.KvatlasError, match="plan"):
+        verdict(lim, "tiny-v4")

@@ -9,6 +9,8 @@ as an orphan, freed twice). With --check-integrity the recount names the first p
 
 from pathlib import Path
 
+import pytest
+
 from kvatlas.cli import main
 from kvatlas.errors import IntegrityError
 
@@ -63,3 +65,50 @@ def test_check_integrity_changes_nothing_it_checks(tmp_path, capsys):
         assert main(args + extra) == 0
         seen.append([ln for ln in capsys.readouterr().out.splitlines() if ln.startswith(("prefix cache", "forward passes"))])
     assert seen[0] == seen[1] and len(seen[0]) == 2
+
+
+# ------------------------------------------------------------------ what --check-integrity recounts, and when
+def _sim(share):
+    import kvatlas
+    from kvatlas.driving.sim import Simulator
+    from kvatlas.driving.workload import synthetic
+    cache = kvatlas.allocate(kvatlas.plan("tiny-v4", "96MiB", max_running_requests=8, prefix_checkpoints=8),
+                             backend="none")
+    reqs = synthetic(rate_per_s=40, duration_s=1, prompt="uniform:100:900", output="uniform:4:40", seed=3)
+    return cache, Simulator(cache, reqs, check_integrity=True, integrity_share=share)
+
+
+def test_every_pass_recounted_with_no_share_and_first_and_last_with_a_tiny_one():
+    cache, sim = _sim(None)
+    sim.run_offline()
+    assert sim.stats.steps > 20 and sim.integrity_recounts == sim.stats.steps + 1   # each pass, then the end
+    cache, sim = _sim(1e-9)     # the first recount spends the share: only the end's follows
+    sim.run_offline()
+    assert sim.integrity_recounts == 2 and sim.stats.steps > 20
+
+
+def test_a_counter_break_is_named_at_the_pass_after_it():
+    """The O(1) counters are compared after every pass, whatever the share."""
+    cache, sim = _sim(1e-9)
+    def corrupt(s):
+        if s.stats.steps == 6:
+            s.cache.ledger.running_requests += 1
+    with pytest.raises(IntegrityError, match=r"after pass 7 .*ledger running"):
+        sim.run_offline(on_step=corrupt)
+
+
+def test_a_deep_break_between_recounts_names_the_last_whole_pass():
+    """A book no counter shows (a free page given an owner) is found by the next whole recount,
+    which names the last pass the books were whole after."""
+    cache, sim = _sim(1e-9)
+    def corrupt(s):
+        if s.stats.steps == 6:
+            fl = s.cache.allocator.full
+            fl.owner[fl._stack[0]] = 99
+    with pytest.raises(IntegrityError, match=r"every book was whole after pass 1 .*integrity_share=None") as exc:
+        sim.run_offline(on_step=corrupt)
+    assert "a free id has an owner" in str(exc.value)
+    cache, sim = _sim(None)
+    with pytest.raises(IntegrityError, match=r"^after pass 7 .*a free id has an owner") as exc:
+        sim.run_offline(on_step=corrupt)
+    assert "whole after" not in str(exc.value)

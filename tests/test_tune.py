@@ -2,6 +2,7 @@
 for them (the engines' own code checks the same figures in tests/sglang_plugin and tests/vllm_plugin)."""
 
 import json
+import re
 
 import pytest
 
@@ -128,3 +129,78 @@ def test_tune_simulate_measures_hits_and_the_peak(capsys):
 def profile_of(doc):
     from kvatlas.advice import Profile
     return Profile(**doc["workload"])
+
+
+# ------------------------------------------------------------------ advice that cannot hurt (issues 38, 39)
+CONTEXT_FLAGS = ("--context-length", "--max-model-len")
+
+
+def _tuned_contexts(doc) -> list[int]:
+    return [int(e["tuned"]["flags"][f]) for e in doc["engines"] for f in CONTEXT_FLAGS if f in e["tuned"]["flags"]]
+
+
+@pytest.mark.parametrize("extra,floor", [([], 1_048_576), (["--max-model-len", "65536"], 65_536),
+                                         (["--workload", HEAD], 1_048_576)])
+def test_tune_sets_no_context_below_the_models_or_the_users(capsys, extra, floor):
+    """Without a workload (or with one: a sample is no limit on the next request) every engine's
+    tuned context is the model's, or the user's --max-model-len; the text says what it assumed."""
+    assert main(["tune", "--tp", "4", *extra, "--json"]) == 0
+    contexts = _tuned_contexts(json.loads(capsys.readouterr().out))
+    assert len(contexts) == 3 and min(contexts) >= floor, contexts
+    assert main(["tune", "--tp", "4", *extra]) == 0
+    out = capsys.readouterr().out
+    import re
+    printed = [int(v.replace(",", "")) for v in re.findall(r"--(?:context-length|max-model-len) (\d[\d,]*)", out)]
+    assert len(printed) >= 6 and min(printed) >= floor, printed   # the commands and the tables' and why's figures
+    assert ("assumed: no workload given" in out) == ("--workload" not in extra)
+
+
+def test_every_tuned_row_says_why_its_figures_differ(flash):
+    for e in flash.engines:
+        lines = [w for w in e.why if w.startswith("token capacity ")]
+        assert len(lines) == 1 and f"{e.capacity_ratio:.2f}× the default's" in lines[0], e.why
+    kva = flash.engine("kvatlas")
+    assert re.search(r"[\d,]+ resume points (\([\d,]+ kept, [^)]*\) )?take [\d,]+ B",
+                     next(w for w in kva.why if w.startswith("token capacity ")))
+
+
+def test_the_kvatlas_default_row_is_what_compare_says(capsys):
+    assert main(["compare", "--tp", "8", "--json"]) == 0
+    comp = next(e for e in json.loads(capsys.readouterr().out)["engines"] if e["engine"] == "kvatlas")
+    assert main(["tune", "--tp", "8", "--engines", "kvatlas", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["engines"][0]["default"]["token_capacity"] == comp["token_capacity"]
+    assert doc["budget_bytes"] == comp["budget_bytes"] == 114_536_191_390
+    assert doc["engines"][0]["default"]["max_running_requests"] == comp["max_running_requests"]
+    why = next(w for w in doc["engines"][0]["why"] if w.startswith("token capacity "))
+    assert "resume points (7,018 kept" in why and f"{comp['token_capacity']:,} →" in why   # what differs, and why
+
+
+def test_engines_named_twice_are_advised_once(capsys):
+    assert main(["tune", "tiny-v4", "--memory", "1GiB", "--engines", "kvatlas,kvatlas,vllm,vllm", "--json"]) == 0
+    assert [e["engine"] for e in json.loads(capsys.readouterr().out)["engines"]] == ["kvatlas", "vllm 0.33"]
+    t = tune("tiny-v4", profile([Request(id="a", arrival_s=0.0, prompt_tokens=100, output_tokens=10)]),
+             memory_bytes=2**30, engines=["vllm", "vllm"])
+    assert [e.engine for e in t.engines] == ["vllm 0.33"]
+
+
+def test_weights_zero_as_plan_takes_it(capsys):
+    assert main(["plan", "--weights", "0", "--json"]) == 0
+    plan_budget = json.loads(capsys.readouterr().out)["budget_bytes"]
+    assert main(["tune", "--weights", "0", "--engines", "kvatlas", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["budget_bytes"] == plan_budget and doc["weights_bytes"] == 0
+
+
+def test_a_small_budget_gets_resume_points_that_fit(capsys):
+    """tiny-v4 in 64 MiB: kvatlas's defaults (256 requests) do not start there, and the tuned row
+    says so; its own pick of resume points fits (it used to pick 31, which did not)."""
+    assert main(["tune", "tiny-v4", "--memory", "64MiB", "--engines", "kvatlas", "--json"]) == 0
+    e = json.loads(capsys.readouterr().out)["engines"][0]
+    assert e["default"]["token_capacity"] == 0 and "refused" in e["default"]["reported"]
+    import kvatlas
+    f = e["tuned"]["flags"]
+    p = kvatlas.plan("tiny-v4", "64MiB", max_running_requests=f["--max-running-requests"],
+                     max_model_len=f["--max-model-len"], chunked_prefill_tokens=f["--chunked-prefill-tokens"],
+                     prefix_checkpoints=f["--prefix-checkpoints"])
+    assert p.max_total_tokens == e["tuned"]["token_capacity"] and any("refuses to start" in w for w in e["why"])

@@ -32,6 +32,9 @@ def parse_bytes(text: str | int, field: str = "memory") -> int:
         number = match.group(1)
         # whole numbers stay exact ints (a float would round 400 digits to inf); fractions
         # are capped first, so float() never sees more than a few digits that matter
+        if "." in number and _UNITS[unit] == 1 and float(number[:40]) != int(float(number[:40])):
+            raise ConfigError(field, f"{_short(text)} is a fraction of a byte",
+                              "give whole bytes, or a unit: 1.5GiB, 1.5GB")
         if "." in number:
             value = int(float(number[:40]) * _UNITS[unit]) if len(number.split(".")[0]) < 25 else MAX_BYTES + 1
         else:

@@ -8,16 +8,23 @@ import heapq
 import math
 from dataclasses import dataclass
 
+from ..checks import real, whole
 from ..errors import ConfigError
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Pace:
-    """The time model's three numbers (driving.timemodel), as plain floats."""
+    """The time model's three numbers (driving.timemodel), as plain floats: each a finite number
+    of seconds, the pass's above 0, the per-token ones at least 0 (checked when made)."""
 
     pass_s: float = 0.020
     prefill_s_per_token: float = 40e-6
     decode_s_per_token: float = 100e-6
+
+    def __post_init__(self) -> None:
+        real("pass_s", self.pass_s, 0.0, 3600.0, open_low=True)
+        real("prefill_s_per_token", self.prefill_s_per_token, 0.0, 1e3)
+        real("decode_s_per_token", self.decode_s_per_token, 0.0, 1e3)
 
     def prefill_s(self, tokens: int, chunk: int) -> float:
         """What `tokens` prompt tokens take of a prefill stream that runs `chunk` tokens a pass."""
@@ -44,6 +51,11 @@ class Profile:
         return {k: getattr(self, k) for k in self.__slots__}
 
 
+def check_pace(pace, field: str = "pace") -> None:
+    if not isinstance(pace, Pace):
+        raise ConfigError(field, f"{type(pace).__name__} is not a Pace", "give kvatlas.advice.Pace(pass_s=..., ...)")
+
+
 def _quantile(sorted_values: list[int], q: float) -> int:
     return sorted_values[min(len(sorted_values) - 1, math.ceil(q * len(sorted_values)) - 1)]
 
@@ -52,7 +64,17 @@ def profile(requests, pace: Pace = Pace(), chunk: int = 8192) -> Profile:
     """`requests`: objects with id, arrival_s, prompt_tokens, output_tokens and optionally `after`
     and `think_s` (driving.workload.Request). In flight = from arrival to its end on the fluid
     model of `_starts` (an estimate; `kvatlas tune --simulate` measures the peak instead)."""
+    check_pace(pace)
+    whole("chunk", chunk, 1, 1 << 30)
+    if requests is None or isinstance(requests, (str, bytes, dict)) or not hasattr(requests, "__iter__"):
+        raise ConfigError("requests", f"{type(requests).__name__} is not a list of requests",
+                          "give requests with id, arrival_s, prompt_tokens and output_tokens (kvatlas.driving.workload)")
     reqs = list(requests)
+    fields = ("id", "arrival_s", "prompt_tokens", "output_tokens")
+    bad = [r for r in reqs if not all(hasattr(r, a) for a in fields)][:1]   # a list: None is a bad one too
+    if bad:
+        raise ConfigError("requests", f"{bad[0]!r:.40} is not a request",
+                          "give requests with id, arrival_s, prompt_tokens and output_tokens (kvatlas.driving.workload)")
     if not reqs:
         raise ConfigError("workload", "holds no request", "give a trace or a synthetic workload with requests")
     ends: dict = {}

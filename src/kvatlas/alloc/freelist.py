@@ -43,10 +43,10 @@ class FreeList:
     def check(self, name: str) -> list[str]:
         free = self._stack[:self._top]
         problems = []
-        if len(np.unique(free)) != len(free):
-            problems.append(f"{name}: an id is free twice")
         if len(free) and (free.min() < 1 or free.max() > self.capacity):
             problems.append(f"{name}: a free id is out of range")
+        elif len(free) != int(np.count_nonzero(np.bincount(free, minlength=1))):   # O(n), no hashing
+            problems.append(f"{name}: an id is free twice")
         if np.any(self.owner[free] != 0):
             problems.append(f"{name}: a free id has an owner")
         if int(np.count_nonzero(self.owner[1:])) != self.used:

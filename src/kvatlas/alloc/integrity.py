@@ -64,7 +64,7 @@ def _owned(a, live, name, freelist, ids_of) -> list[str]:
             out.append(f"{name}: slot {s} lists a page it does not own")
         seen.append(ids)
     allids = np.concatenate(seen) if seen else np.zeros(0, np.int64)
-    if len(np.unique(allids)) != len(allids):
+    if len(allids) and np.bincount(allids).max() > 1:
         out.append(f"{name}: a page is listed twice")
     return out
 
@@ -83,11 +83,20 @@ def ledger_problems(a, ledger) -> list[str]:
             want["swa"] = want.get("swa", 0) + int(np.count_nonzero(a.swa.owner == CACHE_OWNER)) * a.Ps
     out = [f"ledger entries {k}: {ledger.entries_used.get(k, 0)} != {v}" for k, v in want.items()
            if ledger.entries_used.get(k, 0) != v]
+    return out + counter_problems(a, ledger)
+
+
+def counter_problems(a, ledger) -> list[str]:
+    """The counters that must agree, each read in O(1) (the simulator's check after every pass):
+    the ledger's units and running requests against the free lists and the slot table, and the
+    outstanding reservations within the free pages."""
     used = {REQUEST_SLOTS: a.slots.used, FULL_PAGES: a.full.used if a.full else 0,
             SWA_PAGES: a.swa.used if a.swa else 0, CHECKPOINTS: a.ckpt.used if a.ckpt else 0}
-    out += [f"ledger units {g}: {ledger.units_used[g]} != {n}" for g, n in used.items() if ledger.units_used[g] != n]
-    if ledger.running_requests != len(live):
-        out.append(f"ledger running {ledger.running_requests} != {len(live)}")
+    out = [f"ledger units {g}: {ledger.units_used[g]} != {n}" for g, n in used.items() if ledger.units_used[g] != n]
+    if ledger.running_requests != len(a.slot_of):
+        out.append(f"ledger running {ledger.running_requests} != {len(a.slot_of)}")
+    if a.full is not None and not 0 <= a.outstanding <= a.full.free:
+        out.append(f"full_pages: outstanding reservations {a.outstanding} outside [0, free {a.full.free}]")
     return out
 
 

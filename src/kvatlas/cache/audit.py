@@ -97,10 +97,15 @@ def audit(obj: Any, *, max_objects: int = 1_000_000, max_depth: int = 64,
     deep containers are expanded; hitting either sets `truncated`. `root` prefixes every path
     (e.g. root="cache" gives "cache.pools['c4_kv'].buffer").
     """
+    for name, value, low in (("max_objects", max_objects, 1), ("max_depth", max_depth, 0)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(name, f"{value!r} is not a whole number", f"pass an integer of at least {low}")
     if max_objects < 1:
         raise ConfigError("max_objects", f"must be >= 1, got {max_objects}", "pass a positive cap")
     if max_depth < 0:
         raise ConfigError("max_depth", f"must be >= 0, got {max_depth}", "pass 0 or more")
+    if not isinstance(root, str):
+        raise ConfigError("root", f"{root!r} is not a string", "pass a path prefix such as 'cache', or ''")
     walker = _Walker(_import_torch(), max_objects, max_depth)
     walker.run(obj, root)
     return walker.report()

@@ -42,7 +42,12 @@ class UsageError(Exception):
 
 class Parser(argparse.ArgumentParser):
     """argparse that raises instead of printing a usage block and exiting, so every refusal,
-    argparse's or kvatlas's, is one line of the same shape."""
+    argparse's or kvatlas's, is one line of the same shape. No abbreviations: `--ranks` is never
+    taken for another flag that starts so, and a flag added later cannot change what a prefix means."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs["allow_abbrev"] = False
+        super().__init__(*args, **kwargs)
 
     def error(self, message):
         raise UsageError(message)

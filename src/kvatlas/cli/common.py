@@ -59,7 +59,7 @@ def parse_tokens(text: str, field: str) -> int:
     body = text.strip().lower()
     unit = body[-1:] if body[-1:] in ("k", "m") else ""
     digits = body[: len(body) - len(unit)]
-    if not digits.isdigit() or len(digits) > 12 or int(digits) == 0:
+    if not _ascii_digits(digits) or len(digits) > 12 or int(digits) == 0:
         raise ConfigError(field, f"{_quote(text)} is not a token count",
                           "give a whole number of tokens above 0, e.g. 131072, 128K or 1M")
     return int(digits) * _TOKEN_UNITS[unit]
@@ -69,14 +69,25 @@ def parse_mix(text: str, field: str) -> list[tuple[int | None, int]]:
     """"8x128K,32x4K" → [(8, 131072), (32, 4096)]; a part without a count ("128K") → (None, 131072)."""
     out = []
     for part in text.split(","):
-        count_text, _, ctx_text = part.strip().rpartition("x")
-        if count_text and not (count_text.isdigit() and 0 < int(count_text) <= MAX_COUNT):
+        if not part.strip():
+            raise ConfigError(field, f"{_quote(text)} has an empty part" if text.strip() else "is empty",
+                              "write REQUESTSxCONTEXT parts joined by commas, e.g. 8x128K,32x4K, or a bare context such as 128K")
+        count_text, x, ctx_text = part.strip().rpartition("x")
+        if (count_text or x) and not (_ascii_digits(count_text) and 0 < int(count_text) <= MAX_COUNT):
             raise ConfigError(field, f"{_quote(part)} does not start with a request count",
+                              "write REQUESTSxCONTEXT, e.g. 8x128K, or a bare context such as 128K")
+        if not ctx_text.strip():
+            raise ConfigError(field, f"{_quote(part)} names no context",
                               "write REQUESTSxCONTEXT, e.g. 8x128K, or a bare context such as 128K")
         out.append((int(count_text) if count_text else None, parse_tokens(ctx_text, field)))
     if not out:
         raise ConfigError(field, f"{_quote(text)} names nothing to fit", "give e.g. 8x128K or 8x128K,32x4K")
     return out
+
+
+def _ascii_digits(text: str) -> bool:
+    """0-9 only: str.isdigit() also takes full-width (１２８) and Arabic-Indic (٨) digits."""
+    return text.isascii() and text.isdigit()
 
 
 def _quote(text: str) -> str:
@@ -188,14 +199,19 @@ def options_from_args(args) -> dict:
         "memory_bytes": parse_bytes(args.memory, "--memory") if args.memory is not None else None,
     }
     if args.weights is not None:
-        w = args.weights.strip()
-        out["weights_bytes"] = "auto" if w == "auto" else 0 if w == "0" else parse_bytes(args.weights, "--weights")
+        out["weights_bytes"] = weights_arg(args.weights)
     elif args.memory is None:
         out["weights_bytes"] = "auto"
     for key, value in (("gpu", args.gpu), ("mem_fraction", args.mem_fraction)):
         if value is not None:
             out[key] = value
     return out
+
+
+def weights_arg(text: str):
+    """--weights as plan() takes it: "auto", 0 (none: the whole fraction is KV) or bytes."""
+    w = text.strip()
+    return "auto" if w == "auto" else 0 if w in ("0", "0B") else parse_bytes(text, "--weights")
 
 
 def plan_from_args(args):
@@ -218,25 +234,30 @@ FLAGS = {
     "followup_len": "--followup-len", "system_prompt_len": "--system-prompt-len", "think_s": "--think",
     "system_prompts": "--system-prompts", "turns": "--turns", "rate": "--rate", "duration": "--duration",
     "seed": "--seed", "workload": "--workload", "host": "--host", "port": "--port",
+    "namespace": "--shared-namespace", "policy": "--shared-policy",
     # compare's engine options (kvatlas.engines.compare(engine_options=...))
-    "engine": "--engines", "swa_ratio": "--sglang-swa-ratio", "prefix_tails": "--sglang-prefix-tails",
+    "engine": "--engines", "engines": "--engines", "swa_ratio": "--sglang-swa-ratio", "prefix_tails": "--sglang-prefix-tails",
     "platform": "--sglang-platform", "max_num_batched_tokens": "--vllm-max-num-batched-tokens",
     "entrypoint": "--vllm-entrypoint",
 }
 # names that are also plain words ("the backend", "a device") are flags only as `name=` or `name:`
-_WORDS = {"engine", "platform", "entrypoint", "indexer", "backend", "device", "rate", "duration", "seed", "workload", "turns", "host", "port"}
-_NAME = re.compile(r"(?<![\w.\-])(" + "|".join(sorted(FLAGS, key=len, reverse=True)) + r")(?![\w\-])"
-                   r"(=(['\"]?)([^\s'\",;)]*)\3|:)?")
+_WORDS = {"engine", "engines", "namespace", "policy", "platform", "entrypoint", "indexer", "backend", "device", "rate", "duration", "seed", "workload", "turns", "host", "port"}
+_NAME = re.compile(r"(?P<quoted>(?<![\w=])'[^'\n]*'|(?<![\w=])\"[^\"\n]*\")"   # a value the user gave, quoted
+                   r"|(?<![\w.\-])(" + "|".join(sorted(FLAGS, key=len, reverse=True)) + r")(?![\w\-])"
+                   r"(=(['\"]?)([^\s'\",;)]*)\4|:)?")
 
 
 def cli_terms(message: str) -> str:
     """`message` with Python argument names as the flags: "max_model_len=4096" becomes
-    "--max-model-len 4096", "backend='plain'" "--backend plain", "kv_layout:" "--layout:"."""
+    "--max-model-len 4096", "backend='plain'" "--backend plain", "kv_layout:" "--layout:". A quoted value ('tp') is the user's own word
+    and stays as typed."""
     def swap(m: re.Match) -> str:
-        name, tail = m.group(1), m.group(2) or ""
+        if m.group("quoted"):   # the user's own value (repr-quoted): never rewritten
+            return m.group(0)
+        name, tail = m.group(2), m.group(3) or ""
         if name in _WORDS and not tail:
             return m.group(0)
         if tail.startswith("="):
-            return f"{FLAGS[name]} {m.group(4)}".rstrip()
+            return f"{FLAGS[name]} {m.group(5)}".rstrip()
         return FLAGS[name] + tail
     return _NAME.sub(swap, message)

@@ -3,7 +3,6 @@ simulator and its writer, and the end-of-run summary."""
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import stat
@@ -20,6 +19,7 @@ from .runreport import run_rows
 
 
 def add_workload_args(p) -> None:
+    """The workload: synthetic or a trace (serve, simulate, tune)."""
     g = p.add_argument_group("workload")
     g.add_argument("--workload", default="synthetic", help="synthetic (default) or a JSONL trace file: "
                    'kvatlas (one {"arrival_s", "prompt_tokens", "output_tokens"} per line) or Mooncake '
@@ -43,9 +43,10 @@ def add_workload_args(p) -> None:
     g.add_argument("--system-prompt-len", default="2048", help="synthetic: system prompt lengths (same forms)")
     g.add_argument("--seed", type=count(0, 2**63 - 1), default=0, help="seed of arrivals, lengths and draft acceptance")
     g.add_argument("--strict-trace", action="store_true", help="a malformed trace line is fatal (default: skip it)")
-    g.add_argument("--accept-rate", type=number(0.0, 1.0), default=0.7, help="probability each draft token is accepted")
-    g.add_argument("--write-layers", default=None,
-                   help="layers per pool that get real KV writes: N or 'all' (default: 1 on CPU, all on CUDA)")
+
+
+def add_time_model_args(p) -> None:
+    """What one forward pass costs (serve, simulate, tune)."""
     g = p.add_argument_group("time model (one forward pass = step + prefill × tokens + decode × tokens)")
     g.add_argument("--step-ms", type=number(0.0, 3.6e6, open_low=True), default=20.0,
                    help="fixed time of every forward pass (default 20 ms)")
@@ -53,17 +54,39 @@ def add_workload_args(p) -> None:
                    help="time per prompt token computed; cache hits are not computed (default 40 µs)")
     g.add_argument("--decode-us-per-token", type=number(0.0, 1e9), default=100.0,
                    help="time per token a decoding request writes (default 100 µs)")
-    g.add_argument("--sample-ms", type=number(0.0, 3.6e9), default=None,
-                   help="simulate: a timeline point at most every this many ms of virtual time "
-                        "(default: 1/2000 of the workload's span)")
+
+
+def add_run_args(p) -> None:
+    """How a real cache is driven (serve, simulate): drafts, KV writes, device, backend, checks."""
+    g = p.add_argument_group("run")
+    g.add_argument("--accept-rate", type=number(0.0, 1.0), default=0.7, help="probability each draft token is accepted")
+    g.add_argument("--write-layers", default=None,
+                   help="layers per pool that get real KV writes: N or 'all' (default: 1 on CPU, all on CUDA)")
+    g.add_argument("--check-integrity", action="store_true", help="debug: compare the counters after every forward "
+                   "pass and recount every book (allocator, ledger, prefix cache, host tier) after the first, the "
+                   "last and as many passes between as the same CPU time again allows (at most about 2x the run's "
+                   "CPU); a broken one stops the run as a bug (exit 1)")
+    g.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
+    g.add_argument("--backend", default="plain", help="arena backend: plain (default), vmm (CUDA), or none: "
+                   "allocator and ledger only, no pool tensors (any plan size; no KV writes)")
+
+
+def add_drive_args(p) -> None:
+    """Every flag `serve` and `simulate` share: the workload, the time model, the run, the tiers."""
+    add_workload_args(p)
+    add_time_model_args(p)
+    add_run_args(p)
+    add_tier_args(p)
+
+
+def add_tier_args(p) -> None:
+    """The host tier and the shared tier below it (serve, simulate)."""
     g = p.add_argument_group("host tier (under the prefix cache)")
     g.add_argument("--host-memory", default=None, help="bytes of host tier (e.g. 128GiB): pages and resume points "
                    "evicted from the device move there and come back before the request's first pass; the "
                    "simulator charges each move its modeled time (H200 bandwidth). Needs --prefix-checkpoints")
     g.add_argument("--host-checkpoint-share", type=number(0.0, 1.0), default=None,
                    help="share of the host tier's bytes for resume points, in [0, 1) (default 1/3)")
-    p.add_argument("--check-integrity", action="store_true", help="debug: recount every book (allocator, ledger, "
-                   "prefix cache, host tier) after every forward pass; a broken one stops the run as a bug (exit 1)")
     g = p.add_argument_group("shared tier (under the host tier; every cache process of a deployment shares it)")
     g.add_argument("--shared-tier", default=None, metavar="URL",
                    help="a shared store below the host tier: mooncake://MASTER:PORT?metadata=http://HOST:PORT/metadata "
@@ -77,11 +100,7 @@ def add_workload_args(p) -> None:
     g.add_argument("--shared-startup-s", type=number(0.0, 600.0, open_low=True), default=5.0,
                    help="seconds to wait for the store at start-up (default 5): a store not open by then serves "
                         "misses (tier_unavailable) while it is tried again in the background, backing off to 30 s")
-    g.add_argument("--rank", type=count(0, 1 << 20), default=0, help=argparse.SUPPRESS)   # set by simulate --ranks
-    g.add_argument("--ranks-of", type=count(1, 64), default=1, help=argparse.SUPPRESS)
-    p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
-    p.add_argument("--backend", default="plain", help="arena backend: plain (default), vmm (CUDA), or none: "
-                   "allocator and ledger only, no pool tensors (any plan size; no KV writes)")
+    p.set_defaults(rank=0, ranks_of=1, sample_ms=None)   # simulate --ranks' children and simulate set them
 
 
 def requests_from_args(args) -> list:
@@ -176,6 +195,9 @@ def prepare(args, plan_from_args, *, defer_pipe: bool = False) -> Prepared:
     if args.backend == "none" and args.write_layers not in (None, "0"):
         raise ConfigError("--write-layers", f"{args.write_layers!r} with --backend none",
                           "drop --write-layers: the bookkeeping backend holds no rows to write")
+    if args.rank >= args.ranks_of:
+        raise ConfigError("--rank", f"{args.rank} is not a rank of --ranks-of {args.ranks_of}",
+                          f"give 0 to {args.ranks_of - 1}")
     requests = None if defer_pipe and workload_may_block(args) else read_requests(args)
     p = plan_from_args(args)
     host_bytes = host_memory(args, p)
@@ -183,8 +205,9 @@ def prepare(args, plan_from_args, *, defer_pipe: bool = False) -> Prepared:
         if host_bytes is None:
             raise ConfigError("--shared-tier", "the shared tier sits below the host tier, and there is none",
                               "add --host-memory BYTES (and --prefix-checkpoints N)")
-        from ..tiers.shared import check_url
+        from ..tiers.shared import check_shared_args, check_url
         check_url(args.shared_tier, "--shared-tier")   # the whole URL, before anything is allocated
+        check_shared_args(args.shared_namespace, args.rank, args.shared_policy, args.shared_deadline_ms / 1e3)
     require_torch("allocating a cache")
     from ..cache.arena import parse_device
     device = parse_device(args.device)
@@ -330,6 +353,8 @@ def summary(cache, sim, writer, wall_s: float, how: str) -> str:
         ["shared tier", _shared_line(sim)],
         ["KV writes", _writes(writer)],
         *run_rows(cache, sim),
+        *([["integrity", f"{sim.integrity_recounts:,} whole recounts of every book over {s.steps:,} passes, the "
+                          "counters compared after each; all exact"]] if sim.check_integrity else []),
         ["time model", sim.time_model.describe() + _host_model(sim)],
         ["wall time", f"{wall_s:.2f} s ({how})"],
     ]

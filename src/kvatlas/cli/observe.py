@@ -3,7 +3,6 @@ print where it is, list them, or write them all to a folder."""
 
 from __future__ import annotations
 
-import os
 import sys
 
 from ..errors import ConfigError
@@ -19,13 +18,20 @@ def add_parser(p) -> None:
 
 
 def run(args) -> int:
-    if args.write:
-        if os.path.exists(args.write) and not os.path.isdir(args.write):
-            raise ConfigError("--write", f"{args.write!r} is a file", "give a folder (it is made if missing)")
-        for p in shipped.write_all(args.write):
+    if args.write is not None:
+        beside = [f for f, on in (("NAME", args.name is not None), ("--list", args.list), ("--path", args.path)) if on]
+        if beside:
+            raise ConfigError("--write", f"writes every file, and {beside[0]} picks one",
+                              f"drop {beside[0]}, or drop --write")
+        for p in shipped.write_all(args.write, "--write"):
             print(p)
         return 0
-    if args.list or not args.name:
+    if args.list and (args.name is not None or args.path):
+        raise ConfigError("--list", "lists every file, and " + ("NAME" if args.name is not None else "--path")
+                          + " asks for one", "drop one of them")
+    if args.path and args.name is None:
+        raise ConfigError("--path", "needs the NAME of a file", "give e.g. kvatlas observe --path rules")
+    if args.list or args.name is None:
         width = max(map(len, shipped.names()))
         for n in shipped.names():
             print(f"{n:<{width}}  {shipped.path(n)}")

@@ -22,10 +22,14 @@ def add_parser(p) -> None:
 
 def run(args) -> int:
     check_output_file("--plot", args.plot)
-    fit = parse_mix(args.fit, "--fit") if args.fit else None
+    fit = parse_mix(args.fit, "--fit") if args.fit is not None else None
+    if fit is not None and given(args, "--max-running-requests"):
+        raise ConfigError("--max-running-requests", f"given beside --fit {args.fit}, which answers it",
+                          "drop --max-running-requests (--fit NxCTX sets it to the requests of the mix; "
+                          "--fit CTX prints it for the budget)")
     if fit and all(n is not None for n, _ in fit):
-        p = _smallest(args, fit)
-        lines = [fit_line(p, fit)]
+        p, weights = _smallest(args, fit)
+        lines = [fit_line(p, fit, weights, given(args, "--weights"))]
     else:
         p = plan_from_args(args)
         lines = [] if fit is None else _running_for(p, fit)
@@ -99,32 +103,81 @@ def text_report(p, sized: bool = False) -> str:
     return "\n\n".join([head, pools, total, figures, conc])
 
 
+def given(args, flag: str) -> bool:
+    """Whether the command line typed `flag` (a default is not a choice the user made)."""
+    return any(a == flag or a.startswith(flag + "=") for a in getattr(args, "argv", None) or [])
+
+
 def _smallest(args, fit):
+    """The smallest KV budget for the mix, refused where it and the weights do not fit the GPU
+    share (--gpu × --mem-fraction), naming the smallest --tp that fits when there is one."""
+    from ..planning.options import GPU_MEMORY_BYTES
     from ..planning.planner import budget_for_mix
     if any(n is None for n, _ in fit):
         raise ConfigError("--fit", "mixes counted parts (8x128K) with bare contexts (128K)",
                           "give every part a count to size a budget, or none to size max running requests")
+    if args.memory is not None:
+        raise ConfigError("--memory", f"given beside --fit {args.fit}, which sizes the budget",
+                          "drop --memory, or give --fit with bare contexts (--fit 128K) to size "
+                          "--max-running-requests for that budget")
+    longest = max(ctx for _, ctx in fit)
+    if args.max_model_len is not None and longest > args.max_model_len:
+        raise ConfigError("--fit", f"asks for {longest:,}-token contexts, longer than --max-model-len {args.max_model_len:,}",
+                          "raise --max-model-len, or drop it (it is then the longest context of the mix)")
     opts = options_from_args(args)
     opts.pop("memory_bytes")   # the budget is what is asked for
-    opts["weights_bytes"] = 0  # the KV budget alone; fit_line adds the weights to say what GPU share it is
+    weights = opts.pop("weights_bytes", "auto")   # the KV budget alone; the weights and the GPU
+    fraction = opts.pop("mem_fraction", 0.9)        # share only check that it fits beside them
     opts.pop("max_running_requests")   # as many slots as requests in the mix
     if opts["max_model_len"] is None:
         opts.pop("max_model_len")      # the longest context of the mix
-    return budget_for_mix(args.model, fit, **opts)
+    p = budget_for_mix(args.model, fit, **opts)
+    o = p.options
+    share = int(GPU_MEMORY_BYTES[o.gpu] * fraction)
+    w = _weights_of(p, o) if weights == "auto" else weights
+    if p.total_bytes + w <= share:
+        return p, w
+    want = " + ".join(f"{n:,} × {ctx:,}" for n, ctx in fit)
+    hint = None
+    if weights == "auto":
+        for tp in (2, 4, 8, 16, 32, 64):
+            if tp <= o.tp:
+                continue
+            try:
+                q = budget_for_mix(args.model, fit, **{**opts, "tp": tp})
+            except ConfigError:   # this tp does not divide the heads or experts
+                continue
+            if q.total_bytes + _weights_of(q, q.options) <= share:
+                hint = f"use --tp {tp} (the smallest that fits)"
+                break
+    raise ConfigError("--fit", f"{want} tokens at once need {p.total_bytes:,} B of KV per rank beside {w:,} B of "
+                      f"weights, {100 * (p.total_bytes + w) / GPU_MEMORY_BYTES[o.gpu]:.1f}% of one {o.gpu}, more than "
+                      f"the {share:,} B --mem-fraction {fraction:g} gives at --tp {o.tp} --pp {o.pp}",
+                      (hint or ("lower --weights (given per rank, whatever --tp), or ask for fewer or shorter requests"
+                                if weights != "auto" else "no --tp holds it on one GPU: ask for fewer or shorter "
+                                "requests, or spread them over --dp ranks"))
+                      + (", or a larger --gpu" if o.gpu != "b200" else ""))
 
 
-def fit_line(p, fit) -> str:
+def _weights_of(p, o) -> int:
+    return o.auto_weights(p.model, o).bytes if p.model.weights is not None else 0
+
+
+def fit_line(p, fit, weights: int | None = None, weights_given: bool = False) -> str:
+    """What the inverse found, and (`weights`, from the config or given) the GPU share it takes."""
     want = " + ".join(f"{n:,} × {ctx:,}" for n, ctx in fit)
     o = p.options
     line = (f"smallest budget for {want} tokens at once: {p.total_bytes:,} B ({fmt_bytes(p.total_bytes)}) per rank; "
             f"start with --memory {p.total_bytes} --max-running-requests {o.max_running_requests} "
-            f"--max-model-len {o.max_model_len}")
-    if p.model.weights is not None:
+            f"--max-model-len {o.max_model_len}" + (f" --tp {o.tp}" if o.tp > 1 else "") + (f" --pp {o.pp}" if o.pp > 1 else ""))
+    if weights is None and p.model.weights is not None:
+        weights = o.auto_weights(p.model, o).bytes
+    if weights:
         from ..planning.options import GPU_MEMORY_BYTES
-        w = o.auto_weights(p.model, o).bytes
         gpu = GPU_MEMORY_BYTES[o.gpu]
-        line += (f"\nwith the weights from the config ({w:,} B per rank at tp={o.tp} pp={o.pp}) that is "
-                 f"{w + p.total_bytes:,} B, {100 * (w + p.total_bytes) / gpu:.1f}% of one {o.gpu}")
+        where = "given" if weights_given else f"from the config, per rank at tp={o.tp} pp={o.pp}"
+        line += (f"\nwith the weights ({weights:,} B {where}) that is "
+                 f"{weights + p.total_bytes:,} B, {100 * (weights + p.total_bytes) / gpu:.1f}% of one {o.gpu}")
     return line
 
 

@@ -4,16 +4,29 @@ Requests are dealt round-robin in arrival order (request i to rank i mod N), as 
 router (SGLang's DP attention, vLLM's DP balancer) deals them; a later turn whose previous turn
 went to another rank arrives at its own arrival time. Each rank is this same command again
 (`--rank R --ranks-of N`, output PREFIX.rankR.*), a separate process with its own cache and host
-tier, all sharing `--shared-tier`; at the end the ranks' prefix-cache figures are added up."""
+tier, all sharing `--shared-tier`; at the end the ranks' prefix-cache figures are added up.
+
+The parent checks every argument (the plan, the workload, the tiers' sizes and URL, the device)
+before it starts a rank, so a bad one is refused once, in one line. `--rank`/`--ranks-of` exist
+only in a process started with RANK_CHILD_ENV set (the parent sets it). SIGTERM or SIGINT to the
+parent stops every rank (by its PID) before the parent exits.
+
+Not repeatable run to run, even with `--seed`: each rank runs its own virtual clock as fast as
+its CPU allows, so which rank writes a shared entry first (and so which rank's later request
+finds it) depends on the processes' wall-clock speed; the summary says so."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import signal
 import subprocess
 import sys
 
 from ..errors import ConfigError
+
+RANK_CHILD_ENV = "KVATLAS_RANK_CHILD"   # set by run_ranks in each rank's environment
 
 
 def deal(requests, rank: int, n: int) -> list:
@@ -37,26 +50,64 @@ def _child_argv(args, rank: int) -> list[str]:
     return ["simulate", *argv, "--out", f"{args.out}.rank{rank}", "--rank", str(rank), "--ranks-of", str(args.ranks)]
 
 
-def run_ranks(args) -> int:
+def run_ranks(args, prepare) -> int:
+    """`prepare`: drive.prepare, which checks every argument (passed in: drive imports this module)."""
     if args.shared_tier is None:
         raise ConfigError("--ranks", "N ranks with no store to share are N separate caches",
                           "add --shared-tier mooncake://... or redis://... (and --host-memory)")
     if args.shared_tier.startswith("memory://"):
         raise ConfigError("--shared-tier", "memory:// lives inside one process; the ranks are separate processes",
                           "give mooncake://... or redis://...")
-    procs = [subprocess.Popen([sys.executable, "-m", "kvatlas", *_child_argv(args, r)]) for r in range(args.ranks)]
-    codes = [p.wait() for p in procs]
-    if any(codes):
-        print(f"kvatlas simulate: error: --ranks: rank {codes.index(next(c for c in codes if c))} exited with "
-              f"{next(c for c in codes if c)}; see its output above", file=sys.stderr)
+    from .common import plan_from_args
+    prepare(args, plan_from_args, defer_pipe=True)   # every argument, once, before any rank starts
+    env = {**os.environ, RANK_CHILD_ENV: "1"}
+    procs = []
+    stopped = []
+
+    def stop(signum, frame):
+        stopped.append(signal.Signals(signum).name)
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+    old = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        for r in range(args.ranks):
+            if stopped:
+                break
+            procs.append(subprocess.Popen([sys.executable, "-m", "kvatlas", *_child_argv(args, r)], env=env))
+        codes = [p.wait() for p in procs]
+    finally:
+        for p in procs:   # an error here (or a second signal) must not leave a rank running
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+    if stopped:
+        print(f"kvatlas simulate: stopped by {stopped[0]}; stopped {len(procs)} rank processes", file=sys.stderr)
+        return 130 if stopped[0] == "SIGINT" else 143
+    bad = next(((r, c) for r, c in enumerate(codes) if c), None)
+    if bad is not None:
+        r, c = bad
+        how = f"was killed by {_signal_name(-c)}" if c < 0 else f"exited with {c}"
+        print(f"kvatlas simulate: error: --ranks: rank {r} {how}; see its output above", file=sys.stderr)
         return 1
     rows = [json.load(open(f"{args.out}.rank{r}.json")) for r in range(args.ranks)]
     hit, queried = sum(r["hit_tokens"] for r in rows), sum(r["queried_tokens"] for r in rows)
     shared = sum(r["shared_hit_tokens"] for r in rows)
     print(f"\n{args.ranks} ranks together: prefix-cache hit {hit / max(queried, 1):.1%} ({hit:,} of {queried:,} "
           f"prompt tokens); served from the shared tier {shared:,} tokens; per rank: "
-          + ", ".join(f"{r['rank']}: {r['hit_tokens'] / max(r['queried_tokens'], 1):.1%}" for r in rows))
+          + ", ".join(f"{r['rank']}: {r['hit_tokens'] / max(r['queried_tokens'], 1):.1%}" for r in rows)
+          + "\n(not repeatable run to run, even with --seed: each rank runs its own virtual clock, so which rank "
+            "writes a shared entry first depends on how fast each process runs)")
     return 0
+
+
+def _signal_name(n: int) -> str:
+    try:
+        return signal.Signals(n).name
+    except ValueError:
+        return f"signal {n}"
 
 
 def write_rank_result(args, cache, sim) -> str:

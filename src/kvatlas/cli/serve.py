@@ -18,12 +18,12 @@ import time
 from ..units import fmt_bytes
 from . import EXIT_INTERRUPTED
 from .common import add_deployment_args, count, number, plan_from_args
-from .drive import add_workload_args, build, summary
+from .drive import add_drive_args, build, summary
 
 
 def add_parser(p) -> None:
     add_deployment_args(p)
-    add_workload_args(p)
+    add_drive_args(p)
     g = p.add_argument_group("endpoints")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: loopback only)")
     g.add_argument("--port", type=count(0, 65535), default=9400, help="TCP port (default 9400; 0 picks a free one)")

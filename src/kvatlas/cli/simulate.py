@@ -3,34 +3,46 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import time
 
 from ..errors import ConfigError
 from ..observing.progress import Bar, wanted
-from .common import add_deployment_args, check_output_file, count, plan_from_args
-from .drive import add_workload_args, build, summary
+from .common import add_deployment_args, check_output_file, count, number, plan_from_args
+from .drive import add_drive_args, build, prepare, summary
+from .ranks import RANK_CHILD_ENV
 
 
 def add_parser(p) -> None:
     add_deployment_args(p)
-    add_workload_args(p)
+    add_drive_args(p)
     g = p.add_argument_group("output")
+    g.add_argument("--sample-ms", type=number(0.0, 3.6e9), default=None,
+                   help="a timeline point at most every this many ms of virtual time "
+                        "(default: 1/2000 of the workload's span)")
     g.add_argument("--out", default="kvatlas-sim", help="output prefix: writes PREFIX.png, PREFIX.csv (memory "
                    "per pass) and PREFIX.requests.csv (latency per request) (default kvatlas-sim)")
     g.add_argument("--no-plot", action="store_true", help="write the CSV only")
     g.add_argument("--max-steps", type=count(1), default=None, help="stop after this many forward passes")
     p.add_argument("--ranks", type=count(1, 64), default=1, help="run N rank processes, requests dealt round-robin, "
                    "each writing PREFIX.rankR.*, sharing --shared-tier (mooncake:// or redis://) (default 1)")
+    if os.environ.get(RANK_CHILD_ENV) == "1":   # a rank process simulate --ranks started: only it takes these
+        p.add_argument("--rank", type=count(0, 63), required=True, help=argparse.SUPPRESS)
+        p.add_argument("--ranks-of", type=count(2, 64), required=True, help=argparse.SUPPRESS)
 
 
 def run(args) -> int:
     if not args.out or args.out.endswith(os.sep) or os.path.isdir(args.out):
         raise ConfigError("--out", f"{args.out!r} is not a file prefix", "give a prefix such as runs/sim1")
-    check_output_file("--out", f"{args.out}.csv", extensions=None)
+    for prefix in ([args.out] if args.ranks == 1 else [f"{args.out}.rank{r}" for r in range(args.ranks)]):
+        for path in output_paths(prefix, args):   # every file the run writes, before the run
+            check_output_file("--out", path, extensions=None)
+    if args.ranks > 1 and args.ranks_of > 1:
+        raise ConfigError("--ranks", "given to a rank process", "drop --ranks")
     if args.ranks > 1:
         from .ranks import run_ranks
-        return run_ranks(args)
+        return run_ranks(args, prepare)   # drive's checks, passed down: drive imports ranks (deal)
     cache, sim, writer = build(args, plan_from_args)
     t0 = time.perf_counter()
     total = len(sim.pending)
@@ -54,6 +66,16 @@ def run(args) -> int:
         written.append(write_rank_result(args, cache, sim))
     print("\nwritten: " + ", ".join(written))
     return 0
+
+
+def output_paths(prefix: str, args) -> list[str]:
+    """Every file a run with this prefix writes."""
+    paths = [f"{prefix}.csv", f"{prefix}.requests.csv"]
+    if not args.no_plot:
+        paths.append(f"{prefix}.png")
+    if args.ranks_of > 1 or args.ranks > 1:
+        paths.append(f"{prefix}.json")
+    return paths
 
 
 def write_requests(prefix: str, sim) -> str:

@@ -9,8 +9,8 @@ import json
 
 from ..observing.table import render
 from ..units import fmt_bytes, parse_bytes
-from .common import count, number
-from .drive import add_workload_args, requests_from_args, time_model
+from .common import count, number, weights_arg
+from .drive import add_time_model_args, add_workload_args, requests_from_args, time_model
 
 ENGINES = ("sglang", "vllm", "kvatlas")
 
@@ -21,14 +21,20 @@ def add_parser(p) -> None:
     g = p.add_argument_group("deployment")
     g.add_argument("--gpu", default="h200", help="h200 (default), h100, h20 or b200")
     g.add_argument("--tp", type=count(1), default=1, help="tensor parallelism: the weights split over it")
+    g.add_argument("--pp", type=count(1), default=1, help="pipeline stages: the weights and layers split over them "
+                   "(the first stage is advised; default 1)")
     g.add_argument("--mem-fraction", type=number(0.0, 1.0, open_low=True),
                    help="share of the GPU for weights + KV: SGLang's --mem-fraction-static, vLLM's "
                         "--gpu-memory-utilization (default 0.9); not with --memory")
     g.add_argument("--weights", help="the weights' share of one rank, or auto (default: from the config); "
                    "not with --memory")
     g.add_argument("--memory", help="the KV budget per rank instead (then the weights are not asked)")
+    g.add_argument("--max-model-len", type=count(1), help="the longest request the deployment must take (default: "
+                   "the model's context; the advice never sets a context below it, and refuses a workload with a "
+                   "longer request)")
     g.add_argument("--engines", default=",".join(ENGINES), help=f"comma list of {', '.join(ENGINES)} (default all)")
     add_workload_args(p)
+    add_time_model_args(p)
     p.add_argument("--simulate", action="store_true", help="also run the workload through kvatlas's cache with its "
                    "default and its tuned flags: prefix-hit ratio and queueing (bookkeeping backend, no memory)")
     p.add_argument("--json", action="store_true", help="print the advice as JSON (schema kvatlas.tune v1)")
@@ -37,7 +43,7 @@ def add_parser(p) -> None:
 def run(args) -> int:
     from ..advice import Pace, profile, tune
     from ..errors import ConfigError
-    engines = tuple(e.strip() for e in args.engines.split(",") if e.strip())
+    engines = tuple(dict.fromkeys(e.strip() for e in args.engines.split(",") if e.strip()))   # each once
     bad = [e for e in engines if e not in ENGINES]
     if not engines or bad:
         raise ConfigError("--engines", f"{args.engines!r} names {'no engine' if not engines else bad[0]!r}",
@@ -46,25 +52,65 @@ def run(args) -> int:
         raise ConfigError("--simulate", "runs kvatlas's cache, and kvatlas is not in --engines", "add kvatlas")
     tm = time_model(args)
     pace = Pace(pass_s=tm.pass_s, prefill_s_per_token=tm.prefill_s_per_token, decode_s_per_token=tm.decode_s_per_token)
+    from ..planning.model import load_model
+    model = load_model(args.model)
     requests = requests_from_args(args)
+    check_runnable(args, model, requests)
     prof = profile(requests, pace)
     memory = parse_bytes(args.memory, "--memory") if args.memory is not None else None
-    kw = dict(pace=pace, memory_bytes=memory, engines=engines, gpu=args.gpu, tp=args.tp)
-    if args.weights is not None:   # typed: beside --memory it is refused, never ignored
-        kw["weights_bytes"] = "auto" if args.weights.strip() == "auto" else parse_bytes(args.weights, "--weights")
+    kw = dict(pace=pace, memory_bytes=memory, engines=engines, gpu=args.gpu, tp=args.tp, pp=args.pp)
+    if args.weights is not None:   # typed: beside --memory it is refused, never ignored; 0 as plan takes it
+        kw["weights_bytes"] = weights_arg(args.weights)
     if args.mem_fraction is not None:
         kw["mem_fraction"] = args.mem_fraction
-    t = tune(args.model, prof, **kw)
+    if args.max_model_len is not None:
+        kw["max_model_len"] = args.max_model_len
+    t = tune(model, prof, **kw)
     simulated = None
     if args.simulate:
+        if t.engine("kvatlas").default.result is None:
+            raise ConfigError("--simulate", "kvatlas refuses to start with its default flags on this budget, so "
+                              "there is no default run to measure", "raise --memory, or drop --simulate")
         simulated = {w: run_setting(t, w, requests, tm) for w in ("default", "tuned")}
     if args.json:
         doc = t.to_dict()
         doc["simulated"] = simulated
         print(json.dumps(doc, indent=2))
     else:
-        print(text_report(t, simulated))
+        assumed = None if not workload_assumed(args) else "user" if args.max_model_len is not None else "model"
+        print(text_report(t, simulated, assumed=assumed))
     return 0
+
+
+# the flags that describe a workload: with none of them given, tune assumes its built-in one
+WORKLOAD_FLAGS = ("--workload", "--rate", "--duration", "--prompt-len", "--output-len", "--turns", "--followup-len",
+                  "--think", "--system-prompts", "--system-prompt-len", "--seed")
+
+
+def workload_assumed(args) -> bool:
+    given = getattr(args, "argv", None) or []
+    return not any(a == f or a.startswith(f + "=") for a in given for f in WORKLOAD_FLAGS)
+
+
+def check_runnable(args, model, requests) -> None:
+    """Refuse, naming the request and the limit, a workload no deployment of the model can run
+    (or none within --max-model-len)."""
+    from ..errors import ConfigError
+    longest = max(requests, key=lambda r: r.prompt_tokens + r.output_tokens)
+    n = longest.prompt_tokens + longest.output_tokens
+    limit = args.max_model_len or model.max_position_embeddings
+    if n <= limit:
+        return
+    what = (f"--max-model-len {limit:,}" if args.max_model_len else
+            f"{model.name}'s context of {limit:,} tokens (max_position_embeddings)")
+    if args.workload == "synthetic":
+        flag = "--prompt-len" if longest.prompt_tokens > limit else "--output-len"
+        raise ConfigError(flag, f"makes a request of {longest.prompt_tokens:,} prompt + {longest.output_tokens:,} "
+                          f"output = {n:,} tokens, more than {what}", "give lengths whose sum fits it")
+    raise ConfigError("--workload", f"request {longest.id!r} has {longest.prompt_tokens:,} prompt + "
+                      f"{longest.output_tokens:,} output = {n:,} tokens, more than {what}",
+                      "drop the requests longer than that" + ("" if args.max_model_len is None
+                                                               else ", or raise --max-model-len"))
 
 
 def run_setting(t, which: str, requests, tm) -> dict:
@@ -77,7 +123,8 @@ def _ctx(c: int) -> str:
     return f"{c:,}"
 
 
-def text_report(t, simulated=None) -> str:
+def text_report(t, simulated=None, assumed: str | None = None) -> str:
+    """`assumed`: None when a workload was given; else where the context came from ("user", "model")."""
     o, prof = t.options, t.profile
     head = (f"kvatlas tune — {t.model.name} on {o.gpu}, tp={o.tp}, KV budget {t.budget_bytes:,} B "
             f"({fmt_bytes(t.budget_bytes)}) per rank"
@@ -85,6 +132,12 @@ def text_report(t, simulated=None) -> str:
             + f"\nworkload: {prof.requests:,} requests over {prof.span_s:,.0f} s; context p50 {prof.context_p50:,}, "
               f"p90 {prof.context_p90:,}, max {prof.context_max:,} tokens; {prof.peak_in_flight:,} running at the peak, "
               f"{prof.mean_in_flight:.1f} on average (prefilling or decoding; a fluid model under the time model)")
+    if assumed:
+        head += ("\nassumed: no workload given (--workload, --rate, --prompt-len, …), so the built-in synthetic one "
+                 "above; the running-request and chunk flags fit it, the context length is "
+                 + (f"the --max-model-len given ({t.max_model_len:,})" if assumed == "user" else
+                    f"the model's ({t.max_model_len:,}; give --max-model-len to cap it)")
+                 + "; give --workload TRACE to tune for your traffic")
     parts = [head]
     ctxs = sorted(t.engines[0].tuned.requests_at)
     for e in t.engines:

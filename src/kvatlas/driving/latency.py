@@ -28,6 +28,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..errors import ConfigError
+
 PERCENTILES = (50, 90, 99)
 FIGURES = ("queue_s", "ttft_s", "tpot_s", "e2e_s")
 GROUPS = ("all", "hit", "miss")
@@ -182,8 +184,24 @@ def _cell(v) -> str:
 
 def write_requests_csv(path: str, timings) -> None:
     """One row per request: its status, lengths, event times and latencies (seconds; empty where
-    the request never got there)."""
-    with open(path, "w", newline="", encoding="utf-8") as fh:
+    the request never got there). `timings`: RequestTiming objects (LatencyLog.timings()); both
+    arguments are checked before the file is opened, a path that cannot be written is refused."""
+    import os
+    if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
+        raise ConfigError("path", f"{path!r} is not a file path", "give a path such as run.requests.csv")
+    if isinstance(timings, (str, bytes, dict)) or not hasattr(timings, "__iter__"):
+        raise ConfigError("timings", f"{type(timings).__name__} is not a list of request timings",
+                          "give LatencyLog.timings()")
+    timings = list(timings)
+    bad = [t for t in timings if not all(hasattr(t, c) for c in CSV_COLUMNS)][:1]   # None is a bad one too
+    if bad:
+        raise ConfigError("timings", f"{bad[0]!r:.40} is not a request timing", "give LatencyLog.timings()")
+    try:
+        fh = open(path, "w", newline="", encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError("path", f"{os.fspath(path)!r} cannot be written ({exc.strerror or exc})",
+                          "write it somewhere else") from None
+    with fh:
         w = csv.writer(fh)
         w.writerow(CSV_COLUMNS)
         for t in timings:

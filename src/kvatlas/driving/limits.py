@@ -8,9 +8,15 @@ and how much of the chunk budget (chunked_prefill_tokens, which bounds every new
 pass) the pass used. "Memory committed" is the share of full-token pages that an admission
 could not have: held or reserved by running requests, and cached pages they read.
 
-The verdict names the limit that made the most passes wait, with the figures behind it, and the
-flag that moves it; with no wait at all it says whether the chunk budget or the arrivals bound
-the run. What each flag costs is stated from the plan (a slot's fixed bytes, in tokens).
+The verdict first reads the modelled GPU's busy time (every forward pass's time under the time
+model, against the span from the first pass to the last): when the passes ran back to back and
+the fixed per-pass cost (the only time more slots or a larger chunk can save: they put more
+tokens in a pass, and each token costs its time whatever the batch) is a small share of them, the
+per-token work bound the run, and no flag of the plan would finish it sooner — requests queued
+for compute, not for a slot or memory. Otherwise it names the limit that made the most passes
+wait, with the figures behind it, and the flag that moves it; with no wait at all it says
+whether the chunk budget or the arrivals bound the run. What each flag costs is stated from the
+plan (a slot's fixed bytes, in tokens).
 """
 
 from __future__ import annotations
@@ -22,6 +28,10 @@ from ..units import fmt_bytes
 # a pass that used this share of the chunk budget or more counts as full; the budget binds when
 # more than half the passes are full
 CHUNK_BOUND_SHARE = 0.5
+# the GPU bound the run when its passes filled this share of their span and the fixed per-pass
+# cost was at most FIXED_SHARE of that busy time (all that more slots or a larger chunk can save)
+BUSY_SHARE = 0.95
+FIXED_SHARE = 0.2
 
 
 @dataclass(slots=True)
@@ -34,6 +44,10 @@ class LimitLog:
     slot_wait_committed_max: float = 0.0
     memory_wait_running: int = 0
     memory_wait_committed: float = 0.0
+    busy_s: float = 0.0             # the modelled GPU's time: every forward pass's, under the time model
+    fixed_s: float = 0.0            # of which the fixed per-pass cost
+    first_pass_s: float | None = None   # when the first forward pass began
+    last_end_s: float = 0.0         # when the latest forward pass ended
 
     def blocked(self, cache, running: int, max_running: int) -> None:
         share = committed_share(cache)
@@ -46,10 +60,20 @@ class LimitLog:
             self.memory_wait_running += running
             self.memory_wait_committed += share
 
-    def pass_done(self, new_tokens: int, budget: int) -> None:
+    def pass_done(self, new_tokens: int, budget: int, start_s: float | None = None, pass_s: float = 0.0,
+                  fixed_s: float = 0.0) -> None:
         self.passes += 1
         if new_tokens >= budget:
             self.chunk_full += 1
+        if start_s is not None:
+            self.busy_s += pass_s
+            self.fixed_s += fixed_s
+            self.first_pass_s = start_s if self.first_pass_s is None else self.first_pass_s
+            self.last_end_s = max(self.last_end_s, start_s + pass_s)
+
+    @property
+    def span_s(self) -> float:
+        return self.last_end_s - self.first_pass_s if self.first_pass_s is not None else 0.0
 
     def as_dict(self) -> dict:
         return {k: getattr(self, k) for k in self.__slots__}
@@ -72,8 +96,24 @@ class Verdict:
 
 
 def verdict(log: LimitLog, plan) -> Verdict:
+    from ..errors import ConfigError
+    from ..planning.planner import Plan
+    if not isinstance(log, LimitLog):
+        raise ConfigError("log", f"{type(log).__name__} is not a LimitLog", "give a simulator's .limits")
+    if not isinstance(plan, Plan):
+        raise ConfigError("plan", f"{type(plan).__name__} is not a Plan", "give the cache's .plan (kvatlas.plan(...))")
     o = plan.options
     n = max(log.passes, 1)
+    span = log.span_s
+    if span > 0 and log.busy_s >= BUSY_SHARE * span and log.fixed_s <= FIXED_SHARE * log.busy_s:
+        waits = log.slot_waits + log.memory_waits
+        return Verdict(limit="compute", flag=None, text=(
+            f"the modelled GPU: its passes took {log.busy_s:,.2f} s of the {span:,.2f} s from the first to the last "
+            f"({100 * log.busy_s / span:.0f}% busy), and only {log.fixed_s:,.2f} s of it "
+            f"({100 * log.fixed_s / log.busy_s:.0f}%) was the fixed per-pass cost that more slots or a larger chunk "
+            "could spread: requests queued for compute, so no plan flag finishes them sooner; a faster GPU "
+            "(the time model), more replicas (--dp), or fewer requests would"
+            + (f" ({waits:,} passes also had the queue head wait for a slot or memory)" if waits else "")))
     if log.slot_waits and log.slot_waits >= log.memory_waits:
         mean = 100 * log.slot_wait_committed / log.slot_waits
         text = (f"request slots: {log.slot_waits:,} of {log.passes:,} passes waited for a slot while the full-token pages were "
@@ -92,9 +132,16 @@ def verdict(log: LimitLog, plan) -> Verdict:
             f"the chunk budget: no request waited for admission, and {log.chunk_full:,} of {log.passes:,} passes "
             f"used the whole --chunked-prefill-tokens {o.chunked_prefill_tokens:,}: raise it to prefill faster "
             "(fewer, longer passes; it sizes the SWA pages one pass may write)"))
+    if span > 0 and log.busy_s >= BUSY_SHARE * span:
+        return Verdict(limit="chunk", flag="--chunked-prefill-tokens", text=(
+            f"the fixed per-pass cost: no request waited for a slot or memory, but the passes ran back to back "
+            f"({100 * log.busy_s / span:.0f}% busy) and {log.fixed_s:,.2f} s of their {log.busy_s:,.2f} s was the "
+            f"fixed cost of {log.passes:,} passes: raise --chunked-prefill-tokens (now {o.chunked_prefill_tokens:,}) "
+            "to put more tokens in each"))
     return Verdict(limit="none", flag=None, text=(
-        f"none: no request waited for admission and {log.chunk_full:,} of {log.passes:,} passes filled the chunk "
-        "budget: the arrivals bound this run, not the plan"))
+        f"none: no request waited for admission, {log.chunk_full:,} of {log.passes:,} passes filled the chunk "
+        f"budget, and the modelled GPU was idle {100 * (1 - log.busy_s / span) if span else 100:.0f}% of the run: "
+        "the arrivals bound this run, not the plan"))
 
 
 def _also(waits: int, what: str) -> str:

@@ -27,17 +27,28 @@ it follows finishes (or is rejected), then arrives `think_s` later (not before i
 A bookkeeping cache (backend "none") runs the same code; only the writer is absent. Each pass
 reads the ledger's occupied counter for the peaks; the full snapshot for the timeline is taken at
 most once per `sample_s` of time (0: every pass), because a snapshot walks every pool.
+
+`check_integrity` (debug): after every pass the counters that must agree are compared (the
+ledger's units and running requests against the allocator's free lists and slot table, the prefix
+cache's queried = hit + missed), O(1) each; the whole recount of every book (allocator, ledger,
+prefix cache, host tier; O(pool units)) runs after the first pass, at the end, and in between as
+often as `integrity_share` allows: while the recounts' CPU time is at most that share of the
+passes' own, so the run costs at most (1 + share)x its CPU, plus one recount. A recount that finds
+a book broken names its pass and the last pass the books were whole after;
+`integrity_share=None` recounts after every pass (to pin a break to its pass).
 """
 
 from __future__ import annotations
 
 import contextlib
 import heapq
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..checks import real, whole
 from ..errors import ConfigError
 from .latency import LatencyLog
 from .limits import LimitLog
@@ -115,13 +126,64 @@ def _split_sessions(requests) -> tuple[list, dict]:
     return free, followers
 
 
+_REQUEST_FIELDS = ("id", "arrival_s", "prompt_tokens", "output_tokens")
+# check_integrity's whole recounts may take this much CPU per CPU second of the passes (module doc)
+INTEGRITY_SHARE = 1.0
+
+
+def _check_args(cache, requests, *, accept_rate, seed, writer, step_s, record, time_model, sample_s, host,
+                check_integrity) -> list:
+    """Every constructor argument checked before anything is built (a KvatlasError naming it);
+    the requests as a list."""
+    from ..cache.kvcache import KVCache
+    if not isinstance(cache, KVCache):
+        raise ConfigError("cache", f"{type(cache).__name__} is not a kvatlas cache", "give kvatlas.allocate(plan)")
+    if requests is None or isinstance(requests, (str, bytes, dict)) or not hasattr(requests, "__iter__"):
+        raise ConfigError("requests", f"{type(requests).__name__} is not a list of requests",
+                          "give kvatlas.driving.workload.Request objects (synthetic(), read_trace())")
+    requests = list(requests)
+    bad = [r for r in requests if not all(hasattr(r, a) for a in _REQUEST_FIELDS)][:1]   # None is a bad one too
+    if bad:
+        raise ConfigError("requests", f"{bad[0]!r:.40} is not a request",
+                          "give kvatlas.driving.workload.Request objects (synthetic(), read_trace())")
+    real("accept_rate", accept_rate, 0.0, 1.0)
+    real("step_s", step_s, 0.0, 3600.0, open_low=True)
+    whole("seed", seed, 0, 2**63 - 1)
+    real("sample_s", sample_s, 0.0, 1e12)
+    for name, flag in (("record", record), ("check_integrity", check_integrity)):
+        if not isinstance(flag, bool):
+            raise ConfigError(name, f"{flag!r} is not True or False", "give a bool")
+    if time_model is not None and not isinstance(time_model, TimeModel):
+        raise ConfigError("time_model", f"{type(time_model).__name__} is not a TimeModel",
+                          "give kvatlas.driving.timemodel.TimeModel(...) or None")
+    from .simwrite import KVWriter
+    if writer is not None and not isinstance(writer, KVWriter):
+        raise ConfigError("writer", f"{type(writer).__name__} is not a KVWriter", "give KVWriter(cache) or None")
+    if host is not None:
+        from ..tiers import HostLink
+        if not isinstance(host, HostLink) or host.prefix is not cache.prefix:
+            raise ConfigError("host", f"{type(host).__name__} is not a host tier under this cache's prefix cache",
+                              "pass cache.host after kvatlas.tiers.attach_host_tier(cache, ...), or None")
+    return requests
+
+
 class Simulator:
     def __init__(self, cache, requests, *, accept_rate: float = 0.7, seed: int = 0, writer=None, lock=None,
                  step_s: float = 0.02, record: bool = True, time_model: TimeModel | None = None,
-                 sample_s: float = 0.0, host=None, check_integrity: bool = False) -> None:
+                 sample_s: float = 0.0, host=None, check_integrity: bool = False,
+                 integrity_share: float | None = INTEGRITY_SHARE) -> None:
+        requests = _check_args(cache, requests, accept_rate=accept_rate, seed=seed, writer=writer, step_s=step_s,
+                               record=record, time_model=time_model, sample_s=sample_s, host=host,
+                               check_integrity=check_integrity)
+        if integrity_share is not None:
+            real("integrity_share", integrity_share, 0.0, 1e6, open_low=True)
         self.cache = cache
-        # debug mode: every book recounted after every pass (cache, prefix cache, host tier)
+        # debug mode: counters compared after every pass, every book recounted paced by CPU (module doc)
         self.check_integrity = check_integrity
+        self.integrity_share = integrity_share
+        self.integrity_recounts = 0      # whole recounts done
+        self._whole_after = -1           # the last pass after which a recount found every book whole
+        self._run_cpu_s = self._check_cpu_s = 0.0
         # the host tier under the prefix cache (a tiers.HostLink), and its copy stream's clock:
         # moves run one after another on it, each for its modeled seconds (tiers.modeled)
         self.host = host
@@ -173,6 +235,8 @@ class Simulator:
 
     # ------------------------------------------------------------------ one pass
     def step(self, now_s: float) -> None:
+        real("now_s", now_s, 0.0, 1e12)
+        cpu0 = time.process_time() if self.check_integrity else 0.0
         self._arrive(now_s)
         with self.lock:
             self._admit(now_s, self._prefill_room(now_s))
@@ -184,7 +248,7 @@ class Simulator:
                 self._finish_done(now_s)
                 self.stats.steps += 1
                 self.last_pass_s = self.time_model.pass_time_s(prefilled, decoded)
-                self.limits.pass_done(decoded + prefilled, self.chunk)
+                self.limits.pass_done(decoded + prefilled, self.chunk, now_s, self.last_pass_s, self.time_model.pass_s)
             else:   # idle, or every running request waits for its restores: no pass until they land
                 self.cache.flush()
                 self.last_pass_s = self.time_model.pass_s if blocked is None else min(self.time_model.pass_s,
@@ -192,25 +256,46 @@ class Simulator:
             if self.host is not None:
                 self.host_clock.charge_offloads(self.host, now_s)
             if self.check_integrity:
-                self._check(now_s)
+                self._paced_check(now_s, cpu0)
             occupied = self.cache.ledger.occupied_bytes()
             snap = self.cache.ledger.snapshot() if self._sampling(now_s) else None
         self.latency.pass_ended(now_s + self.last_pass_s)
         self._observe(now_s, occupied, snap)
 
-    def _check(self, now_s: float) -> None:
-        """Recount every book; an IntegrityError names the pass it broke in."""
+    def _paced_check(self, now_s: float, cpu0: float) -> None:
+        """The counters after every pass; the whole recount while its CPU share allows (module doc)."""
+        cpu1 = time.process_time()
+        self._run_cpu_s += cpu1 - cpu0
+        self._check(now_s, whole=False)
+        if self.integrity_share is None or self._check_cpu_s <= self.integrity_share * self._run_cpu_s:
+            self._check(now_s)
+            self._check_cpu_s += time.process_time() - cpu1
+
+    def _check(self, now_s: float, whole: bool = True) -> None:
+        """Compare the counters (whole=False) or recount every book; an IntegrityError names the pass
+        it was found after and the last pass a recount found every book whole after."""
+        from ..alloc.integrity import counter_problems
         from ..errors import IntegrityError
         try:
-            self.cache.check_integrity()
-            if self.host is not None:
-                self.host.tier.check_integrity()
             pc = self.cache.prefix
             if pc is not None and pc.stats.queried_tokens != pc.stats.hit_tokens + sum(pc.stats.missed().values()):
                 raise IntegrityError(f"prefix stats: {pc.stats.queried_tokens} queried tokens != "
                                      f"{pc.stats.hit_tokens} hit + {sum(pc.stats.missed().values())} missed")
+            if not whole:
+                problems = counter_problems(self.cache.allocator, self.cache.ledger)
+                if problems:
+                    raise IntegrityError("cache counters disagree: " + "; ".join(problems))
+                return
+            self.cache.check_integrity()
+            if self.host is not None:
+                self.host.tier.check_integrity()
         except IntegrityError as exc:
-            raise IntegrityError(f"after pass {self.stats.steps} (t = {now_s:.3f} s): {exc}") from exc
+            since = ("" if self._whole_after in (-1, self.stats.steps - 1) or self.integrity_share is None else
+                     f"; every book was whole after pass {self._whole_after} (integrity_share=None recounts after "
+                     "every pass, to find the one)")
+            raise IntegrityError(f"after pass {self.stats.steps} (t = {now_s:.3f} s): {exc}{since}") from exc
+        self.integrity_recounts += 1
+        self._whole_after = self.stats.steps
 
     def _restoring_until(self, now_s: float) -> float | None:
         """When nothing running can take a pass before its restores land: the first landing."""
@@ -377,6 +462,10 @@ class Simulator:
     def run_offline(self, max_steps: int | None = None, on_step=None) -> SimStats:
         """As fast as possible on a virtual clock: each pass takes step_s; idle time is skipped.
         `on_step(simulator)`, if given, is called after every pass (the CLI's progress bar)."""
+        if max_steps is not None:
+            whole("max_steps", max_steps, 1)
+        if on_step is not None and not callable(on_step):
+            raise ConfigError("on_step", f"{type(on_step).__name__} is not callable", "give a function of the simulator, or None")
         t = 0.0
         steps = 0
         while not self.done and (max_steps is None or steps < max_steps):
@@ -389,6 +478,8 @@ class Simulator:
                 on_step(self)
         with self.lock:
             self.cache.flush()
+            if self.check_integrity:   # the end state always recounted whole
+                self._check(t)
             if self.record and (not self.timeline or self.timeline[-1].step != self.stats.steps):
                 self._next_sample_s = float("-inf")   # the end state is always on the timeline
                 self._observe(t, self.cache.ledger.occupied_bytes(), self.cache.ledger.snapshot())

@@ -42,8 +42,8 @@ class TimeModel:
     def __post_init__(self) -> None:
         for name in ("pass_s", "prefill_s_per_token", "decode_s_per_token"):
             v = getattr(self, name)
-            low_ok = v > 0 if name == "pass_s" else v >= 0
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not low_ok:
+            number = not isinstance(v, bool) and isinstance(v, (int, float))
+            if not number or not math.isfinite(v) or not (v > 0 if name == "pass_s" else v >= 0):
                 raise ConfigError(name, f"{v!r} s is not a duration the model can use",
                                   "give a finite number of seconds, " + ("above 0" if name == "pass_s" else "≥ 0"))
 

@@ -213,7 +213,8 @@ def model_from_config(cfg: dict, name: str = "custom") -> ModelSpec:
         num_nextn_predict_layers=_need(cfg, "num_nextn_predict_layers", where, 0, 0),
         kv_source_layer_ids=sources, index_source_layer_ids=_ints(cfg, "index_source_layer_ids", where),
         # V4.1's weights (engrams, shared KV sources) are another structure: not derived
-        weights=None if v41 else arch_from_config(cfg, where), config_digest=digest,
+        weights=None if v41 else arch_from_config(cfg, where, heads=cfg.get("num_attention_heads"), layers=layers),
+        config_digest=digest,
     )
 
 

@@ -302,6 +302,13 @@ def budget_for_mix(model: ModelSpec | str, mix, **options) -> Plan:
             raise ConfigError("mix", f"{item!r} is not a (requests, context tokens) pair", "give e.g. (8, 131072)")
         whole("num_requests", item[0], 1)
         whole("context_tokens", item[1], 1)
+    for name in ("memory_bytes", "mem_fraction", "weights_bytes"):   # the budget is the answer: these would be ignored
+        if options.get(name) not in (None, 0) or (name == "mem_fraction" and name in options):
+            raise ConfigError(name, "given to the inverse, which sizes the KV budget itself",
+                              f"drop {name} (plan() with the budget found takes it)")
+    for name in ("memory_bytes", "weights_bytes"):
+        options.pop(name, None)
+    options["weights_bytes"] = 0
     options.setdefault("max_running_requests", sum(n for n, _ in mix))
     options.setdefault("max_model_len", max(ctx for _, ctx in mix))
     model, opts = _resolve(model, options)

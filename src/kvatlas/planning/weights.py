@@ -62,16 +62,44 @@ _ARCH_FIELDS = ("vocab_size", "q_lora_rank", "o_lora_rank", "o_groups", "moe_int
                 "n_routed_experts", "num_experts_per_tok")
 
 
-def arch_from_config(cfg: dict, where: str) -> WeightArch | None:
-    """The weight-relevant fields, or None when the config lacks them (weights then unknown)."""
+# the smallest value each field may take (a count of 0 experts, ranks or groups builds no model)
+_ARCH_MIN = {"vocab_size": 1, "q_lora_rank": 1, "o_lora_rank": 1, "o_groups": 1, "moe_intermediate_size": 1,
+             "n_routed_experts": 1, "num_experts_per_tok": 1, "n_shared_experts": 0, "num_hash_layers": 0, "hc_mult": 1}
+_DTYPES = ("bfloat16", "bf16")   # the released checkpoints' torch_dtype: what the tensors below assume
+
+
+def arch_from_config(cfg: dict, where: str, heads: int | None = None, layers: int | None = None) -> WeightArch | None:
+    """The weight-relevant fields, or None when the config lacks them (weights then unknown).
+    Each is checked like the KV fields (type, range, divisibility against `heads` and `layers`,
+    the model's attention heads and main layers), naming the field."""
     if any(k not in cfg for k in _ARCH_FIELDS):
         return None
     vals = {}
     for k in _ARCH_FIELDS + ("n_shared_experts", "num_hash_layers", "hc_mult"):
         v = cfg.get(k, {"n_shared_experts": 1, "num_hash_layers": 0, "hc_mult": 4}.get(k))
-        if not isinstance(v, int) or isinstance(v, bool) or v < 0 or v > 2**31:
-            raise ConfigError(f"{where}.{k}", f"{v!r} is not a non-negative integer", "fix the value in config.json")
+        low = _ARCH_MIN[k]
+        if not isinstance(v, int) or isinstance(v, bool) or v < low or v > 2**31:
+            raise ConfigError(f"{where}.{k}", f"{v!r} is not {'a positive' if low else 'a non-negative'} integer",
+                              f"fix the value in config.json (an integer from {low} to {2**31:,})")
         vals[k] = v
+    if vals["num_experts_per_tok"] > vals["n_routed_experts"]:
+        raise ConfigError(f"{where}.num_experts_per_tok", f"{vals['num_experts_per_tok']:,} is more than the "
+                          f"{vals['n_routed_experts']:,} routed experts (n_routed_experts)", "fix config.json")
+    if heads is not None and heads % vals["o_groups"]:
+        raise ConfigError(f"{where}.o_groups", f"{vals['o_groups']:,} does not divide the {heads:,} attention heads "
+                          "(num_attention_heads): each output group takes a whole share of them",
+                          "fix config.json (a divisor of num_attention_heads)")
+    if layers is not None and vals["num_hash_layers"] > layers:
+        raise ConfigError(f"{where}.num_hash_layers", f"{vals['num_hash_layers']:,} is more than the {layers:,} "
+                          "layers (num_hidden_layers)", "fix config.json")
+    tie = cfg.get("tie_word_embeddings", False)
+    if not isinstance(tie, bool):
+        raise ConfigError(f"{where}.tie_word_embeddings", f"{tie!r} is not true or false", "fix config.json")
+    for key in ("torch_dtype", "dtype"):
+        dtype = cfg.get(key)
+        if dtype is not None and dtype not in _DTYPES:
+            raise ConfigError(f"{where}.{key}", f"{dtype!r} is not bfloat16, the dtype kvatlas derives the weights for",
+                              "give the released config, or the weights' bytes per rank as --weights BYTES")
     q = cfg.get("quantization_config") or {}
     if not isinstance(q, dict):
         raise ConfigError(f"{where}.quantization_config", "is not an object", "fix config.json")
@@ -89,8 +117,7 @@ def arch_from_config(cfg: dict, where: str) -> WeightArch | None:
     expert = cfg.get("expert_dtype", q.get("expert_dtype", "fp8" if block else "bf16"))
     if expert not in ("fp4", "fp8", "bf16"):
         raise ConfigError(f"{where}.expert_dtype", f"{expert!r} is not fp4, fp8 or bf16", "fix config.json")
-    return WeightArch(**vals, fp8_block=block, expert_dtype=expert,
-                      tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)))
+    return WeightArch(**vals, fp8_block=block, expert_dtype=expert, tie_word_embeddings=tie)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -14,9 +14,10 @@ prefix cache and the host tier. Needs `pip install 'kvatlas[transformers]'`.
 from __future__ import annotations
 
 from ...cache.kvcache import allocate
+from ...errors import ConfigError
 from ...planning.planner import plan
 from .cache import KvatlasCache
-from .model import LAYOUTS, as_checkpoint_loads, layout_options, model_spec
+from .model import LAYOUTS, as_checkpoint_loads, check_model, layout_options, model_spec
 
 
 def plan_for(model, memory, *, layout: str = "fp8", **options):
@@ -24,7 +25,9 @@ def plan_for(model, memory, *, layout: str = "fp8", **options):
     kvatlas.integrations.transformers.model). `options` are kvatlas plan options
     (max_running_requests, max_model_len, chunked_prefill_tokens, prefix_checkpoints, ...); a
     kv_layout / indexer / state_dtype given there overrides the layout's."""
-    spec = model_spec(model.config)
+    spec = model_spec(check_model(model).config)
+    if memory is None:
+        raise ConfigError("memory", "None is not a KV budget", "give the cache's bytes, e.g. '1GiB' or 2**30")
     return plan(spec, memory, **{**layout_options(model, layout), **options})
 
 

@@ -16,10 +16,12 @@ import numpy as np
 from transformers.cache_utils import Cache
 
 from ...cache.kvcache import KVCache
+from ...checks import boolean, of_type
+from ...checks import request_id as check_request_id
 from ...datapath import LayerTargets
 from ...errors import KvatlasError, RequestStateError
 from .layers import CLASSES, Pooled
-from .model import compressors, model_spec
+from .model import check_model, compressors, model_spec
 from .passes import EntrySlots, Pass, Rings, Staging, SwaSlots
 
 _names = itertools.count()
@@ -64,7 +66,10 @@ class KvatlasCache(Cache):
     0 reads layer by layer."""
 
     def __init__(self, kv: KVCache, model, *, validate: bool = False, group_read_bytes: int = 64 << 20) -> None:
-        spec = model_spec(model.config)
+        of_type("kv", kv, KVCache, "a kvatlas KVCache", "give kvatlas.allocate(plan_for(model, ...)), or use "
+                "kvatlas_cache_for(model, memory)")
+        spec = model_spec(check_model(model).config)
+        boolean("validate", validate)
         if spec.compress_ratios[: spec.num_hidden_layers] != kv.plan.model.compress_ratios[: spec.num_hidden_layers]:
             raise KvatlasError("cache: it was planned for another model (compress_ratios differ); plan it from this "
                                "model's config")
@@ -93,7 +98,14 @@ class KvatlasCache(Cache):
     # ---------------------------------------------------------------- rows of the next passes
     def bind(self, request_ids) -> "KvatlasCache":
         """The running kvatlas requests the next forward passes write, one per batch row."""
+        if request_ids is None or isinstance(request_ids, (str, bytes, dict)) or not hasattr(request_ids, "__iter__"):
+            raise KvatlasError(f"request_ids: {type(request_ids).__name__} is not a list of request ids; give e.g. "
+                               "['a', 'b'] (one per batch row), or () to unbind")
         ids = tuple(request_ids)
+        for rid in ids:
+            check_request_id(rid)
+        if len(set(ids)) != len(ids):
+            raise KvatlasError("request_ids: names a request twice; one batch row per request")
         a = self.kv.allocator
         for rid in ids:
             if rid not in a.slot_of:
@@ -153,8 +165,15 @@ class KvatlasCache(Cache):
         return self.layers[layer_idx].update(key_states, value_states)
 
     def reorder_cache(self, beam_idx) -> None:
-        """Beam search: row b continues the history of row beam_idx[b] (its contents are copied)."""
-        src = [self.request_ids[int(i)] for i in beam_idx.tolist()]
+        """Beam search: row b continues the history of row beam_idx[b] (its contents are copied).
+        `beam_idx`: one source row per bound row, each in [0, rows); checked before anything moves."""
+        idx = np.asarray(beam_idx.tolist() if hasattr(beam_idx, "tolist") else beam_idx, dtype=object).reshape(-1)
+        rows = len(self.request_ids)
+        if len(idx) != rows or any(isinstance(i, bool) or not isinstance(i, (int, np.integer)) or not 0 <= i < rows
+                                   for i in idx):
+            raise KvatlasError(f"beam_idx: {_short(beam_idx)} is not one row index in [0, {rows}) for each of the "
+                               f"{rows} bound rows; give a permutation (with repeats) of the batch rows")
+        src = [self.request_ids[int(i)] for i in idx]
         pairs = [(s, d) for s, d in zip(src, self.request_ids) if s != d]
         if pairs:
             self.kv.copy_contents([s for s, _ in pairs], [d for _, d in pairs])
@@ -183,3 +202,8 @@ class KvatlasCache(Cache):
 
     def __repr__(self) -> str:
         return f"KvatlasCache({len(self.layers)} layers, rows={list(self.request_ids)}, {self.kv.plan.options.kv_layout})"
+
+
+def _short(value) -> str:
+    r = repr(value)
+    return r if len(r) <= 40 else r[:30] + "…"

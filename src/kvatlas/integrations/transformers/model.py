@@ -27,6 +27,17 @@ _STATE = {torch.bfloat16: "bf16", torch.float16: "fp32", torch.float32: "fp32", 
 LAYOUTS = ("fp8", "exact")
 
 
+def check_model(model, field: str = "model"):
+    """`model` if it is a transformers DeepSeek-V4 model (a module with a DeepSeek-V4 config);
+    else a ConfigError naming the argument, never an AttributeError from inside."""
+    import torch
+    if not isinstance(model, torch.nn.Module) or getattr(model, "config", None) is None:
+        raise ConfigError(field, f"{type(model).__name__} is not a transformers model",
+                          "give a DeepseekV4ForCausalLM (transformers), e.g. from_pretrained(...)")
+    model_spec(model.config)
+    return model
+
+
 def model_spec(config):
     """The kvatlas ModelSpec of a DeepseekV4Config, refused (ConfigError naming the field) where
     kvatlas's row formats cannot hold the model's rows."""

@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ...checks import whole
+from ...checks import boolean, of_type, whole
+from ...checks import request_id as check_request_id
 from ...errors import KvatlasError, PoolExhaustedError, RequestStateError
 
 
@@ -47,6 +48,18 @@ class Server:
 
     def __init__(self, model, cache, *, chunk_tokens: int | None = None, host=None, keep_logits: bool = False,
                  eos_token_id: int | None = None) -> None:
+        from ...tiers import HostLink
+        from .cache import KvatlasCache
+        from .model import check_model
+        check_model(model)
+        of_type("cache", cache, KvatlasCache, "a KvatlasCache", "give kvatlas_cache_for(model, memory)")
+        if host is not None and (not isinstance(host, HostLink) or host.prefix is not cache.kv.prefix):
+            raise KvatlasError(f"host: {type(host).__name__} is not a host tier under this cache's prefix cache; "
+                               "give kvatlas.tiers.attach_host_tier(cache.kv, ...), or None")
+        boolean("keep_logits", keep_logits)
+        self.vocab = int(getattr(model.config, "vocab_size", 0) or 0)
+        if eos_token_id is not None:
+            whole("eos_token_id", eos_token_id, 0, max(self.vocab - 1, 0))
         self.model, self.cache, self.kv, self.host = model, cache, cache.kv, host
         most = self.kv.plan.options.chunked_prefill_tokens
         self.chunk = whole("chunk_tokens", most if chunk_tokens is None else chunk_tokens, 1, most)
@@ -57,7 +70,10 @@ class Server:
         self.passes = 0
 
     def submit(self, request_id, prompt_ids, max_new_tokens: int) -> Request:
-        prompt = np.asarray(prompt_ids, np.int64).reshape(-1)
+        """Queue a request: `prompt_ids` token ids of the model's vocabulary (a list, array or
+        tensor of integers), checked here, not inside the model's embedding."""
+        check_request_id(request_id)
+        prompt = self._token_ids(prompt_ids)
         whole("max_new_tokens", max_new_tokens, 1)
         if not len(prompt):
             raise KvatlasError("prompt_ids: empty; give at least one token")
@@ -72,6 +88,28 @@ class Server:
         req = Request(request_id, prompt, max_new_tokens)
         self.waiting.append(req)
         return req
+
+    def _token_ids(self, prompt_ids) -> np.ndarray:
+        if isinstance(prompt_ids, torch.Tensor):
+            prompt_ids = prompt_ids.detach().cpu().numpy()
+        if prompt_ids is None or isinstance(prompt_ids, (str, bytes, dict)):
+            raise KvatlasError(f"prompt_ids: {type(prompt_ids).__name__} is not a list of token ids; give integers "
+                               "(a tokenizer's input_ids)")
+        try:
+            arr = np.asarray(prompt_ids)
+        except (TypeError, ValueError):   # ragged nesting
+            arr = np.asarray([], dtype=object)
+        if arr.dtype == bool or not (np.issubdtype(arr.dtype, np.integer) or (arr.dtype == object and arr.size and all(
+                isinstance(x, (int, np.integer)) and not isinstance(x, bool) for x in arr.reshape(-1)))):
+            if arr.size or arr.dtype == object:
+                raise KvatlasError(f"prompt_ids: {str(prompt_ids)[:40]!r} is not a list of integer token ids; give "
+                                   "integers (a tokenizer's input_ids)")
+        prompt = arr.astype(np.int64).reshape(-1) if arr.size else np.zeros(0, np.int64)
+        if prompt.size and (prompt.min() < 0 or (self.vocab and prompt.max() >= self.vocab)):
+            bad = int(prompt[(prompt < 0) | (prompt >= self.vocab if self.vocab else False)][0])
+            raise KvatlasError(f"prompt_ids: token id {bad} is outside the model's vocabulary [0, {self.vocab}); give "
+                               "ids its tokenizer produced")
+        return prompt
 
     @property
     def idle(self) -> bool:
