@@ -42,7 +42,6 @@ from ..engines import sglang as sg
 from ..engines import vllm as vl
 from ..engines.base import EngineResult
 from ..errors import BudgetError, ConfigError
-from ..planning.buffers import CHECKPOINTS
 from ..planning.model import ModelSpec, load_model
 from ..planning.options import ServeOptions
 from ..planning.planner import budget_for_mix, plan
