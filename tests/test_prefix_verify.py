@@ -225,3 +225,47 @@ def drive(seed) -> int:
             del running[rid]
         c.check_integrity()
     return hits
+
+
+# ------------------------------------------------------------------ copy_contents moves what the pages hold
+def test_copy_contents_then_finish_never_publishes_kv_under_the_destinations_prompt():
+    """Issue 33: B takes over A's pages (copy_contents), so B's pages hold A's content. Finishing B
+    with B's own ids must not publish A's KV under B's keys: those ids are refused with nothing
+    changed, B's pages publish under A's keys (what they hold), and the resume points B saved
+    from its own content are not published. Both are decoding past boundary 512, its resume
+    point captured, its SWA tail still in their windows."""
+    from prefix_model import assert_same_reads
+    from prefix_session import Session, make_plan
+
+    s = Session(make_plan(0))
+    rng = np.random.default_rng(5)
+    a_seq, b_seq = rng.integers(0, 50_000, 600), rng.integers(0, 50_000, 600)
+    for seq in (a_seq, b_seq):
+        s.admit(seq, 500, 100)
+    for rid in ("r0", "r1"):
+        for n in (256, 244):
+            s.extend(rid, n)
+    for _ in range(40):
+        for rid in ("r0", "r1"):
+            s.step(rid, 1, 1)
+    for c in (s.hot, s.cold):
+        c.copy_contents(["r0"], ["r1"])
+    s.running["r1"] = s.running["r0"]   # the twins' record of what r1 holds
+    s.check("after copy_contents")
+    assert_same_reads(s.mh.reads("r1"), s.mh.reads("r0"), "r1 reads what r0 reads")   # its whole window too
+    before = state(s.hot)
+    with pytest.raises(ContentMismatchError, match="token_ids: page 0 differs from the prompt it was admitted"):
+        s.hot.finish("r1", token_ids=b_seq[:540])
+    assert state(s.hot) == before and len(s.hot.prefix.tree.nodes) == 0
+    s.hot.check_integrity()
+    s.hot.finish("r1", token_ids=a_seq[:540])   # what its pages hold
+    s.cold.finish("r1")
+    del s.running["r1"]
+    assert sorted(s.hot.prefix.tree.nodes) == sorted(page_keys(a_seq[:540], P).tolist())
+    s.finish("r0")
+    # nothing is cached under B's keys; A's content is, and a hit on it reads what a cold run reads
+    assert s.hot.admit("b again", 500, 1, token_ids=b_seq[:500]).cached_tokens == 0
+    s.hot.finish("b again")
+    s.admit(a_seq, 530, 1)
+    assert s.hits == 1
+    s.check("a hit on A's content")

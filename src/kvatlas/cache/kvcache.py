@@ -138,7 +138,9 @@ class KVCache:
         """Each request of dst_ids takes over what the request at the same place of src_ids holds
         (beam search: a beam continues another's history), in every pool: its pages' entries, its
         SWA pages, its rings. Requests of one length, none reading pages of the prefix cache; every
-        source is read before any destination is written, so the pairs may overlap."""
+        source is read before any destination is written, so the pairs may overlap. With the prefix
+        cache, the content goes with its keys: a destination then publishes, at finish, what it
+        holds under the source's prompt (kvatlas.prefix.PrefixCache.copy_contents)."""
         a = self.allocator
         src, dst = ([a.slot_of[r] if r in a.slot_of else -1 for r in ids] for ids in (src_ids, dst_ids))
         if -1 in src or -1 in dst or len(src) != len(dst):
@@ -147,14 +149,17 @@ class KVCache:
         both = np.concatenate((src, dst))
         if len(set(a.length[both].tolist())) > 1 or (a.full is not None and a.full_shared[both].any()):
             raise RequestStateError("copy_contents: requests of one length only, none resumed from the prefix cache")
+        if self.prefix is not None:
+            self.prefix.copy_contents(src_ids, dst_ids)
         if not self.arena.backend.holds_memory or not len(src):
             return
         units = {REQUEST_SLOTS: (src, dst)}
         if a.full is not None:
             n = int(a.full_held[src[0]])
             units[FULL_PAGES] = (a.full_table[src, :n].ravel(), a.full_table[dst, :n].ravel())
-        if a.swa is not None:
-            cols = np.arange(a.swa_lo[src[0]], a.swa_hi[src[0]]) % a.ring
+        if a.swa is not None:   # the window's pages: a request's own resume tail may have left swa_lo behind it
+            L = int(a.length[src[0]])
+            cols = np.arange(max(L - (a.window - 1), 0) // a.Ps, -(-L // a.Ps)) % a.ring
             units[SWA_PAGES] = (a.swa_table[src][:, cols].ravel(), a.swa_table[dst][:, cols].ravel())
         for b in self.plan.buffers:
             if b.group in units and b.role != "table":

@@ -36,12 +36,19 @@ class SharedPrefix:
 
 
 class _Request:
-    __slots__ = ("keys", "path", "kept", "prompt_tokens", "tail")
+    __slots__ = ("keys", "path", "kept", "prompt_tokens", "tail", "same_tokens", "stale_tokens")
 
     def __init__(self, keys, path, prompt_tokens, tail=None) -> None:
         self.keys, self.path, self.prompt_tokens = keys, path, prompt_tokens
         self.tail = tail   # the prompt's ids past its last full page (None: admitted without ids)
         self.kept: list = []
+        # after copy_contents: resume points at boundaries in (same_tokens, stale_tokens] hold rows
+        # of the content the request had before (see PrefixCache.copy_contents)
+        self.same_tokens = self.stale_tokens = 0
+
+    def holds_other(self, boundary_tokens: int) -> bool:
+        """Whether a resume point this request saved at that boundary holds other content."""
+        return self.same_tokens < boundary_tokens <= self.stale_tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -247,6 +254,35 @@ class PrefixCache:
             self.alloc.release_checkpoints(units, swa_pages, pinned=True)
             self.stats.checkpoints_dropped += len(units)
 
+    # ---------------------------------------------------------------- a request takes another's content
+    def copy_contents(self, src_ids, dst_ids) -> None:
+        """Each dst request now holds what the src at its place holds (KVCache.copy_contents: beam
+        search), so what it may publish goes with the content: it takes the src's prompt (keys,
+        ids past them, divergence point) and finish-time ids are checked against that. The resume
+        points it saved itself hold its old content wherever that differs from the new one: from
+        its first page whose key differs (anything past the prompt's keys is unknown, so differs)
+        up to the last boundary whose rows it has begun writing. They are dropped when it
+        finishes, not now: its window may still read their SWA pages (Sharing._pin_tails)."""
+        a = self.alloc
+        took = [(self.requests.get(r), int(self._divergence[a.slot_of[r]])) for r in src_ids]   # all read first
+        for (src, div), rid in zip(took, dst_ids):
+            slot = a.slot_of[rid]
+            self._divergence[slot] = div
+            req = self.requests.get(rid)
+            if req is None:   # admitted past the cache: it publishes nothing
+                continue
+            keys = src.keys if src is not None else np.zeros(0, np.uint64)
+            n = min(len(keys), len(req.keys))
+            differ = (keys[:n] != req.keys[:n]).nonzero()[0]
+            same = (int(differ[0]) if len(differ) else n) * self.P
+            written = int(a.length[slot]) + a.resume_tokens - 1   # a boundary whose rows were begun
+            req.same_tokens = same if not req.stale_tokens else min(same, req.same_tokens)
+            req.stale_tokens = max(req.stale_tokens, written)
+            if src is None:   # a src the cache never knew: no content to check ids against
+                req.keys, req.tail = keys, None
+            else:
+                req.keys, req.tail, req.prompt_tokens = src.keys, src.tail, src.prompt_tokens
+
     # ---------------------------------------------------------------- finish: publish
     def finish(self, request_id, token_ids=None) -> None:
         """Finish a request; its full pages and kept resume points join the tree. token_ids (the
@@ -274,7 +310,7 @@ class PrefixCache:
         self.clock += 1
         keep_cols, nodes = self._publish(slot, keys[: min(L // self.P, len(keys))])
         a.finish(request_id, keep_pages=keep_cols)
-        placed = [ck for ck in req.kept if self._place(ck, nodes)]
+        placed = [ck for ck in req.kept if self._place(ck, nodes, req)]
         if self.publisher is not None:   # before unref: no eviction can take these pages yet
             self.publisher.on_publish(nodes, placed)
         self.tree.unref(req.path, self.clock)
@@ -297,10 +333,10 @@ class PrefixCache:
             parent = node
         return keep, nodes
 
-    def _place(self, ck, nodes) -> bool:
+    def _place(self, ck, nodes, req) -> bool:
         i = ck.boundary_tokens // self.P - 1
-        if i >= len(nodes) or nodes[i].checkpoint is not None:
-            self._drop(ck)   # no key for that page, or another request saved this point first
+        if i >= len(nodes) or nodes[i].checkpoint is not None or req.holds_other(ck.boundary_tokens):
+            self._drop(ck)   # no key for that page, another request saved this point first, or other content
             return False
         self.alloc.unpin_checkpoint(ck.swa_pages)
         self.tree.attach(nodes[i], ck, self.clock)
