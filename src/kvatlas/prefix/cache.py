@@ -155,7 +155,19 @@ class PrefixCache:
         self._divergence[slot] = len(m.path) * self.P if len(m.path) > j else -1
         self.requests[request_id] = _Request(m.keys, hit, prompt_tokens, tail)
         self._count(m, prompt_tokens)
+        self._count_tiers(hit)
         return adm
+
+    def _count_tiers(self, hit) -> None:
+        s, P = self.stats, self.P
+        for node in hit:
+            tier, node.origin = node.origin, None
+            if tier == "shared":
+                s.shared_hit_tokens += P
+            elif tier == "host":
+                s.host_hit_tokens += P
+            else:
+                s.device_hit_tokens += P
 
     def _shared(self, hit) -> SharedPrefix | None:
         if not hit:
@@ -351,10 +363,12 @@ class PrefixCache:
             node = node.parent
         return out
 
-    def restore_pages(self, parent_key, keys) -> np.ndarray:
+    def restore_pages(self, parent_key, keys, origins=None) -> np.ndarray:
         """Cache-held storage for pages coming back from the host tier, linked under parent_key
         (0: the root); the caller copies their bytes in. Evicts (LRU leaves first, never the
-        parent's chain) when short; raises PoolExhaustedError with nothing changed otherwise."""
+        parent's chain) when short; raises PoolExhaustedError with nothing changed otherwise.
+        origins: per key, the tier it comes from ("host" or "shared"; default "host"), counted
+        when an admission first reads it (PrefixStats)."""
         keys = [int(k) for k in keys]
         if parent_key and parent_key not in self.tree.nodes:
             raise KvatlasError(f"restore_pages: parent_key {parent_key} is not cached; restore from the root down")
@@ -371,8 +385,9 @@ class PrefixCache:
             self.tree.unref(chain, self.clock)
         self.clock += 1
         node = self.tree.nodes.get(parent_key) if parent_key else None
-        for k, p in zip(keys, pages.tolist()):
+        for k, p, origin in zip(keys, pages.tolist(), origins if origins is not None else ["host"] * len(keys)):
             node = self.tree.add(k, node, p, self.clock)
+            node.origin = origin
         return pages
 
     def restore_checkpoint(self, key, boundary_tokens: int) -> tuple[int, np.ndarray]:
