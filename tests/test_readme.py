@@ -1,8 +1,9 @@
-"""Every shell and Python example of README.md runs as written, on CPU.
+"""Every shell and Python example of README.md and of each page of the documentation site (docs/)
+runs as written, on CPU.
 
-The Python blocks run in order in one fresh interpreter (later examples use earlier ones' names,
-as a reader pasting them into one session would); the shell blocks run with `bash -e` in a
-scratch directory, the `kvatlas` of this environment first on PATH. A block after
+The Python blocks of one page run in order in one fresh interpreter (later examples use earlier
+ones' names, as a reader pasting them into one session would); the shell blocks run with `bash -e`
+in a scratch directory, the `kvatlas` of this environment first on PATH. A block after
 `<!-- readme-test: cuda -->` runs only where CUDA is; one after `<!-- readme-test: setup -->`
 (creating a virtual environment and installing) runs, in a fresh copy of the project, only with
 KVATLAS_SLOW_TESTS=1: it installs torch and the dependencies, which takes minutes, and CI's own
@@ -26,9 +27,16 @@ ROOT = Path(__file__).resolve().parents[1]
 FENCE = re.compile(r"(?:<!-- readme-test: (\w+) -->\n)?```(bash|python)\n(.*?)```", re.S)
 
 
-def blocks(lang: str, tag: str | None = None) -> list[str]:
-    text = (ROOT / "README.md").read_text()
+PAGES = ["README.md"] + sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").rglob("*.md"))
+
+
+def blocks(lang: str, tag: str | None = None, page: str = "README.md") -> list[str]:
+    text = (ROOT / page).read_text()
     return [body for t, lg, body in FENCE.findall(text) if lg == lang and (t or None) == tag]
+
+
+def all_blocks(lang: str, tag: str | None = None) -> list[tuple[str, int]]:
+    return [(p, i) for p in PAGES for i in range(len(blocks(lang, tag, p)))]
 
 
 def has_cuda() -> bool:
@@ -46,8 +54,8 @@ def env_with_kvatlas() -> dict:
 
 
 def test_readme_has_examples_of_every_kind():
-    assert len(blocks("python")) >= 5 and len(blocks("bash")) >= 2 and len(blocks("bash", "setup")) == 2
-    assert len(blocks("python", "sketch")) <= 1
+    assert len(blocks("python")) >= 2 and len(blocks("bash")) >= 2 and len(blocks("bash", "setup")) == 2
+    assert sum(len(blocks("python", "sketch", p)) for p in PAGES) <= 1
     tags = set(t for t, _, _ in FENCE.findall((ROOT / "README.md").read_text()) if t)
     assert tags <= {"setup", "cuda", "sketch", "sglang", "vllm"}, tags   # each tag is explained in this file
     shell = "\n".join(blocks("bash"))
@@ -55,18 +63,27 @@ def test_readme_has_examples_of_every_kind():
         assert cmd in shell
 
 
-def test_python_examples_run(tmp_path):
+def test_docs_examples_are_tagged_known_ways():
+    for page in PAGES:
+        tags = set(t for t, _, _ in FENCE.findall((ROOT / page).read_text()) if t)
+        assert tags <= {"setup", "cuda", "sketch", "sglang", "vllm"}, (page, tags)
+        if page != "README.md":
+            assert not blocks("bash", "setup", page), f"{page}: the set-up commands live in README.md"
+
+
+@pytest.mark.parametrize("page", [p for p in PAGES if blocks("python", page=p) or blocks("python", "cuda", p)])
+def test_python_examples_run(tmp_path, page):
     pytest.importorskip("torch")
-    code = "\n\n".join(blocks("python") + (blocks("python", "cuda") if has_cuda() else []))
+    code = "\n\n".join(blocks("python", page=page) + (blocks("python", "cuda", page) if has_cuda() else []))
     r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env_with_kvatlas(), capture_output=True,
                        text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.returncode == 0, (page, r.stderr[-3000:])
 
 
-@pytest.mark.parametrize("i", range(len(blocks("bash"))))
-def test_shell_examples_run(tmp_path, i):
+@pytest.mark.parametrize("page,i", all_blocks("bash"))
+def test_shell_examples_run(tmp_path, page, i):
     pytest.importorskip("torch")
-    script = blocks("bash")[i]
+    script = blocks("bash", page=page)[i]
     r = subprocess.run(["bash", "-e", "-c", script], cwd=tmp_path, env=env_with_kvatlas(), capture_output=True,
                        text=True, timeout=300)
     assert r.returncode == 0 and "Traceback" not in r.stderr, (script, r.stdout[-2000:], r.stderr[-2000:])

@@ -58,6 +58,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def command_parser(name: str):
+    """(module, parser) of one subcommand: what `kvatlas NAME` parses with and `--help` prints
+    (the CLI reference in docs/ is made from it too)."""
+    parser = Parser(prog=f"kvatlas {name}", description=COMMANDS[name][1])
+    mod = importlib.import_module(COMMANDS[name][0])
+    mod.add_parser(parser)
+    parser.add_argument("--debug", action="store_true", help="on an unexpected error, print the traceback")
+    return mod, parser
+
+
 def _version() -> str:
     from .. import __version__
     return __version__
@@ -66,10 +76,7 @@ def _version() -> str:
 def _parse(argv: list[str]):
     """(module, args) for the command line; only the needed subcommand's parser is built."""
     if argv and argv[0] in COMMANDS:
-        parser = Parser(prog=f"kvatlas {argv[0]}", description=COMMANDS[argv[0]][1])
-        mod = importlib.import_module(COMMANDS[argv[0]][0])
-        mod.add_parser(parser)
-        parser.add_argument("--debug", action="store_true", help="on an unexpected error, print the traceback")
+        mod, parser = command_parser(argv[0])
         args = parser.parse_args(argv[1:])
         args.argv = list(argv)   # (simulate --ranks starts itself again, once per rank)
         return mod, args

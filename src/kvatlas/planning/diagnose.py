@@ -27,15 +27,18 @@ V4_SLIDING_WINDOW = 128
 _DEFAULTS = {f.name: f.default for f in fields(ServeOptions)}
 
 
-def _fits(model: ModelSpec, opts: ServeOptions, budget: int) -> bool:
-    from .planner import _Sizer
-    try:
-        sizer = _Sizer(model, opts.validated())
-    except KvatlasError:   # a value the planner refuses for another reason does not "fit"
-        return False
-    requests = opts.running_requests_per_rank
-    one = cdiv(opts.max_model_len, opts.page_tokens) if sizer.page_price else 0
-    return sizer.max_pages(requests, budget) >= one
+def fits_with(sizer_for, budget: int):
+    """`fits(model, opts)`: whether one request of max_model_len fits `budget` beside the others.
+    `sizer_for(model, validated opts)` is the planner's sizer (passed in: the planner builds on
+    this module, not the other way round)."""
+    def fits(model: ModelSpec, opts: ServeOptions) -> bool:
+        try:
+            sizer = sizer_for(model, opts.validated())
+        except KvatlasError:   # a value the planner refuses for another reason does not "fit"
+            return False
+        one = cdiv(opts.max_model_len, opts.page_tokens) if sizer.page_price else 0
+        return sizer.max_pages(opts.running_requests_per_rank, budget) >= one
+    return fits
 
 
 def _largest_fit(fits, low: int, high: int, step: int) -> int | None:
@@ -49,52 +52,54 @@ def _largest_fit(fits, low: int, high: int, step: int) -> int | None:
     return lo * step
 
 
-def _causes(model: ModelSpec, opts: ServeOptions, budget: int) -> list[tuple[str, str]]:
+def _causes(model: ModelSpec, opts: ServeOptions, fits) -> list[tuple[str, str]]:
     """(what, its fix) for each option above its default whose default alone fits."""
     out = []
     for name, step in _CAUSES.items():
         now, default = getattr(opts, name), _DEFAULTS[name]
-        if now <= default or not _fits(model, replace(opts, **{name: default}), budget):
+        if now <= default or not fits(model, replace(opts, **{name: default})):
             continue
-        best = _largest_fit(lambda v: _fits(model, replace(opts, **{name: v}), budget), default, now, step)
+        best = _largest_fit(lambda v: fits(model, replace(opts, **{name: v})), default, now, step)
         out.append((f"{name}={now}", f"lower {name} to {best} (the largest that fits)"))
     raised = {n: _DEFAULTS[n] for n in _CAUSES if getattr(opts, n) > _DEFAULTS[n]}
-    if not out and len(raised) > 1 and _fits(model, replace(opts, **raised), budget):   # only together
+    if not out and len(raised) > 1 and fits(model, replace(opts, **raised)):   # only together
         out.append((" and ".join(f"{n}={getattr(opts, n)}" for n in raised) + " together",
                     "lower them to " + ", ".join(f"{n}={v}" for n, v in raised.items()) + " (the defaults)"))
     window = model.sliding_window
-    if window > V4_SLIDING_WINDOW and _fits(replace(model, sliding_window=V4_SLIDING_WINDOW), opts, budget):
+    if window > V4_SLIDING_WINDOW and fits(replace(model, sliding_window=V4_SLIDING_WINDOW), opts):
         out.append((f"the model's config.sliding_window={window} (DeepSeek-V4's is {V4_SLIDING_WINDOW})", ""))
     return out
 
 
-def _size_changes(model: ModelSpec, opts: ServeOptions, budget: int) -> list[str]:
+def _size_changes(model: ModelSpec, opts: ServeOptions, fits) -> list[str]:
     """The sizes asked for, each lowered alone to the largest value that fits."""
     out = []
     for name in _SIZES:
         now = getattr(opts, name)
         low = opts.dp if name == "max_running_requests" else 1
-        best = _largest_fit(lambda v: _fits(model, replace(opts, **{name: v}), budget), low, now, 1)
+        best = _largest_fit(lambda v: fits(model, replace(opts, **{name: v})), low, now, 1)
         if best is not None:
             out.append(f"{name} to {best}")
     if not out:   # neither alone: the fewest requests, and the longest context that fits beside them
         one = replace(opts, max_running_requests=opts.dp)
-        best = _largest_fit(lambda v: _fits(model, replace(one, max_model_len=v), budget), 1, opts.max_model_len, 1)
+        best = _largest_fit(lambda v: fits(model, replace(one, max_model_len=v)), 1, opts.max_model_len, 1)
         return [] if best is None else [f"lower max_running_requests to {opts.dp} and max_model_len to {best} "
                                         "(together; the largest that fits)"]
     return [f"lower {' or '.join(out)} ({'each ' if len(out) > 1 else ''}the largest that fits alone)"]
 
 
-def budget_error(model: ModelSpec, opts: ServeOptions, budget: int, need: int) -> BudgetError:
-    """The refusal of a budget below `need` (what the asked deployment takes)."""
+def budget_error(model: ModelSpec, opts: ServeOptions, budget: int, need: int, sizer_for) -> BudgetError:
+    """The refusal of a budget below `need` (what the asked deployment takes); `sizer_for` as in
+    `fits_with`."""
+    fits = fits_with(sizer_for, budget)
     head = (f"memory_bytes: {fmt_bytes(budget)} ({budget:,} B) cannot hold {opts.running_requests_per_rank} running "
             f"requests plus one request of max_model_len={opts.max_model_len}: that needs {fmt_bytes(need)} "
             f"({need:,} B)")
     budget_fix = f"raise memory_bytes to {need}" if opts.memory_bytes is not None else f"give memory_bytes={need}"
-    causes = _causes(model, opts, budget)
+    causes = _causes(model, opts, fits)
     if causes:
         names = " and ".join(c for c, _ in causes)
-        fixes = [f for _, f in causes if f] or _size_changes(model, opts, budget)
+        fixes = [f for _, f in causes if f] or _size_changes(model, opts, fits)
         verb = "each make" if len(causes) > 1 else "make" if " and " in names else "makes"
         return BudgetError(f"{head}; {names} {verb} it too big: {', or '.join(fixes + [budget_fix])}")
-    return BudgetError(f"{head}; {', or '.join(_size_changes(model, opts, budget) + [budget_fix])}")
+    return BudgetError(f"{head}; {', or '.join(_size_changes(model, opts, fits) + [budget_fix])}")

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 
 from . import formats
+from .stages import rank_layers
+from .weights import weights_per_rank
 from ..checks import MAX_BYTES, boolean, real, whole
 from ..errors import ConfigError
 from ..units import fmt_bytes, parse_bytes
@@ -138,8 +140,6 @@ class ServeOptions:
 
     def auto_weights(self, model, resolved: "ServeOptions"):
         """What one rank of this deployment holds in weights (planning.weights)."""
-        from .planner import rank_layers
-        from .weights import weights_per_rank
         return weights_per_rank(model, resolved.tp, resolved.pp, resolved.pp_rank, rank_layers(model, resolved))
 
     def budget_bytes(self) -> int:

@@ -15,26 +15,14 @@ from . import formats
 from .buffers import CHECKPOINTS, FULL_PAGES, REQUEST_SLOTS, SWA_PAGES, WORKSPACE, BufferSpec
 from ..checks import of_type, whole
 from ..errors import ConfigError, NotFoundError
+from .diagnose import budget_error
 from .model import LayerSpec, ModelSpec, load_model
 from .options import ServeOptions
+from .stages import rank_layers  # noqa: F401 (the planner's; imported from here by callers)
 from ..units import cdiv, fmt_bytes
 
 PLAN_SCHEMA_VERSION = 1
 CONTEXTS = (4096, 32768, 131072, 1048576)
-
-
-def rank_layers(model: ModelSpec, opts: ServeOptions) -> tuple[LayerSpec, ...]:
-    """The layers pipeline stage `pp_rank` runs: main layers split evenly, draft layers on the last."""
-    main = [l for l in model.layers() if not l.is_draft]
-    per, extra = divmod(len(main), opts.pp)
-    start = opts.pp_rank * per + min(opts.pp_rank, extra)
-    mine = main[start:start + per + (1 if opts.pp_rank < extra else 0)]
-    if opts.draft_layers and opts.pp_rank == opts.pp - 1:
-        mine += [l for l in model.layers(draft=True) if l.is_draft]
-    if not mine:
-        raise ConfigError("pp", f"pp={opts.pp} leaves stage {opts.pp_rank} without layers",
-                          f"use pp ≤ {len(main)}")
-    return tuple(mine)
 
 
 def swa_pages_per_step(window: int, new_tokens: int, page: int) -> int:
@@ -290,8 +278,7 @@ def plan(model: ModelSpec | str, memory_bytes: int | str | None = None, **option
     one_request = cdiv(opts.max_model_len, opts.page_tokens) if sizer.page_price else 0
     pages = sizer.max_pages(requests, budget)
     if pages < one_request:
-        from .diagnose import budget_error
-        raise budget_error(model, opts, budget, sizer.total(requests, one_request))
+        raise budget_error(model, opts, budget, sizer.total(requests, one_request), _Sizer)
     reachable = requests * one_request if sizer.page_price else 0
     return _build(sizer, budget, requests, min(pages, reachable))
 

@@ -16,6 +16,7 @@ from ..errors import ConfigError, IntegrityError
 from ..planning.buffers import SWA_PAGES
 from ..planning.hostplan import DEFAULT_CHECKPOINT_SHARE, HOST_CHECKPOINTS, HOST_PAGES, plan_host
 from .copies import Transfer
+from .movetime import modeled_move_seconds
 from .ledger import GROUP_LABEL, HOST_LEDGER_SCHEMA_VERSION, HostGroupUsage, HostSnapshot, MoveCounters, group_measures
 from .slots import HostSlots
 
@@ -228,7 +229,6 @@ class HostIndex:
     def _modeled(self, t: Transfer, group: str, slots: np.ndarray) -> Transfer:
         """Stamp `t.modeled_s`: the H200-measured time of this move (the simulator's clock
         charges it, on either tier, so a CPU run models the same time as a GPU run)."""
-        from .modeled import modeled_move_seconds   # modeled.py builds on this module
         t.modeled_s = modeled_move_seconds(t.direction, self.plan, group, slots)
         self.modeled_seconds[t.direction] += t.modeled_s
         return t

@@ -1,12 +1,7 @@
 """A host tier with no memory behind it: the same slots, LRU and counters as the real one, and
 each move charged the time the H200 measurements give. For simulations of plans larger than the
 machine (the prefix cache's bookkeeping-only runs): hit ratios are a property of the bookkeeping,
-transfer times of the bandwidth.
-
-Time model (bench/host_tier_gpu.py, H200, bench/RESULTS.md): a move costs its bytes at the
-measured staged-copy bandwidth of a contiguous run, plus a fixed cost per run of consecutive
-host slots and per host buffer (one more copy call each: the scattered restore's extra time
-over the contiguous one, per copy).
+transfer times of the bandwidth. The time a move is charged is tiers/movetime.py's model.
 """
 
 from __future__ import annotations
@@ -16,16 +11,13 @@ import numpy as np
 from ..errors import BudgetError
 from ..planning.hostplan import plan_host
 from ..units import fmt_bytes
-from .copies import Transfer, _runs
+from .copies import Transfer
 from .index import HostIndex
+from .movetime import COPY_CALL_S, OFFLOAD_BYTES_PER_S, RESTORE_BYTES_PER_S, modeled_move_seconds, move_seconds  # noqa: F401 (re-exported)
 
-RESTORE_BYTES_PER_S = 47.3e9     # 3,000 V4-Flash pages, host slots contiguous: 0.86 × plain copy_
-OFFLOAD_BYTES_PER_S = 50.7e9     # device to host, same pages
 # What a modeled host slot costs in this process when the tier is full: its free-list entry, its
 # LRU entry and the prefix link's parent/child entries (~590 B measured with tracemalloc).
 BOOKKEEPING_BYTES_PER_SLOT = 600
-COPY_CALL_S = 5e-6               # per run of host slots and buffer: a random half of the host slots
-                                 # (~1,500 runs × 3 buffers) took 85.6 ms against 63.3 contiguous
 
 
 def check_modeled_fits(host_plan, field: str = "host_memory_bytes") -> None:
@@ -40,18 +32,6 @@ def check_modeled_fits(host_plan, field: str = "host_memory_bytes") -> None:
                           f"bookkeeping needs {fmt_bytes(need)} when full, but this machine has {fmt_bytes(avail)} "
                           f"available; model at most {most:,} slots (about "
                           f"{host_plan.budget_bytes * most // slots:,} B of host tier)")
-
-
-def move_seconds(direction: str, nbytes: int, runs: int, buffers: int) -> float:
-    rate = RESTORE_BYTES_PER_S if direction == "device" else OFFLOAD_BYTES_PER_S
-    return nbytes / rate + runs * buffers * COPY_CALL_S
-
-
-def modeled_move_seconds(direction: str, host_plan, group: str, slots: np.ndarray) -> float:
-    """move_seconds of moving these host slots of `group` (every HostIndex stamps its transfers)."""
-    nbytes = len(slots) * host_plan.unit_bytes(group)
-    runs = len(_runs(np.sort(slots))) if len(slots) else 0
-    return move_seconds(direction, nbytes, runs, len(host_plan.group_buffers(group)))
 
 
 class ModeledHost(HostIndex):
