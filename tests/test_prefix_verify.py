@@ -228,6 +228,36 @@ def drive(seed) -> int:
 
 
 # ------------------------------------------------------------------ copy_contents moves what the pages hold
+@pytest.mark.parametrize("ids", [True, False], ids=["finish with B's ids", "finish without ids"])
+def test_copy_contents_then_finish_publishes_nothing_under_the_destinations_keys(ids):
+    """Issue 33, the reported sequence: A and B, two prompts, prefilled; copy_contents(["A"],
+    ["B"]) gives B A's KV. finish("B", token_ids=B's ids) was accepted (the ids agree with what
+    B was admitted with) and published A's KV under B's keys, as did finish("B") without ids:
+    a later request with B's prompt hit 512 tokens of A's KV. Now B's ids are refused with
+    nothing changed, and what B publishes goes under A's keys, the content its pages hold."""
+    c = kvatlas.allocate(kvatlas.plan("tiny-v4", "128MiB", max_running_requests=4, prefix_checkpoints=16))
+    rng = np.random.default_rng(33)
+    prompts = {"A": rng.integers(0, 50_000, 600), "B": rng.integers(0, 50_000, 600)}
+    for rid, p in prompts.items():
+        c.admit(rid, 600, 8, token_ids=p)
+        c.extend(rid, 600)
+    c.copy_contents(["A"], ["B"])
+    c.check_integrity()
+    if ids:
+        before = state(c)
+        with pytest.raises(ContentMismatchError, match="token_ids: page 0 differs from the prompt it was admitted"):
+            c.finish("B", token_ids=prompts["B"])
+        assert state(c) == before
+        c.finish("B", token_ids=prompts["A"])
+    else:
+        c.finish("B")
+    assert sorted(c.prefix.tree.nodes) == sorted(page_keys(prompts["A"], P).tolist())
+    c.finish("A", token_ids=prompts["A"])
+    c.check_integrity()
+    assert c.admit("B again", 600, 1, token_ids=prompts["B"]).cached_tokens == 0
+    assert c.admit("A again", 600, 1, token_ids=prompts["A"]).cached_tokens == 512
+
+
 def test_copy_contents_then_finish_never_publishes_kv_under_the_destinations_prompt():
     """Issue 33: B takes over A's pages (copy_contents), so B's pages hold A's content. Finishing B
     with B's own ids must not publish A's KV under B's keys: those ids are refused with nothing
