@@ -108,7 +108,7 @@ class VllmReplay:
     record of each admission, forward passes from the scheduler's outputs."""
 
     def __init__(self, budget: int, retention: int | None, requests, tm: TimeModel) -> None:
-        from kvatlas.integrations import vllm as kv
+        from kvatlas.integrations.vllm import offline as kv
         self.eng = kv.build_engine(MODEL, budget, prefix_cache_retention_interval=retention, **SERVING)
         logging.getLogger("vllm").setLevel(logging.WARNING)   # no per-request log lines
         self.requests, self.tm = requests, tm

@@ -1,7 +1,7 @@
 """SGLang plugin: cost of its metrics with 16 vs 1,024 running requests, in one run (target ratio ≤ 1.5).
 
 Runs in the SGLang venv (`bash tests/sglang_plugin/setup_env.sh`). SGLang 0.5.23's own pools for
-V4-Flash are built on the CPU by its own configurator (`kvatlas.integrations.sglang.build_offline`,
+V4-Flash are built on the CPU by its own configurator (`kvatlas.integrations.sglang.plugin.build_offline`,
 1,024 request slots, a 32 GiB budget that is reserved but never touched), with prometheus_client in
 multiprocess mode as in an SGLang server. Requests are admitted through SGLang's own allocators
 (a request-table row, then one 256-token prefill: one full page and one SWA page each).
@@ -78,7 +78,7 @@ def main() -> None:
     logging.disable(logging.WARNING)   # SGLang's start-up log
     from prometheus_client import CollectorRegistry, generate_latest, multiprocess
 
-    from kvatlas.integrations import sglang as ks
+    from kvatlas.integrations.sglang import plugin as ks
     offline = ks.build_offline("deepseek-v4-flash", "32GiB", max_running_requests=HIGH, context_length=8192)
     running = Running(offline.pools)
 

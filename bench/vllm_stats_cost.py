@@ -24,8 +24,8 @@ GIB = 2**30
 
 
 def serving_engine(requests: int):
-    from kvatlas.integrations import vllm as kv
-    from kvatlas.integrations import vllm_plugin
+    from kvatlas.integrations.vllm import offline as kv
+    from kvatlas.integrations.vllm import plugin as vllm_plugin
     eng = kv.build_engine("deepseek-v4-flash", 120 * GIB, max_model_len=8192, max_num_seqs=1024,
                           max_num_batched_tokens=16384)
     for i in range(requests):
@@ -97,8 +97,8 @@ def profiled_share(eng, steps: int) -> float:
     prof.disable()
     stats = pstats.Stats(prof).stats
     total = sum(v[2] for v in stats.values())
-    ours = sum(v[2] for k, v in stats.items() if any(m in k[0] for m in ("vllm_census", "vllm_plugin", "vllm_ledger",
-                                                                          "boards")))
+    ours = sum(v[2] for k, v in stats.items() if any(m in k[0] for m in ("integrations/vllm/census", "integrations/vllm/plugin",
+                                                                          "integrations/vllm/ledger", "integrations/boards")))
     return ours / total
 
 

@@ -9,9 +9,10 @@ import tempfile
 from types import SimpleNamespace
 
 from kvatlas.engines.base import EngineBuffer, paged_buffer, row_buffer
-from kvatlas.integrations import foreign, sglang_prefix
-from kvatlas.integrations import vllm_ledger as vl
-from kvatlas.integrations.vllm_census import Counts
+from kvatlas.integrations import foreign
+from kvatlas.integrations.sglang import prefix as sglang_prefix
+from kvatlas.integrations.vllm import ledger as vl
+from kvatlas.integrations.vllm.census import Counts
 from kvatlas.planning import formats
 
 PAGE = 64

@@ -18,9 +18,9 @@ class Req:
         self.written = 0
 
 
-def make_plan(draft_tokens):
+def make_plan(draft_tokens, model="tiny-v4"):
     # pipeline stage 0 of 2: one SWA-only, one C4 and one C128 layer, half the work of all six
-    return plan("tiny-v4", "16MiB", max_model_len=2048, max_running_requests=2, prefix_checkpoints=2,
+    return plan(model, "16MiB", max_model_len=2048, max_running_requests=2, prefix_checkpoints=2,
                 chunked_prefill_tokens=CHUNK, draft_tokens=draft_tokens, pp=2)
 
 

@@ -33,8 +33,8 @@ def prompts(seed: int, n: int = 2, length: int = 520) -> list:
 
 
 class SharedSession(Session):
-    def __init__(self, store, *, host=HOST, **link_options):
-        super().__init__(make_plan(0))
+    def __init__(self, store, *, host=HOST, model="tiny-v4", **link_options):
+        super().__init__(make_plan(0, model))
         self.link = attach_shared_tier(self.hot, host, store, checkpoint_share=0.5, outbox_bytes="2MiB",
                                        **link_options)
         self.ready = None
@@ -85,33 +85,50 @@ def admit_only(s, seq) -> int:
     return cached
 
 
-def write_through(store, seqs, max_new: int = 2, prefetch: bool = True, **link_options):
-    """The writing process: the hot cache alone (no cold twin, no read checks), each request's
-    rows written from its token ids (prefix_model), finished, and written through to the store."""
-    from prefix_model import Model, prefix_hashes
+class Writer:
+    """A writing process's cache: the hot cache alone (no cold twin, no read checks), each
+    request's rows written from its token ids (prefix_model), finished and written through."""
 
-    from kvatlas import allocate
-    cache = allocate(make_plan(0))
-    link = attach_shared_tier(cache, HOST, store, checkpoint_share=0.5, outbox_bytes="2MiB", **link_options)
-    model, cached = Model(cache, "torch"), []
-    for i, prompt in enumerate(seqs):
+    def __init__(self, store, prefetch: bool = True, model="tiny-v4", **link_options):
+        from prefix_model import Model
+
+        from kvatlas import allocate
+        self.cache = allocate(make_plan(0, model))
+        self.link = attach_shared_tier(self.cache, HOST, store, checkpoint_share=0.5, outbox_bytes="2MiB",
+                                       **link_options)
+        self.model, self.prefetch, self.n = Model(self.cache, "torch"), prefetch, 0
+
+    def run(self, prompt, max_new: int = 2) -> int:
+        """One request; its cached tokens."""
+        from prefix_model import prefix_hashes
+        cache = self.cache
         seq = np.concatenate((prompt, np.arange(max_new) + 7))
-        h, rid = prefix_hashes(seq), f"w{i}"
-        ready = link.prefetch(len(prompt), token_ids=prompt) if prefetch else None
+        h, rid = prefix_hashes(seq), f"w{self.n}"
+        self.n += 1
+        ready = self.link.prefetch(len(prompt), token_ids=prompt) if self.prefetch else None
         if ready is not None:
             ready.wait()
-        done = cache.admit(rid, len(prompt), max_new, token_ids=prompt).cached_tokens
-        cached.append(done)
+        done = cached = cache.admit(rid, len(prompt), max_new, token_ids=prompt).cached_tokens
         while done < len(seq):
             n = min(CHUNK, len(prompt) - done) if done < len(prompt) else 1
-            model.write(cache.extend(rid, n) if done < len(prompt) else cache.step([rid], 1), h[done:done + n])
+            self.model.write(cache.extend(rid, n) if done < len(prompt) else cache.step([rid], 1), h[done:done + n])
             done += n
         cache.finish(rid, token_ids=seq)
         cache.check_integrity()
-    link.shared.flush(10.0)
-    snap = link.shared_snapshot()
-    cache.close()
-    return cached, snap
+        return cached
+
+    def close(self, timeout_s: float = 10.0):
+        self.link.shared.flush(timeout_s)
+        snap = self.link.shared_snapshot()
+        self.cache.close()
+        return snap
+
+
+def write_through(store, seqs, max_new: int = 2, prefetch: bool = True, **link_options):
+    """The writing process (a Writer) runs each prompt: (cached tokens of each, its snapshot)."""
+    w = Writer(store, prefetch, **link_options)
+    cached = [w.run(prompt, max_new) for prompt in seqs]
+    return cached, w.close()
 
 
 def main(argv) -> None:

@@ -101,7 +101,8 @@ class Server:
 
 
 class Redis:
-    def __init__(self, tmp, maxmemory: str | None = None) -> None:
+    def __init__(self, tmp, maxmemory: str | None = None, password: str | None = None,
+                 policy: str = "allkeys-lru") -> None:
         exe = _bin("redis-server")
         if exe is None:
             missing("redis-server is not installed (apt-get install redis-server)")
@@ -110,13 +111,18 @@ class Redis:
         args = [exe, "--bind", LOOPBACK, "--port", str(self.port), "--save", "", "--appendonly", "no",
                 "--protected-mode", "yes", "--dir", str(tmp)]
         if maxmemory:
-            args += ["--maxmemory", maxmemory, "--maxmemory-policy", "allkeys-lru"]
+            args += ["--maxmemory", maxmemory, "--maxmemory-policy", policy]
+        if password:
+            args += ["--requirepass", password]
+        self.password = password
         self.server = Server(args, self.port, open(os.path.join(tmp, f"redis-{self.port}.log"), "ab"))
         self.servers = [self.server]
 
     @property
     def url(self) -> str:
-        return f"redis://{LOOPBACK}:{self.port}?timeout=1"
+        from urllib.parse import quote
+        auth = f":{quote(self.password, safe='')}@" if self.password else ""
+        return f"redis://{auth}{LOOPBACK}:{self.port}?timeout=1"
 
     def start(self) -> "Redis":
         self.server.start()

@@ -371,3 +371,50 @@ def test_host_tier_arguments_refused_before_any_memory(tiered, call, field):
         call(tiered)
     assert field in str(exc.value) and "\n" not in str(exc.value), str(exc.value)
     assert free.host is None and bare.host is None and linked.host is link and link.snapshot() == snap
+
+
+# ------------------------------------------------------------------ the shared tier's URL (issue 38)
+BAD_URLS = [
+    "redis://[::1", "redis://[::1]:6379x", "redis://127.0.0.1:0", "redis://127.0.0.1:65536", "redis://127.0.0.1:x",
+    "redis://127.0.0.1", "redis://:6379", "redis://127.0.0.1:6379/-1", "redis://127.0.0.1:6379/abc",
+    "redis://127.0.0.1:6379/0/1", "redis://127.0.0.1:6379/99999999999", "redis://127.0.0.1:6379/١",
+    *[f"redis://127.0.0.1:6379?timeout={t}" for t in ("nan", "-1", "inf", "0", "x", "61", "")],
+    "redis://127.0.0.1:6379?timeout", "redis://127.0.0.1:6379?timeout=1&timeout=2", "redis://127.0.0.1:6379?db=1",
+    "redis://127.0.0.1:6379?ca=ca.pem", "rediss://127.0.0.1:6379?ca=/nonexistent/ca.pem", "redis://user@127.0.0.1:6379",
+    "redis://:pa#ss@127.0.0.1:6379", "redis:// 127.0.0.1:6379", "redis://127.0.0.1:6379\n", "http://127.0.0.1:80",
+    "", "redis:/x", "redis", "mooncake://127.0.0.1:50051", "mooncake://127.0.0.1:50051?metadata=nope",
+    "mooncake://127.0.0.1:50051?metadata=http://127.0.0.1/metadata",
+    "mooncake://u:p@127.0.0.1:50051?metadata=http://127.0.0.1:1/metadata",
+    "mooncake://127.0.0.1:50051/x?metadata=http://127.0.0.1:1/metadata",
+    "mooncake://127.0.0.1:0?metadata=http://127.0.0.1:1/metadata",
+    "mooncake://127.0.0.1:50051?metadata=http://127.0.0.1:1/metadata&segment=abc",
+    "mooncake://127.0.0.1:50051?metadata=http://127.0.0.1:1/metadata&buffer=-1",
+    "mooncake://127.0.0.1:50051?metadata=http://127.0.0.1:1/metadata&protocol=",
+    "mooncake://127.0.0.1:50051?metadata=http://127.0.0.1:1/metadata&foo=1",
+    "memory://x?capacity=abc", "memory://x?y=1", "memory://u:p@x", "memory://x:5",
+]
+
+
+@pytest.mark.parametrize("url", BAD_URLS)
+def test_shared_tier_url_refused_before_any_memory(tiered, url):
+    """Every part of a store URL is checked without connecting to anything, before a host tier is
+    pinned; the message is one line naming the argument, and never shows a password."""
+    from kvatlas.tiers.shared import attach_shared_tier, check_url, open_store
+    free = tiered[0]
+    for call in (lambda: check_url(url), lambda: open_store(url), lambda: attach_shared_tier(free, "16MiB", url)):
+        with pytest.raises(KvatlasError) as exc:
+            call()
+        text = str(exc.value)
+        assert text.startswith("shared_tier") and "\n" not in text and "pa#ss" not in text, text
+    assert free.host is None
+
+
+@pytest.mark.parametrize("bound", [0, -1, NAN, math.inf, 601, "5", None, True])
+def test_shared_tier_startup_bound_refused_before_any_memory(tiered, bound):
+    from kvatlas.tiers.shared import attach_shared_tier, open_store
+    free = tiered[0]
+    for call in (lambda: open_store("memory://b", startup_s=bound),
+                 lambda: attach_shared_tier(free, "16MiB", "memory://b", startup_s=bound)):
+        with pytest.raises(KvatlasError, match="startup_s"):
+            call()
+    assert free.host is None

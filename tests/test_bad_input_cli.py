@@ -180,7 +180,24 @@ ROUND_TWO = [
                       ("--chunked-prefill-tokens", "0"), ("--chunked-prefill-tokens", "x"), ("--context-length", "-1"))],
 ]
 
+# the shared tier's URL, checked whole without connecting (issue 38); with a host tier under a prefix cache
+SHARED = {
+    "--shared-tier": ["redis://[::1", "redis://127.0.0.1:0", "redis://127.0.0.1:65536", "redis://127.0.0.1",
+                      "redis://127.0.0.1:6379/-1", "redis://127.0.0.1:6379/x", "redis://127.0.0.1:6379/99999999999",
+                      *[f"redis://127.0.0.1:6379?timeout={t}" for t in ("nan", "-1", "inf", "0", "x")],
+                      "redis://127.0.0.1:6379?timeout=1&timeout=2", "redis://127.0.0.1:6379?ca=x.pem",
+                      "rediss://127.0.0.1:6379?ca=/nonexistent/ca.pem", "redis://user@127.0.0.1:6379",
+                      "redis://:pa#ss@127.0.0.1:6379", "redis:// 127.0.0.1:6379", "gopher://127.0.0.1:70", "",
+                      "mooncake://127.0.0.1:50051", "mooncake://127.0.0.1:50051?metadata=nope",
+                      "mooncake://u:p@127.0.0.1:50051?metadata=http://127.0.0.1:1/metadata",
+                      "mooncake://127.0.0.1:50051?metadata=http://127.0.0.1:1/metadata&segment=abc",
+                      "memory://x?capacity=abc", "memory://u:p@x"],
+    "--shared-startup-s": ["0", "-1", "nan", "inf", "601", "x"],
+}
+SHARED_HOST = ["--prefix-checkpoints", "4", "--host-memory", "8MiB"]
+
 CLI_CASES = (_cases(["plan", "compare", "alloc", "serve", "simulate"], DEPLOYMENT)
+             + _cases(["serve", "simulate"], SHARED, SHARED_HOST)
              + _cases(["serve", "simulate"], WORKLOAD)
              + _cases(["alloc"], ALLOC)
              + _cases(["serve"], SERVE)
@@ -451,3 +468,33 @@ def test_unexpected_error_is_one_line_naming_the_bug(monkeypatch, capsys, tmp_pa
 def test_help_and_version_exit_zero(capsys):
     assert main(["plan", "--help"]) == 0 and main(["--version"]) == 0 and main([]) == 0
     assert "usage" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------ a shared tier that answers and refuses
+@pytest.mark.parametrize("cmd", ["simulate", "serve"])
+def test_shared_tier_on_a_port_that_is_not_redis(no_allocation, capsys, cmd):
+    """An HTTP server on the port named by redis://: refused at start-up (PING), exit 2, one
+    line naming the flag and saying what answered; nothing allocated (the store is opened first)."""
+    import threading
+
+    import test_shared_startup
+    test_shared_startup.client("redis")
+    from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+
+    class Quiet(SimpleHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Quiet)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        argv = [cmd, *TINY, *SHARED_HOST, "--shared-tier", f"redis://127.0.0.1:{httpd.server_address[1]}"]
+        rc = main(argv + (["--port", "0"] if cmd == "serve" else []))
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and "Traceback" not in "\n".join(err), err
+    line = err[-1]   # (serve: after its one "starting" notice, which comes before the store is opened)
+    assert line.startswith(f"kvatlas {cmd}: error: --shared-tier: redis 127.0.0.1:") and "is not Redis" in line, line
+    assert len(err) == (2 if cmd == "serve" else 1), err

@@ -54,3 +54,28 @@ def test_site_builds_strict(tmp_path):
                        cwd=ROOT, capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert (tmp_path / "site" / "reference" / "cli" / "index.html").read_text().count("usage: kvatlas") == len(COMMANDS) + 1
+
+
+def _github_anchor(heading: str) -> str:
+    """The anchor GitHub gives a heading: lower case, punctuation but - and _ dropped, spaces as -."""
+    text = re.sub(r"[^\w\- ]", "", heading.replace("`", "").strip().lower())
+    return text.replace(" ", "-")
+
+
+def test_results_open_with_a_headline_table_whose_links_lead_to_sections():
+    text = (ROOT / "bench" / "RESULTS.md").read_text()
+    anchors, seen = set(), {}
+    for heading in re.findall(r"^#{2,3} (.+)$", text, re.M):
+        slug = _github_anchor(heading)
+        anchors.add(slug if slug not in seen else f"{slug}-{seen[slug]}")
+        seen[slug] = seen.get(slug, 0) + 1
+    headline = text.split("## Headline figures", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in headline.splitlines() if line.startswith("| [")]
+    assert re.findall(r"^## .+$", text, re.M)[0] == "## Headline figures" and len(rows) >= 20
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split(" | ")]
+        assert len(cells) == 6 and all(cells), row           # what, figure, baseline, date, machine, command
+        target = re.match(r"\[.+\]\(#([^)]+)\)", cells[0]).group(1)
+        assert target in anchors, f"headline link #{target} leads to no section"
+        assert re.fullmatch(r"2026-\d\d-\d\d", cells[3]), row
+    assert _github_anchor("Shared tier: 4 ranks (issue 24) — 2026-12-01") == "shared-tier-4-ranks-issue-24--2026-12-01"

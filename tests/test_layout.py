@@ -5,6 +5,7 @@ import ast
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import kvatlas
 
@@ -78,3 +79,83 @@ def test_plan_path_imports_nothing_heavy():
             "heavy = [m for m in ('torch', 'numpy', 'rich', 'matplotlib') if m in sys.modules]\n"
             "assert not heavy, heavy")
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
+
+
+# Module by module (issue 39): every import, at module level or inside a function, is an arrow; a
+# strongly connected set of more than one module is a circle. `from pkg import name` points at
+# `pkg.name` where that is a module, else at `pkg` (its __init__).
+_SRC = Path(SRC).parent
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for path in sorted((_SRC / "kvatlas").rglob("*.py")):
+        parts = list(path.relative_to(_SRC).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        found[".".join(parts)] = path
+    return found
+
+
+def _arrows(name: str, path: Path, known: set[str]) -> set[str]:
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names if a.name in known)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[:len(package.split(".")) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if target not in known:
+                continue
+            for alias in node.names:
+                sub = f"{target}.{alias.name}"
+                out.add(sub if sub in known else target)
+    out.discard(name)
+    return out
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Tarjan's strongly connected components with more than one member."""
+    index, low, stack, on, found = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                found.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_circles():
+    mods = _modules()
+    graph = {name: _arrows(name, path, set(mods)) for name, path in mods.items()}
+    assert sum(map(len, graph.values())) > 200      # the walk saw the package's imports
+    assert _circles(graph) == []
+
+
+def test_circle_finder_finds_one():
+    assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _circles({"a": {"b"}, "b": set()}) == []

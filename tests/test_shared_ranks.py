@@ -1,8 +1,11 @@
 """Stateful property test: two rank processes' caches (bookkeeping: allocator, prefix cache, a
 modeled host tier) over one store, many interleaved requests from a few conversations whose
-turns land on either rank, with the store damaged, shrunk and switched off and on between them.
+turns land on either rank, with the store damaged, shrunk and switched off and on between them,
+or up only from some step on (both ranks started before it: misses until it opens).
 After every step: both allocators' integrity, both host tiers', no host slot claimed but by a
 read still landing, and the tokens served by the shared tier within those served at all."""
+
+import threading
 
 import numpy as np
 from hypothesis import settings
@@ -14,11 +17,38 @@ from kvatlas.alloc import Allocator
 from kvatlas.alloc.integrity import check
 from kvatlas.prefix import PrefixCache, page_keys
 from kvatlas.tiers.modeled import ModeledHost
-from kvatlas.tiers.shared import Breaker, modeled_shared_link
+from kvatlas.tiers.shared import Breaker, OpeningStore, Store, StoreUnavailable, modeled_shared_link
 from kvatlas.tiers.shared.memory_store import MemoryStore
 
 P = plan("tiny-v4", "16MiB", max_model_len=2048, max_running_requests=2, prefix_checkpoints=4,
          chunked_prefill_tokens=512)
+
+
+class Late(Store):
+    """The shared store as a rank sees it when it started before the store was up: `open`
+    fails until `up` is set (then this rank's OpeningStore opens it on its next attempt)."""
+
+    name = "late"
+
+    def __init__(self, store, up) -> None:
+        self.store, self.up, self.ready = store, up, False
+
+    def open(self, bound_s: float) -> None:
+        if not self.up.is_set():
+            raise StoreUnavailable("late: connection refused")
+        self.ready = True
+
+    def put_many(self, keys, values):
+        return self.store.put_many(keys, values)
+
+    def get_many(self, keys, dests):
+        return self.store.get_many(keys, dests)
+
+    def exists_many(self, keys):
+        return self.store.exists_many(keys)
+
+    def remove_many(self, keys):
+        return self.store.remove_many(keys)
 
 
 class Rank:
@@ -45,10 +75,15 @@ class Rank:
 
 
 class SharedRanks(RuleBasedStateMachine):
-    @initialize(cap=st.sampled_from([None, 6000, 20000]))
-    def start(self, cap):
+    @initialize(cap=st.sampled_from([None, 6000, 20000]), late=st.booleans())
+    def start(self, cap, late):
+        """`late`: both ranks started before the store was up (each over an OpeningStore: misses
+        until the rule `store_comes_up`)."""
         self.store = MemoryStore(cap)
-        self.ranks = [Rank(self.store, 1), Rank(self.store, 2)]
+        self.up = threading.Event()
+        self.opening = [OpeningStore(Late(self.store, self.up), 1.0, retry_s=(0.005, 0.02)) for _ in range(2)] \
+            if late else []
+        self.ranks = [Rank(o, n) for n, o in enumerate(self.opening or [self.store] * 2, 1)]
         rng = np.random.default_rng(0)
         self.convs = [rng.integers(0, 50_000, 300) for _ in range(3)]
         self.shared_hits = 0
@@ -77,6 +112,20 @@ class SharedRanks(RuleBasedStateMachine):
     @rule(down=st.booleans())
     def switch(self, down):
         self.store.down = down
+
+    @rule()
+    def store_comes_up(self):
+        self.up.set()
+        for o in self.opening:
+            assert o.wait(10.0)
+
+    @invariant()
+    def not_open_means_no_store_call(self):
+        for o, r in zip(self.opening, self.ranks):
+            if not o.ready:
+                snap = r.link.shared_snapshot()
+                assert snap.hits == {"page": 0, "checkpoint": 0} and sum(snap.errors.values()) == 0
+                assert all(v == 0 for k, v in snap.puts["page"].items() if k != "skipped")
 
     @invariant()
     def books_hold(self):

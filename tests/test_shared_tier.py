@@ -10,9 +10,9 @@ import pytest
 from kvatlas.errors import ConfigError
 from kvatlas.tiers.shared import Breaker, Entry, SharedTier, open_store, parse_url
 from kvatlas.tiers.shared.memory_store import MemoryStore
-from kvatlas.tiers.shared.values import HEADER_BYTES, Layout, checksum, checksums, header, parse
+from kvatlas.tiers.shared.values import HEADER_BYTES, Layout, check, checksum, checksums, header, parse, sealed
 
-from shared_session import SharedSession, admit_only, prompts, write_through
+from shared_session import SharedSession, Writer, admit_only, prompts, write_through
 
 LAYOUT = Layout(namespace="t", layout_hash=0x1234, payload_bytes={"page": 4096, "checkpoint": 1024})
 
@@ -31,36 +31,88 @@ def test_header_layout_is_64_bytes_and_round_trips():
     assert len(h) == HEADER_BYTES == 64 and h[:4] == b"KVAT"
     p = parse(h)
     assert (p.version, p.kind, p.layout_hash, p.page_key, p.boundary_tokens, p.payload_bytes, p.checksum, p.writer) \
-        == (1, 2, 0x1234, 77, 512, 1024, 0xABCDEF, 3)
+        == (2, 2, 0x1234, 77, 512, 1024, 0xABCDEF, 3)
     assert LAYOUT.key("page", 255) == "kvatlas/t/0000000000001234/p/00000000000000ff"
 
 
-def test_checksum_sees_flipped_zeroed_and_moved_bytes():
-    a, b = _page(1), _page(2)
-    base = checksum([a, b])
-    flipped = a.copy()
-    flipped[100] ^= 1
-    assert checksum([flipped, b]) != base
-    assert checksum([np.zeros_like(a), b]) != base
-    assert checksum([b, a]) != base          # ranges swapped
+def _want_checksum(head, parts) -> int:
+    """The format's checksum written out: XXH3-64 of the header (checksum field zeroed), then
+    each payload range's length and XXH3-64, little-endian u64s."""
+    import struct
+
+    import xxhash
+    h = bytes(head[:40]) + bytes(8) + bytes(head[48:64])
+    return xxhash.xxh3_64_intdigest(h + b"".join(struct.pack("<QQ", p.nbytes, xxhash.xxh3_64_intdigest(p.tobytes()))
+                                                 for p in parts))
+
+
+def test_checksum_is_xxh3_over_the_header_and_every_range():
+    a, b = _page(1), _page(2, 1024)
+    head = header(LAYOUT, "page", 5, 0, 5120, 0xFFFF)      # (a checksum field: not read)
+    assert checksum(head, [a, b]) == _want_checksum(head, [a, b]) == checksum(header(LAYOUT, "page", 5, 0, 5120, 0),
+                                                                              [a, b])
+    assert parse(sealed(head, [a, b])).checksum == checksum(head, [a, b])
+    assert checksum(head, [b, a]) != checksum(head, [a, b])                        # ranges swapped
+    assert checksum(header(LAYOUT, "page", 5, 0, 5120, 0, writer=9), [a, b]) != checksum(head, [a, b])   # header
 
 
 @pytest.mark.parametrize("shares", [1, 2, 3, 4, 7])
 def test_checksums_cut_across_threads_are_each_values_checksum(shares):
-    """A batch's checksums summed in runs on threads: each value's, to the bit, however the runs
-    cut its parts (sizes chosen so that runs end inside parts and between them; words near 2^64 so
-    that sums wrap)."""
+    """A batch's checksums hashed in runs on threads: each value's, to the bit, however the runs
+    cut the batch (sizes chosen so that runs end between a value's ranges and between values)."""
     from concurrent.futures import ThreadPoolExecutor
     rng = np.random.default_rng(shares)
-    values = [[rng.integers(2**63, 2**64, n, dtype=np.uint64).view(np.uint8) for n in sizes]
-              for sizes in ([131072, 8, 250001], [0, 77777], [300000], [1, 2, 3])]
-    want = [checksum(v) for v in values]
-    assert want[0] == (int(values[0][0].view(np.uint64).sum(dtype=np.uint64))
-                       + 3 * int(values[0][1].view(np.uint64).sum(dtype=np.uint64))
-                       + 5 * int(values[0][2].view(np.uint64).sum(dtype=np.uint64))) % 2**64
+    values = [(header(LAYOUT, "page", k, 0, 1, 0), [rng.integers(0, 256, n, dtype=np.uint8) for n in sizes])
+              for k, sizes in enumerate(([1 << 20, 8, 2_000_001], [0, 777_777], [3_000_000], [1, 2, 3]))]
+    want = [_want_checksum(h, parts) for h, parts in values]
     with ThreadPoolExecutor(max(1, shares - 1)) as pool:
         assert checksums(values, pool, shares) == want
     assert checksums(values) == want and checksums([]) == []
+
+
+def _sealed_value(seed, sizes=(4096, 1152)):
+    parts = [_page(seed + i, n) for i, n in enumerate(sizes)]
+    head = header(LAYOUT, "page", 5, 0, sum(sizes), 0)
+    return np.frombuffer(sealed(head, parts), np.uint8).copy(), parts
+
+
+def _judged(head, parts) -> str | None:
+    lay = Layout(namespace="t", layout_hash=0x1234, payload_bytes={"page": sum(p.nbytes for p in parts)})
+    return check(lay, "page", 5, 0, HEADER_BYTES + lay.payload_bytes["page"], head, parts,
+                 HEADER_BYTES + lay.payload_bytes["page"])
+
+
+def test_every_single_bit_flip_of_a_value_and_a_sample_of_pairs_is_refused():
+    """Each bit of the header and of a payload range flipped alone, then 3,000 random pairs of
+    bits in one range (about 1 in 128 of them two flips of one bit position, one 0->1 and one
+    1->0: what the version-1 word sum could not see): every one a miss, `corrupt` wherever the
+    header still names the value."""
+    head, (a, b) = _sealed_value(40)
+    assert _judged(head, [a, b]) is None
+    for i in range(a.nbytes * 8):
+        a[i // 8] ^= 1 << (i % 8)
+        assert _judged(head, [a, b]) == "corrupt", i
+        a[i // 8] ^= 1 << (i % 8)
+    reasons = set()
+    for i in range(HEADER_BYTES * 8):
+        head[i // 8] ^= 1 << (i % 8)
+        why = _judged(head, [a, b])
+        assert why is not None, i
+        reasons.add(why)
+        head[i // 8] ^= 1 << (i % 8)
+    assert reasons == {"corrupt", "stale", "foreign", "size_mismatch"}
+    rng = np.random.default_rng(41)
+    compensating = 0
+    for i, j in rng.integers(0, b.nbytes * 8, (3000, 2)):
+        if i == j:
+            continue
+        compensating += i % 64 == j % 64 and (b[i // 8] >> (i % 8) & 1) != (b[j // 8] >> (j % 8) & 1)
+        for x in (i, j):
+            b[x // 8] ^= 1 << (x % 8)
+        assert _judged(head, [a, b]) == "corrupt", (i, j)
+        for x in (i, j):
+            b[x // 8] ^= 1 << (x % 8)
+    assert compensating >= 5 and _judged(head, [a, b]) is None
 
 
 def test_put_then_get_is_exact_and_first_writer_wins():
@@ -78,16 +130,42 @@ def test_put_then_get_is_exact_and_first_writer_wins():
     assert snap.hits["page"] == 1 and snap.moved_entries["page"] == {"to_store": 1, "from_store": 1}
 
 
+def _compensating_flips(blob: bytes, bit: int = 5) -> bytes:
+    """Two flips of one bit position in two 8-byte words of the payload, one 0->1 and one 1->0:
+    a weighted word sum does not move."""
+    b = bytearray(blob)
+    words = np.frombuffer(bytes(b[HEADER_BYTES:]), np.uint64)
+    ones = np.flatnonzero(words >> np.uint64(bit) & np.uint64(1))
+    zeros = np.flatnonzero(~words >> np.uint64(bit) & np.uint64(1))
+    for w in (ones[0], zeros[0]):
+        b[HEADER_BYTES + 8 * int(w) + bit // 8] ^= 1 << (bit % 8)
+    return bytes(b)
+
+
+def _swapped(blob: bytes, x: int, y: int, n: int) -> bytes:
+    b = bytearray(blob)
+    assert b[x:x + n] != b[y:y + n]
+    b[x:x + n], b[y:y + n] = b[y:y + n], b[x:x + n]
+    return bytes(b)
+
+
 @pytest.mark.parametrize("damage,reason", [
     (lambda b: b[:4] + (9).to_bytes(2, "little") + b[6:], "stale"),
+    (lambda b: b[:4] + (1).to_bytes(2, "little") + b[6:], "stale"),      # a value of format 1 (the word sum)
     (lambda b: b[:8] + (0x999).to_bytes(8, "little") + b[16:], "foreign"),
     (lambda b: b[:24] + (13).to_bytes(8, "little") + b[32:], "foreign"),          # another page's key
     (lambda b: b[:-1] + bytes([b[-1] ^ 0x80]), "corrupt"),
     (lambda b: b"XXXX" + b[4:], "corrupt"),
     (lambda b: b[:-8], "size_mismatch"),
     (lambda b: b + b"\0" * 8, "size_mismatch"),
+    (lambda b: _compensating_flips(b), "corrupt"),
+    (lambda b: _swapped(b, 64 + 8 * 3, 64 + 8 * 200, 8), "corrupt"),       # two 8-byte words of a range
+    (lambda b: _swapped(b, 64 + 576, 64 + 576 * 5, 576), "corrupt"),       # two 576-byte rows of a range
 ])
 def test_a_damaged_value_is_a_miss_with_its_reason(damage, reason):
+    """Every damage here but the last three was seen by the version-1 word sum too; those three
+    (two compensating flips of one bit position, two swapped words, two swapped rows) it missed.
+    A value of format 1 (which that code wrote) now reads as stale."""
     tier, store = _tier()
     tier.put([Entry("page", 12, 0, (_page(3),))])
     tier.flush()
@@ -191,7 +269,7 @@ def test_bad_urls_name_the_field_and_the_fix():
         with pytest.raises(ConfigError, match=words) as e:
             open_store(url, "--shared-tier")
         assert e.value.field == "--shared-tier"
-    assert parse_url("memory://a?capacity=1MiB")[0] == "memory"
+    assert parse_url("memory://a?capacity=1MiB").scheme == "memory"
     with pytest.raises(ConfigError, match="deadline_s"):
         SharedTier(MemoryStore(), LAYOUT, deadline_s=0)
 
@@ -253,3 +331,87 @@ def test_zero_copy_reads_through_the_inbox_whole_or_in_chunks(chunk_bytes):
     for i, (s, d) in enumerate(zip(srcs, dsts)):
         assert np.array_equal(d, s) if i != 3 else (d == 0xAB).all()
     assert tier.snapshot().misses["page"]["corrupt"] == 1
+
+
+@pytest.mark.parametrize("refusal", ["failed", "full"])
+def test_a_put_the_store_refused_is_offered_again_and_lands_once_the_store_is_back(refusal):
+    """A finish whose puts fail (the store down) or find it full leaves nothing known: when the
+    same prompt finishes again once the store is back, its pages and resume point are put again,
+    and another process restores them. (Before, the keys were remembered when queued: the second
+    finish offered nothing and the other process restored 0 tokens.)"""
+    store = MemoryStore(capacity_bytes=1 if refusal == "full" else None)
+    a = Writer(store, breaker=Breaker(cooloff_s=0.05))
+    seq = prompts(31, 1)[0]
+    store.down = refusal == "failed"
+    a.run(seq)
+    a.link.shared.flush(5.0)
+    snap = a.link.shared_snapshot()
+    tried = {k: snap.puts[k][refusal] + snap.puts[k]["skipped"] for k in ("page", "checkpoint")}   # (skipped: the
+    assert tried == {"page": 2, "checkpoint": 1} and snap.puts["page"][refusal] >= 1 and not store.values  # breaker)
+    store.down, store.capacity_bytes = False, None
+    time.sleep(0.1)                       # the breaker's cool-off (the store was down)
+    assert a.run(seq) == 512              # from its own device this time; the finish offers them again
+    a.link.shared.flush(5.0)
+    before = a.link.shared_snapshot().puts
+    assert before["page"]["stored"] == 2 and before["checkpoint"]["stored"] == 1
+    assert a.run(seq) == 512              # known now: a third finish offers nothing
+    a.link.shared.flush(5.0)
+    assert a.link.shared_snapshot().puts == before
+    a.close()
+    b = SharedSession(store)
+    assert admit_only(b, seq) == 512      # another process: both pages and the resume point from the store
+    b.close()
+
+
+def test_a_refused_entry_is_offered_at_most_OFFERS_times_and_an_outage_costs_no_tries():
+    from kvatlas.tiers.shared.link import OFFERS
+    store = MemoryStore(capacity_bytes=1)          # full for good: every put refused
+    a = Writer(store, breaker=Breaker(cooloff_s=60))
+    seq = prompts(32, 1)[0]
+    store.down = True                              # an outage first: the breaker opens, puts are skipped
+    for _ in range(2):
+        a.run(seq)
+        a.link.shared.flush(5.0)
+    assert a.link.shared_snapshot().puts["page"]["skipped"] >= 2
+    store.down = False
+    a.link.shared.breaker.success()                # (the store is back)
+    for _ in range(OFFERS + 1):
+        a.run(seq)
+        a.link.shared.flush(5.0)
+    snap = a.link.shared_snapshot()
+    tries = {k: snap.puts[k]["full"] + snap.puts[k]["failed"] for k in ("page", "checkpoint")}
+    assert tries == {"page": 2 * OFFERS, "checkpoint": OFFERS} and snap.puts["page"]["full"] >= 2
+    assert not store.values
+    a.close()
+
+
+def test_a_prefetch_waits_one_deadline_for_its_lookup_and_its_read_together():
+    """The existence check and the read each take 0.3 s, the deadline is 0.4 s: the read gets
+    only what the check left (a miss, `deadline`), and the prefetch returns within about one
+    deadline. (Before, each call had a deadline of its own: 0.6 s, and a hit.)"""
+    store, seq = MemoryStore(), prompts(33, 1)[0]
+    write_through(store, [seq])
+    b = SharedSession(store, deadline_s=0.4, breaker=Breaker(cooloff_s=60))
+    store.delay_s, store.slow = 0.3, {"exists", "get"}
+    t = time.monotonic()
+    ready = b.link.prefetch(len(seq), token_ids=seq)
+    took = time.monotonic() - t
+    assert ready is None and took < 0.4 + 0.2, took
+    snap = b.link.shared_snapshot()
+    assert snap.misses["page"]["deadline"] == 2 and snap.op_count["exists"] == 1 and snap.hit_tokens == 0
+    time.sleep(0.4)                      # the late read lands before the session closes
+    b.close()
+
+
+def test_a_restore_of_a_resume_point_alone_is_not_a_hit_request():
+    """The shared tier counts a hit request only when it brought back tokens (pages): a resume
+    point alone over pages the host tier had restores no token from the store."""
+    s = SharedSession(MemoryStore())
+    link, keys = s.link, [11, 12]
+    link._fetched = {("checkpoint", 12)}
+    link._count_hit(keys, 2)
+    assert (link.shared_hit_requests, link.shared_hit_tokens) == (0, 0)
+    link._fetched = {11, 12, ("checkpoint", 12)}
+    link._count_hit(keys, 2)
+    assert (link.shared_hit_requests, link.shared_hit_tokens) == (1, 512)
+    s.close()

@@ -36,7 +36,7 @@ def _sglang_sequence(model, memory, requests, swa_mode="ratio"):
     import torch
     from sglang.srt.model_executor.pool_configurator import create_memory_pool_configurator
 
-    from kvatlas.integrations import sglang as ks
+    from kvatlas.integrations.sglang import plugin as ks
     from kvatlas.units import parse_bytes
     import tempfile as tf
     with tf.TemporaryDirectory() as tmp:

@@ -24,7 +24,7 @@ def test_audit_json_validates_against_its_schema(capsys):
 def test_the_dashboards_sglang_panels_read_families_the_plugin_serves(plugins_loaded, sglang_sequence):
     from test_live import _scrape, _stats
     from test_prefix import _tree
-    from kvatlas.integrations import sglang as ks
+    from kvatlas.integrations.sglang import plugin as ks
     args, pools = sglang_sequence("deepseek-v4-flash", "4GiB", 32)
     assert [lg for lg in ks.ledgers() if lg.source is pools.token_to_kv_pool]
     _tree(pools)     # SGLang's radix cache over the pools: the evictable pages and the prefix-tail quota

@@ -11,7 +11,7 @@ MEASURES = ("planned", "tensor", "reserved", "physical", "addressable", "occupie
 
 @pytest.fixture(scope="module")
 def flash(plugins_loaded, sglang_sequence):
-    from kvatlas.integrations import sglang as ks
+    from kvatlas.integrations.sglang import plugin as ks
     args, pools = sglang_sequence("deepseek-v4-flash", "4GiB", 32)
     (ledger,) = [lg for lg in ks.ledgers() if lg.source is pools.token_to_kv_pool]
     return args, pools, ledger

@@ -23,7 +23,7 @@ class Lines(logging.Handler):
 
 
 def _built(sglang_sequence, model, memory, requests, swa_mode="ratio"):
-    from kvatlas.integrations import sglang as ks
+    from kvatlas.integrations.sglang import plugin as ks
     logger, lines = logging.getLogger("kvatlas.integrations.sglang"), Lines()
     logger.addHandler(lines)
     logger.setLevel(logging.INFO)
@@ -52,7 +52,7 @@ def pro(plugins_loaded, sglang_sequence):
 
 def test_the_entry_point_names_the_plugin():
     (ep,) = [e for e in metadata.entry_points(group="sglang.srt.plugins") if e.name == "kvatlas"]
-    assert ep.value == "kvatlas.integrations.sglang:register" and ep.dist.name == "kvatlas"
+    assert ep.value == "kvatlas.integrations.sglang.plugin:register" and ep.dist.name == "kvatlas"
 
 
 def test_load_plugins_applies_exactly_our_four_hooks(plugins_loaded):
@@ -99,7 +99,7 @@ def test_request_table_and_free_lists_are_buffers_of_their_own(flash):
 def test_ratio_is_the_default_and_cap_mode_is_reached(flash, flash_cap):
     assert flash[2].over_budget_bytes == 4_307_980_352 - 4 * GIB == 13_013_056
     assert flash_cap[2].over_budget_bytes == 4_311_900_224 - 4 * GIB
-    from kvatlas.integrations import sglang as ks
+    from kvatlas.integrations.sglang import plugin as ks
     assert ks.startup_line(flash[2]) in flash[3]
 
 

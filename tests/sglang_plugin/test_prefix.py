@@ -28,7 +28,7 @@ def _tree(pools):
 
 
 def _built(plugins_loaded, sglang_sequence, mode):
-    from kvatlas.integrations import sglang as ks
+    from kvatlas.integrations.sglang import plugin as ks
     args, pools = sglang_sequence("deepseek-v4-flash", "4GiB", 32, mode)
     (ledger,) = [lg for lg in ks.ledgers() if lg.source is pools.token_to_kv_pool]
     return pools, _tree(pools), ledger
@@ -100,7 +100,7 @@ def test_evictable_is_what_the_radix_cache_holds_unreferenced(ratio):
 
 
 def test_tail_quota_moves_and_warns_once_when_it_bounds_hits(cap):
-    from kvatlas.integrations import sglang as ks
+    from kvatlas.integrations.sglang import plugin as ks
     from kvatlas.integrations.foreign import samples
     pools, tree, ledger = cap
     pricing = ledger.prefix.pricing

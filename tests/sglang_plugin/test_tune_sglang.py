@@ -9,7 +9,7 @@ import torch
 from kvatlas.advice import profile, tune
 from kvatlas.driving.traces import read_trace
 from kvatlas.driving.workload import Request
-from kvatlas.integrations.sglang import build_offline
+from kvatlas.integrations.sglang.plugin import build_offline
 
 HEAD = "tests/data/mooncake_head.jsonl"
 GIB = 2**30

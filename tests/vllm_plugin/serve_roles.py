@@ -23,10 +23,10 @@ def _engine_core(queue, done) -> None:
     import vllm.plugins
     from vllm.v1.core.sched.scheduler import Scheduler
 
-    from kvatlas.integrations import vllm as kv
-    from kvatlas.integrations import vllm_plugin
+    from kvatlas.integrations.vllm import offline as kv
+    from kvatlas.integrations.vllm import plugin as vllm_plugin
     from kvatlas.integrations.foreign import samples
-    from kvatlas.integrations.vllm_ledger import snapshot
+    from kvatlas.integrations.vllm.ledger import snapshot
     eng = kv.build_engine("deepseek-v4-flash", 2 * GIB, max_model_len=4096, max_num_seqs=4,
                           max_num_batched_tokens=1024)
     loaded = vllm.plugins.plugins_loaded and vllm_plugin._P.registered and \
@@ -84,7 +84,7 @@ def fake_version(version: str) -> dict:
     import vllm.plugins
     from vllm.v1.core.sched.scheduler import Scheduler
 
-    from kvatlas.integrations import vllm_plugin
+    from kvatlas.integrations.vllm import plugin as vllm_plugin
     root = tempfile.mkdtemp()
     dist = os.path.join(root, f"vllm-{version}.dist-info")
     os.mkdir(dist)

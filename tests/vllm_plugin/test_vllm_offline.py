@@ -12,7 +12,7 @@ GIB = 2**30
 
 @pytest.fixture(scope="module")
 def kv():
-    from kvatlas.integrations import vllm
+    from kvatlas.integrations.vllm import offline as vllm
     return vllm
 
 

@@ -16,12 +16,12 @@ HERE = os.path.dirname(__file__)
 
 @pytest.fixture(scope="module")
 def kv():
-    from kvatlas.integrations import vllm
+    from kvatlas.integrations.vllm import offline as vllm
     return vllm
 
 
 def _tracker(eng):
-    from kvatlas.integrations import vllm_plugin
+    from kvatlas.integrations.vllm import plugin as vllm_plugin
     return vllm_plugin._P.trackers[eng.scheduler]
 
 
@@ -69,7 +69,7 @@ def test_tensor_bytes_are_the_one_allocation(kv, model, budget):
 
 def test_startup_line_beside_vllms_figure(kv):
     from kvatlas.engines import run_engine
-    from kvatlas.integrations import vllm_plugin
+    from kvatlas.integrations.vllm import plugin as vllm_plugin
     seen = []
     handler = logging.Handler()
     handler.emit = lambda record: seen.append(record.getMessage())
@@ -90,7 +90,7 @@ def test_startup_line_beside_vllms_figure(kv):
 
 
 def test_a_failing_hook_leaves_vllm_unchanged(kv, monkeypatch):
-    from kvatlas.integrations import vllm_plugin
+    from kvatlas.integrations.vllm import plugin as vllm_plugin
     eng = kv.build_engine("deepseek-v4-flash", 2 * GIB, max_model_len=4096, max_num_seqs=4, max_num_batched_tokens=1024)
     seen = []
     handler = logging.Handler()
@@ -120,7 +120,7 @@ def roles() -> dict:
 
 def test_metrics_reach_the_api_servers_metrics_from_the_engine_core(roles):
     r = roles
-    assert r["loaded_by_vllm"] and r["entry_point"] == "kvatlas.integrations.vllm_plugin:register"
+    assert r["loaded_by_vllm"] and r["entry_point"] == "kvatlas.integrations.vllm.plugin:register"
     assert len(r["engine_core_samples"]) > 100
     for mode in ("one_api_server", "several_api_servers"):
         assert r[mode] == r["engine_core_samples"], mode

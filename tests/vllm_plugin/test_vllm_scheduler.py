@@ -16,8 +16,8 @@ GIB = 2**30
 
 @pytest.fixture(scope="module")
 def engine():
-    from kvatlas.integrations import vllm as kv
-    from kvatlas.integrations import vllm_plugin
+    from kvatlas.integrations.vllm import offline as kv
+    from kvatlas.integrations.vllm import plugin as vllm_plugin
     eng = kv.build_engine("deepseek-v4-flash", GIB, max_model_len=8192, max_num_seqs=8,
                           max_num_batched_tokens=1024)
     return eng, vllm_plugin.trackers()[-1]
@@ -120,7 +120,7 @@ def test_reset_prefix_cache_recounts(engine):
 def test_a_census_failure_never_reaches_vllm_and_heals(engine, monkeypatch):
     import logging
 
-    from kvatlas.integrations import vllm_plugin
+    from kvatlas.integrations.vllm import plugin as vllm_plugin
     eng, tracker = engine
     failed = []
 

@@ -31,7 +31,7 @@ def run(args) -> int:
     if args.max_running_requests < 1:
         raise ConfigError("max_running_requests", f"must be >= 1, got {args.max_running_requests}", "pass 1 or more")
     try:
-        from ..integrations import sglang as ks
+        from ..integrations.sglang import plugin as ks
     except ImportError as exc:   # pragma: no cover - the module itself imports only the stdlib
         raise ConfigError("sglang", f"the integration cannot load ({exc})", "pip install 'kvatlas[sglang]'") from None
     offline = ks.build_offline(args.model, parse_bytes(args.memory), max_running_requests=args.max_running_requests,
@@ -53,7 +53,7 @@ def text_report(ledger) -> str:
     head = ["pool", "role", "kind", "layers", "tensors", "tensor B", "planned B", "addressable B", "unreachable B",
             "in mem_usage"]
     kv = snap.kv_cache
-    from ..integrations.sglang import SUPPORTED_VERSION
+    from ..integrations.sglang.plugin import SUPPORTED_VERSION
     title = f"SGLang {SUPPORTED_VERSION} DeepSeek-V4 pools, built offline by its own configurator"
     lines = [render(head, rows, title=title),
              "", f"KV pool (mem_usage): {kv.tensor_bytes:,} B = {kv.tensor_bytes / 2**30:.6f} GB "
@@ -67,7 +67,7 @@ def text_report(ledger) -> str:
 
 
 def to_dict(ledger) -> dict:
-    from ..integrations.sglang import layer_of
+    from ..integrations.sglang.plugin import layer_of
     layers = {b.name: b.layout.spec.layers for b in ledger.buffers}
     doc = ledger.snapshot().to_dict()
     doc["storages"] = [{**e.to_dict(), "pool": _pool_of(e.path),
@@ -77,5 +77,5 @@ def to_dict(ledger) -> dict:
 
 
 def _pool_of(path: str) -> str:
-    from ..integrations.sglang import _root_of
+    from ..integrations.sglang.plugin import _root_of
     return _root_of(path)

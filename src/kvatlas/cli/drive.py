@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
+import stat
 import sys
+from dataclasses import dataclass
 
 from ..checks import MAX_COUNT, real, require_torch
 from ..driving.workload import MAX_DURATION_S, MAX_RATE_PER_S
@@ -71,6 +74,9 @@ def add_workload_args(p) -> None:
     g.add_argument("--shared-deadline-ms", type=number(0.0, 60_000.0, open_low=True), default=500.0,
                    help="deadline of every store call (default 500 ms); a call past it opens the breaker")
     g.add_argument("--shared-namespace", default="default", help="namespace of this deployment's keys (default 'default')")
+    g.add_argument("--shared-startup-s", type=number(0.0, 600.0, open_low=True), default=5.0,
+                   help="seconds to wait for the store at start-up (default 5): a store not open by then serves "
+                        "misses (tier_unavailable) while it is tried again in the background, backing off to 30 s")
     g.add_argument("--rank", type=count(0, 1 << 20), default=0, help=argparse.SUPPRESS)   # set by simulate --ranks
     g.add_argument("--ranks-of", type=count(1, 64), default=1, help=argparse.SUPPRESS)
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
@@ -132,41 +138,96 @@ def write_layers(args, device) -> int | None:
     return n
 
 
-def build(args, plan_from_args, *, lock=None, record=True):
-    """(cache, simulator, writer) for the parsed arguments; the cache is allocated for real."""
+@dataclass(frozen=True)
+class Prepared:
+    """What `build` needs, checked without blocking on anything: the workload (None: a pipe,
+    read later), the plan, the host tier's bytes, the device and the layers to write."""
+    time_model: object
+    requests: list | None
+    plan: object
+    host_bytes: int | None
+    layers: int | None
+
+
+def workload_may_block(args) -> bool:
+    """--workload names a pipe: reading it waits for its writer (anything else is read, or
+    refused, at once)."""
+    if args.workload == "synthetic":
+        return False
+    try:
+        return stat.S_ISFIFO(os.stat(args.workload).st_mode)
+    except OSError:
+        return False     # (refused with the reason when it is read)
+
+
+def read_requests(args) -> list:
+    requests = requests_from_args(args)
+    if args.ranks_of > 1:   # one rank of simulate --ranks: every ranks_of-th request, from this rank's
+        from .ranks import deal
+        requests = deal(requests, args.rank, args.ranks_of)
+    return requests
+
+
+def prepare(args, plan_from_args, *, defer_pipe: bool = False) -> Prepared:
+    """Every check of the arguments that needs no server and no allocation; the workload is read
+    here unless `defer_pipe` and it is a pipe (then `build` reads it)."""
     real("--accept-rate", args.accept_rate, 0.0, 1.0)
     tm = time_model(args)
     if args.backend == "none" and args.write_layers not in (None, "0"):
         raise ConfigError("--write-layers", f"{args.write_layers!r} with --backend none",
                           "drop --write-layers: the bookkeeping backend holds no rows to write")
-    requests = requests_from_args(args)
-    if args.ranks_of > 1:   # one rank of simulate --ranks: every ranks_of-th request, from this rank's
-        from .ranks import deal
-        requests = deal(requests, args.rank, args.ranks_of)
+    requests = None if defer_pipe and workload_may_block(args) else read_requests(args)
     p = plan_from_args(args)
     host_bytes = host_memory(args, p)
     if args.shared_tier is not None:
         if host_bytes is None:
             raise ConfigError("--shared-tier", "the shared tier sits below the host tier, and there is none",
                               "add --host-memory BYTES (and --prefix-checkpoints N)")
-        from ..tiers.shared import parse_url
-        parse_url(args.shared_tier, "--shared-tier")   # a bad URL is refused before anything is allocated
+        from ..tiers.shared import check_url
+        check_url(args.shared_tier, "--shared-tier")   # the whole URL, before anything is allocated
     require_torch("allocating a cache")
-    import kvatlas
     from ..cache.arena import parse_device
     device = parse_device(args.device)
     layers = write_layers(args, device)   # refused before the cache exists
     check_backend(args.backend, device)
-    from ..driving.sim import Simulator
-    from ..driving.simwrite import KVWriter
-    cache = kvatlas.allocate(p, device=args.device, backend=args.backend)
-    layers = layers if cache.arena.backend.holds_memory else 0
-    host = attach_host(cache, host_bytes, args) if host_bytes is not None else None
+    return Prepared(tm, requests, p, host_bytes, layers)
+
+
+def build(args, plan_from_args, *, lock=None, record=True, prepared: Prepared | None = None):
+    """(cache, simulator, writer) for the parsed arguments; the cache is allocated for real. The
+    shared store (--shared-tier) is opened first, waiting at most --shared-startup-s."""
+    pr = prepared if prepared is not None else prepare(args, plan_from_args)
+    requests = pr.requests if pr.requests is not None else read_requests(args)
+    store = open_shared(args) if args.shared_tier is not None else None
+    try:
+        import kvatlas
+        from ..driving.sim import Simulator
+        from ..driving.simwrite import KVWriter
+        cache = kvatlas.allocate(pr.plan, device=args.device, backend=args.backend)
+        layers = pr.layers if cache.arena.backend.holds_memory else 0
+        host = attach_host(cache, pr.host_bytes, args, store) if pr.host_bytes is not None else None
+    except BaseException:
+        if store is not None:
+            store.close()
+        raise
     writer = KVWriter(cache, layers=layers, seed=args.seed) if layers != 0 else None
     sim = Simulator(cache, requests, accept_rate=args.accept_rate, seed=args.seed, writer=writer, lock=lock,
-                    record=record, time_model=tm, sample_s=sample_s(args, requests), host=host,
+                    record=record, time_model=pr.time_model, sample_s=sample_s(args, requests), host=host,
                     check_integrity=args.check_integrity)
     return cache, sim, writer
+
+
+def open_shared(args):
+    """--shared-tier's store, open or opening: waits at most --shared-startup-s; a store that
+    answered and refused is a ConfigError (exit 2), one that did not answer yet a warning."""
+    from ..tiers.shared import open_store
+    store = open_store(args.shared_tier, "--shared-tier", startup_s=args.shared_startup_s,
+                       startup_field="--shared-startup-s")
+    if not store.ready:
+        name = f"kvatlas {args.argv[0]}" if getattr(args, "argv", None) else "kvatlas"
+        print(f"{name}: warning: --shared-tier: {store.describe()}; until it opens every read is a miss "
+              "(tier_unavailable) and nothing is written", file=sys.stderr, flush=True)
+    return store
 
 
 def host_memory(args, plan) -> int | None:
@@ -198,7 +259,7 @@ def host_memory(args, plan) -> int | None:
     return n
 
 
-def attach_host(cache, host_bytes: int, args):
+def attach_host(cache, host_bytes: int, args, store=None):
     """The real pinned tier when the pools hold memory; the modeled one (no memory) with backend
     none; with --shared-tier, the shared store below it."""
     from ..tiers import HostLink, attach_host_tier
@@ -206,7 +267,7 @@ def attach_host(cache, host_bytes: int, args):
     share = args.host_checkpoint_share
     opts = {} if share is None else {"checkpoint_share": share}
     if args.shared_tier is not None:
-        return _attach_shared(cache, host_bytes, args, args.shared_tier, opts)
+        return _attach_shared(cache, host_bytes, args, store if store is not None else open_shared(args), opts)
     if cache.arena.backend.holds_memory:
         return attach_host_tier(cache, host_bytes, **opts)
     link = HostLink(cache.prefix, ModeledHost(cache.plan, host_bytes, share))
@@ -214,14 +275,9 @@ def attach_host(cache, host_bytes: int, args):
     return link
 
 
-def _attach_shared(cache, host_bytes: int, args, url: str, opts: dict):
+def _attach_shared(cache, host_bytes: int, args, store, opts: dict):
     from ..tiers.modeled import ModeledHost
-    from ..tiers.shared import StoreUnavailable, attach_shared_tier, modeled_shared_link, open_store
-    try:
-        store = open_store(url, "--shared-tier")
-    except StoreUnavailable as exc:
-        raise ConfigError("--shared-tier", f"{url!r} cannot be reached ({exc})",
-                          "start the store first, or drop --shared-tier") from None
+    from ..tiers.shared import attach_shared_tier, modeled_shared_link
     kw = dict(namespace=args.shared_namespace, policy=args.shared_policy, deadline_s=args.shared_deadline_ms / 1e3,
               writer=args.rank)
     if cache.arena.backend.holds_memory:

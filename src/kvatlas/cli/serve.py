@@ -1,5 +1,9 @@
 """`kvatlas serve`: allocate a real cache, drive it with a workload in real time, and serve
-/metrics, /state and /healthz while it runs. SIGINT (Ctrl-C) or SIGTERM stops it cleanly: the pass
+/metrics, /state and /healthz while it runs. The endpoints and the signal handlers come first:
+/healthz answers ("starting: ...") while a --workload pipe is read, the shared store opened (at
+most --shared-startup-s; a store not open by then serves misses, `tier_unavailable`, while it is
+tried again in the background) and the cache allocated; /metrics and /state answer 503 until
+the cache exists. SIGINT (Ctrl-C) or SIGTERM stops it cleanly in every phase: the pass
 in progress completes, the socket is closed, and the summary is printed. The exit status then
 says how it ended: 0 when the workload finished or SIGTERM asked it to stop (the way a service
 manager stops a service), 130 after SIGINT (an interrupted command, as the shell reports one)."""
@@ -117,27 +121,77 @@ def _drive(sim, args, stop: _Stop, progress: _Progress) -> str:
     return f"stopped by {stop.reason}"
 
 
+def _start(args, prepared, lock, stop: _Stop, handle):
+    """Build on a thread of its own (reading a --workload pipe, opening the shared store,
+    allocating) while this thread waits for it or a signal: (cache, sim, writer), or None when
+    a signal came first. An error of the build is raised here."""
+    out: dict = {}
+
+    def work() -> None:
+        try:
+            out["built"] = build(args, plan_from_args, lock=lock, record=False, prepared=prepared)
+        except BaseException as exc:   # noqa: BLE001 (raised again on the waiting thread)
+            out["error"] = exc
+        finally:
+            done.set()
+
+    done = threading.Event()
+    threading.Thread(target=work, name="kvatlas-serve-start", daemon=True).start()
+    while not (done.is_set() or stop.event.is_set()):
+        done.wait(0.1)
+    if "error" in out:
+        raise out["error"]
+    return out.get("built")
+
+
 def run(args) -> int:
     from ..observing import server
+    from .drive import prepare
     warning = server.check_host(args.host)   # refused before anything is planned or allocated
     if warning:
         print(f"kvatlas serve: warning: {warning}", file=sys.stderr, flush=True)
     lock = server.FairLock()   # scrapes wait for the pass in progress, not for a gap between passes
-    cache, sim, writer = build(args, plan_from_args, lock=lock, record=False)
-    handle = server.start(cache, args.host, args.port, lock=lock, extra_state=sim.state,
-                          request_state=sim.progress)
-    print(f"kvatlas serve: {cache.plan.model.name}, {fmt_bytes(cache.plan.total_bytes)} on {cache.device}; "
-          f"{len(sim.pending)} requests; endpoints at {handle.url}/metrics /state /healthz", flush=True)
     t0 = time.monotonic()
-    progress = _Progress(args.progress_s)
-    try:
-        with _Stop() as stop:
+    progress = None
+    with _Stop() as stop:      # signals first: SIGTERM stops it cleanly in every phase
+        # every check that cannot block, before the port is taken: bad input is refused first
+        prepared = prepare(args, plan_from_args, defer_pipe=True)
+        if stop.event.is_set():
+            print(_not_started(args, "checking the arguments", time.monotonic() - t0, stop), flush=True)
+            return EXIT_INTERRUPTED if stop.reason == "SIGINT" else 0
+        steps = (["reading the workload"] if prepared.requests is None else []) + \
+            ([f"opening the shared store (at most {args.shared_startup_s:g} s)"] if args.shared_tier else []) + \
+            ["allocating the cache"]
+        handle = server.start_pending(args.host, args.port, phase=", then ".join(steps))
+        try:
+            print(f"kvatlas serve: starting; {handle.url}/healthz answers now, /metrics and /state once the cache "
+                  "is built", file=sys.stderr, flush=True)
+            built = _start(args, prepared, lock, stop, handle)
+            if built is None:
+                print(_not_started(args, handle.phase, time.monotonic() - t0, stop), flush=True)
+                return EXIT_INTERRUPTED if stop.reason == "SIGINT" else 0
+            cache, sim, writer = built
+            handle.attach(cache, lock=lock, extra_state=sim.state, request_state=sim.progress)
+            print(f"kvatlas serve: {cache.plan.model.name}, {fmt_bytes(cache.plan.total_bytes)} on {cache.device}; "
+                  f"{len(sim.pending)} requests; endpoints at {handle.url}/metrics /state /healthz", flush=True)
+            progress = _Progress(args.progress_s)
             how = _drive(sim, args, stop, progress)
-    finally:
-        progress.close()
-        handle.close()
+        finally:
+            if progress is not None:
+                progress.close()
+            handle.close()
     if sim.done:
         with lock:
             cache.check_integrity()
     print(summary(cache, sim, writer, time.monotonic() - t0, how + "; endpoint closed"), flush=True)
     return EXIT_INTERRUPTED if stop.reason == "SIGINT" else 0
+
+
+def _not_started(args, phase: str, wall_s: float, stop: _Stop) -> str:
+    """The summary of a run stopped before its cache existed."""
+    from ..observing.table import render
+    from ..tiers.shared.store import redact
+    rows = [["phase", f"stopped while {phase}: nothing ran"], ["workload", args.workload],
+            ["shared tier", redact(args.shared_tier) if args.shared_tier is not None else "off"],
+            ["wall time", f"{wall_s:.2f} s (stopped by {stop.reason} while starting; endpoint closed)"]]
+    return render(["", "summary"], rows, title="kvatlas serve")

@@ -1,6 +1,6 @@
 """A ledger for KV pools kvatlas did not allocate: what an engine integration fills in and reports.
 
-An engine's pools are foreign objects. Their integration (e.g. `integrations/sglang.py`) audits
+An engine's pools are foreign objects. Their integration (e.g. `integrations/sglang/`) audits
 them (`kvatlas.audit`), describes each buffer in kvatlas's layout terms (an `EngineBuffer`: units,
 unit bytes, null and unreachable units) and says which of the engine's index spaces (full pages,
 SWA pages, request slots) a buffer's occupancy follows. From there on nothing here knows the

@@ -102,7 +102,7 @@ HELP = {
                                   "foreign, corrupt, size_mismatch, deadline, tier_unavailable (counter)",
     "kvatlas_shared_tier_errors": "Shared-store calls that failed or missed their deadline, per operation (counter)",
     "kvatlas_shared_tier_breaker_open": "1 while the shared store's circuit breaker is open (or trying one call), "
-                                        "else 0",
+                                        "or the store has not opened yet (start-up), else 0",
     "kvatlas_shared_tier_op_seconds": "Shared-store calls that completed (summary): seconds per operation",
     "kvatlas_shared_tier_offered_entries": "Entries offered to the shared store, per kind and outcome: stored, exists (another "
                                 "writer was first), full, failed, skipped (breaker open or outbox full) (counter)",

@@ -1,7 +1,8 @@
 """HTTP endpoints: /metrics (Prometheus text format), /state (JSON), /healthz.
 
 Embeddable: `start(cache, port=0)` serves from a daemon thread of the caller's process and returns
-a handle (`.port`, `.url`, `.close()`); an engine passes its own lock so a scrape never reads a
+a handle (`.port`, `.url`, `.close()`); `start_pending(port=0)` opens the endpoints before there
+is a cache (/healthz answers, /metrics and /state 503 until `handle.attach(cache)`); an engine passes its own lock so a scrape never reads a
 cache in the middle of a step. Standalone: `kvatlas serve`. The stdlib ThreadingHTTPServer is
 enough here: a scrape is one O(1) snapshot plus text formatting, and it keeps the server free of
 dependencies beyond prometheus_client. Binds 127.0.0.1 unless told otherwise: the state endpoint
@@ -207,11 +208,16 @@ def _handler(server_state):
 
         def _answer(self, head: bool) -> None:
             path = self.path.split("?", 1)[0]
+            starting = server_state["collector"] is None
             try:
-                if path in builders:
+                if path in builders and starting:   # not ready: what it is doing, and "try again"
+                    self._send(503, "text/plain; charset=utf-8",
+                               f"starting: {server_state['phase']}\n".encode(), head, retry=True)
+                elif path in builders:
                     self._scrape(path, head)
-                elif path == "/healthz":
-                    self._send(200, "text/plain; charset=utf-8", b"ok\n", head)
+                elif path == "/healthz":            # alive, whatever the phase
+                    self._send(200, "text/plain; charset=utf-8",
+                               f"starting: {server_state['phase']}\n".encode() if starting else b"ok\n", head)
                 else:
                     self._send(404, "text/plain; charset=utf-8", b"not found: try /metrics, /state or /healthz\n", head)
             except _QUIET:   # the client left early: nothing to answer, nothing to report
@@ -229,8 +235,10 @@ def _handler(server_state):
             finally:
                 gate.done(pause)
 
-        def _send(self, code: int, ctype: str, body: bytes, head: bool) -> None:
+        def _send(self, code: int, ctype: str, body: bytes, head: bool, retry: bool = False) -> None:
             self.send_response(code)
+            if retry:
+                self.send_header("Retry-After", "1")
             self.send_header("Content-Type", ctype)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
@@ -273,10 +281,28 @@ def _json_default(obj):
 class ServerHandle:
     """A running endpoint server. `close()` stops it and closes the listening socket."""
 
-    def __init__(self, httpd: ThreadingHTTPServer, thread: threading.Thread) -> None:
+    def __init__(self, httpd: ThreadingHTTPServer, thread: threading.Thread, state: dict | None = None) -> None:
+        """`state`: the endpoints' own (start_pending); None for a server that serves from the start."""
         self._httpd, self._thread = httpd, thread
+        self._state = state if state is not None else {"collector": True, "phase": "serving"}
         self.host, self.port = httpd.server_address[:2]
         self.closed = False
+
+    @property
+    def attached(self) -> bool:
+        return self._state["collector"] is not None
+
+    @property
+    def phase(self) -> str:
+        return self._state["phase"]
+
+    def attach(self, cache_or_collector, *, lock=None, extra_state=None, request_state=None) -> None:
+        """Serve this cache (or collector) from now on: /metrics and /state answer 200."""
+        collector = _collector(cache_or_collector, lock)
+        from ..planning.capacity import plan_to_dict
+        self._state.update(registry=registry_for(collector), extra=extra_state, requests=request_state,
+                           plans=[plan_to_dict(src.cache.plan) for src in collector.sources])
+        self._state["collector"] = collector   # last: a scrape sees the collector only with the rest
 
     @property
     def url(self) -> str:
@@ -298,6 +324,15 @@ class ServerHandle:
         self.close()
 
 
+def _collector(cache_or_collector, lock=None) -> KvatlasCollector:
+    if cache_or_collector is None or (isinstance(cache_or_collector, KvatlasCollector)
+                                      and not cache_or_collector.sources):
+        raise ServerError("cache: nothing to serve; give a KVCache (kvatlas.allocate) or a KvatlasCollector "
+                          "with at least one cache")
+    return (cache_or_collector if isinstance(cache_or_collector, KvatlasCollector)
+            else KvatlasCollector(cache_or_collector, lock=lock))
+
+
 def start(cache_or_collector, host: str = "127.0.0.1", port: int = 0, *, lock=None, extra_state=None,
           request_state=None, gate: ScrapeGate | None = None) -> ServerHandle:
     """Serve /metrics, /state and /healthz for a KVCache (or a KvatlasCollector over several).
@@ -306,20 +341,22 @@ def start(cache_or_collector, host: str = "127.0.0.1", port: int = 0, *, lock=No
     added to /state as "workload"; `request_state`: a callable giving per-request progress (both
     are called under the lock, beside the ledger snapshot: they must be cheap and not lock).
     `gate`: how scrapes are rationed (ScrapeGate; ScrapeGate(yield_factor=0) never pauses)."""
-    if cache_or_collector is None or (isinstance(cache_or_collector, KvatlasCollector)
-                                      and not cache_or_collector.sources):
-        raise ServerError("cache: nothing to serve; give a KVCache (kvatlas.allocate) or a KvatlasCollector "
-                          "with at least one cache")
-    collector = (cache_or_collector if isinstance(cache_or_collector, KvatlasCollector)
-                 else KvatlasCollector(cache_or_collector, lock=lock))
-    from ..planning.capacity import plan_to_dict
+    collector = _collector(cache_or_collector, lock)
+    handle = start_pending(host, port, gate=gate)
+    handle.attach(collector, extra_state=extra_state, request_state=request_state)
+    return handle
+
+
+def start_pending(host: str = "127.0.0.1", port: int = 0, *, gate: ScrapeGate | None = None,
+                  phase: str = "starting") -> ServerHandle:
+    """The endpoints before there is a cache to serve (`kvatlas serve` opens them first, then
+    reads its workload and opens its stores): /healthz answers 200 ("starting: PHASE"), /metrics
+    and /state 503 with Retry-After until `handle.attach(cache)`."""
     check_host(host)
-    # a plan never changes: its /state section is built once, not per scrape
-    state = {"collector": collector, "registry": registry_for(collector), "extra": extra_state,
-             "requests": request_state, "gate": ScrapeGate() if gate is None else gate,
-             "plans": [plan_to_dict(src.cache.plan) for src in collector.sources]}
     if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
         raise ServerError(f"port: {port!r} is not a TCP port; give 0..65535 (0 picks a free one)")
+    state = {"collector": None, "registry": None, "extra": None, "requests": None, "plans": None,
+             "gate": ScrapeGate() if gate is None else gate, "phase": phase}
     try:
         httpd = _server_class(host)((host, port), _handler(state))
     except OSError as exc:
@@ -331,4 +368,4 @@ def start(cache_or_collector, host: str = "127.0.0.1", port: int = 0, *, lock=No
     thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.1},
                               name="kvatlas-http", daemon=True)
     thread.start()
-    return ServerHandle(httpd, thread)
+    return ServerHandle(httpd, thread, state)

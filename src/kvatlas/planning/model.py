@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import hashlib
 import json
 from dataclasses import dataclass
 import os
@@ -67,6 +68,9 @@ class ModelSpec:
     kv_source_layer_ids: tuple[int, ...] = ()
     index_source_layer_ids: tuple[int, ...] = ()
     weights: WeightArch | None = None   # what the weights need (V4 configs with MoE fields); None: unknown
+    # what the model is, not what it is called: 32 hex digits of a hash of the canonical form of
+    # the whole config it came from (config_digest); two models whose digests differ never share KV
+    config_digest: str = ""
 
     @property
     def nope_head_dim(self) -> int:
@@ -149,10 +153,22 @@ def _from_layer_types(cfg: dict, where: str) -> dict:
     return out
 
 
+def config_digest(cfg: dict) -> str:
+    """The model's identity: 32 hex digits of BLAKE2b over the config's canonical form (JSON with
+    sorted keys, no spaces, ASCII only) — every field, since any of them (hidden size, vocabulary,
+    rope theta, dtype, the weights' revision `_commit_hash` where a transformers config carries
+    it, ...) changes the KV a model computes. The same config in any folder, under any name, is
+    the same model; a fine-tune whose config.json differs from its base's in any byte of content
+    is another."""
+    text = json.dumps(cfg, sort_keys=True, separators=(",", ":"), ensure_ascii=True, default=str)
+    return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+
+
 def model_from_config(cfg: dict, name: str = "custom") -> ModelSpec:
     """Build a ModelSpec from a parsed HF config (V4.1 nests the text model under text_config)."""
     if not isinstance(cfg, dict):
         raise ConfigError("config", "is not a JSON object", "give a HF config.json")
+    digest = config_digest(cfg)
     where = "config"
     if isinstance(cfg.get("text_config"), dict):
         cfg, where = cfg["text_config"], "config.text_config"
@@ -197,7 +213,7 @@ def model_from_config(cfg: dict, name: str = "custom") -> ModelSpec:
         num_nextn_predict_layers=_need(cfg, "num_nextn_predict_layers", where, 0, 0),
         kv_source_layer_ids=sources, index_source_layer_ids=_ints(cfg, "index_source_layer_ids", where),
         # V4.1's weights (engrams, shared KV sources) are another structure: not derived
-        weights=None if v41 else arch_from_config(cfg, where),
+        weights=None if v41 else arch_from_config(cfg, where), config_digest=digest,
     )
 
 
@@ -216,7 +232,8 @@ def load_model(name_or_path) -> ModelSpec:
     if isinstance(name_or_path, dict):
         return model_from_config(name_or_path)
     if callable(getattr(name_or_path, "to_dict", None)) and not isinstance(name_or_path, (str, os.PathLike)):
-        cfg = name_or_path.to_dict()
+        cfg = dict(name_or_path.to_dict())
+        cfg.pop("_name_or_path", None)   # where the object was loaded from, not what it is
         return model_from_config(cfg, name=str(getattr(name_or_path, "_name_or_path", "") or cfg.get("model_type")
                                                or "custom"))
     if not isinstance(name_or_path, (str, os.PathLike)):

@@ -9,13 +9,18 @@ shared store below it:
   leaves cached are written through to the store at once (copied from the device into the
   outbox, then put by the store's write thread), so another process finds them while this one
   still has them. Whatever the policy, an entry the host LRU drops and the store is not known to
-  hold goes down first ("evict": only then).
+  hold goes down first ("evict": only then). An entry is known to be in the store only once the
+  store said stored or exists (or a read of it was a hit): a put that failed, found the store
+  full or was skipped is offered again the next time a finish publishes it or the host tier
+  drops it — at most OFFERS times an entry (a put skipped while the breaker is open is not
+  offered, so an outage costs no tries).
 - Up. `prefetch` walks device → host → store along the prompt's page keys: when the store can
   extend the match to a deeper resume point than the two tiers above have, the pages (and the
   resume point) come into claimed host slots — zero-copy from Mooncake — and the host tier's
   own restore brings them to the device, so a restore reads exactly what the host path reads.
   An existence check is only a hint: an entry is used only when its read is a hit (size,
-  header, checksum), and the chain stops at the first miss.
+  header, checksum), and the chain stops at the first miss. The check and the read share one
+  deadline: a prefetch waits on the store at most `deadline_s` in all.
 - Off the serving path. Puts never wait; a read waits at most the tier's deadline, and a store
   that is down or slow opens the breaker: misses (`tier_unavailable`) until it is back. A read
   that missed its deadline keeps its host slots claimed until it lands (never reused under it).
@@ -23,7 +28,8 @@ shared store below it:
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import time
+from collections import OrderedDict, deque
 
 import numpy as np
 
@@ -31,10 +37,12 @@ from ...errors import ConfigError, PoolExhaustedError
 from ...planning.hostplan import HOST_CHECKPOINTS, HOST_PAGES
 from ..index import CheckpointAt, Claim
 from ..prefix_link import HostLink
+from .store import EXISTS, STORED
 from .tier import Entry
 
 POLICIES = ("finish", "evict")
 _KNOWN_MEMORY = 1 << 20      # keys remembered as in the store (a hint: puts of them are skipped)
+OFFERS = 3                   # puts of one entry the store may refuse (full, failed) before it is given up
 _GROUP = {"page": HOST_PAGES, "checkpoint": HOST_CHECKPOINTS}
 _KIND = {HOST_PAGES: "page", HOST_CHECKPOINTS: "checkpoint"}
 
@@ -54,6 +62,9 @@ class SharedLink(HostLink):
         if self.bytes and outbox is None:
             raise ConfigError("outbox", "a host tier with memory needs an outbox", "give outbox_bytes")
         self.known: OrderedDict = OrderedDict()
+        self._pending: set = set()        # (kind, key) queued, not landed yet
+        self._refused: OrderedDict = OrderedDict()   # (kind, key) -> puts the store refused
+        self._landed: deque = deque()     # (kind, key, outcome) from the tier's poll, any thread
         self._quarantine: list = []      # (read still landing, claims it writes into)
         self._fetched: set = set()       # page keys the last prefetch brought from the store
         self.shared_hit_requests = 0     # (the tokens: PrefixStats.shared_hit_tokens, counted at admission)
@@ -66,16 +77,41 @@ class SharedLink(HostLink):
         for k in keys:
             self.known[k] = None
             self.known.move_to_end(k)
+            self._refused.pop(k, None)
         while len(self.known) > _KNOWN_MEMORY:
             self.known.popitem(last=False)
+
+    def _on_landed(self, entries, outcomes) -> None:
+        """The store's word on a put (called by the tier's poll, on whichever thread polled)."""
+        self._landed.extend((e.kind, e.page_key, o) for e, o in zip(entries, outcomes))
+
+    def _settle(self) -> None:
+        """Take in what the puts that landed since said: stored or exists is known, anything else
+        (full, failed) may be offered again."""
+        self.shared.poll()
+        while self._landed:
+            kind, key, outcome = self._landed.popleft()
+            k = (kind, key)
+            self._pending.discard(k)
+            if outcome in (STORED, EXISTS):
+                self._remember([k])
+            else:
+                self._refused[k] = self._refused.pop(k, 0) + 1
+                while len(self._refused) > _KNOWN_MEMORY:
+                    self._refused.popitem(last=False)
+
+    def _offer(self, kind: str, key) -> bool:
+        """Whether to put this entry now: not known, not in flight, not refused OFFERS times."""
+        k = (kind, key)
+        return k not in self.known and k not in self._pending and self._refused.get(k, 0) < OFFERS
 
     def _put(self, group: str, keys: list, boundaries: list, stage) -> None:
         """Put entries; `stage(units)` fills outbox units with their bytes (returns a Transfer
         to wait for, or None). Entries with no outbox unit free are skipped."""
         kind = _KIND[group]
         if not self.bytes:
-            if self.shared.put([Entry(kind, k, b) for k, b in zip(keys, boundaries)]):
-                self._remember((kind, k) for k in keys)
+            if self.shared.put([Entry(kind, k, b) for k, b in zip(keys, boundaries)], landed=self._on_landed):
+                self._pending.update((kind, k) for k in keys)
             return
         units = self.outbox.take(group, len(keys))
         for _ in keys[len(units):]:
@@ -87,14 +123,14 @@ class SharedLink(HostLink):
         if t is not None:
             t.synchronize()   # (a device-to-host copy on the copy stream: the store reads after it)
         entries = [Entry(kind, k, b, self.outbox.parts(group, u)) for k, b, u in zip(keys, boundaries, units)]
-        if self.shared.put(entries, release=lambda: self.outbox.give(group, units)):
-            self._remember((kind, k) for k in keys)
+        if self.shared.put(entries, release=lambda: self.outbox.give(group, units), landed=self._on_landed):
+            self._pending.update((kind, k) for k in keys)
 
     def _on_victims(self, group: str, keys, slots) -> None:
         """The host LRU is about to drop these (their bytes still in `slots`)."""
         kind = _KIND[group]
-        pick = [i for i, k in enumerate(keys) if (kind, k) not in self.known
-                and (kind == "page" or k in self.boundary)]
+        self._settle()
+        pick = [i for i, k in enumerate(keys) if self._offer(kind, k) and (kind == "page" or k in self.boundary)]
         if not pick:
             return
         ks = [keys[i] for i in pick]
@@ -109,13 +145,17 @@ class SharedLink(HostLink):
         self._put(group, ks, bs, stage)
 
     def on_publish(self, nodes, placed) -> None:
-        """A finish cached these pages and resume points: write them through."""
-        pages = [n for n in nodes if ("page", n.key) not in self.known and n.page > 0]
+        """A finish cached these pages and resume points (`placed`: the ones it placed; every
+        resume point on its path is offered, so one whose put did not land goes again): write
+        them through."""
+        self._settle()
+        pages = [n for n in nodes if n.page > 0 and self._offer("page", n.key)]
         if pages:
             dev = np.array([n.page for n in pages], np.int64)
             self._put(HOST_PAGES, [n.key for n in pages], [0] * len(pages),
                       lambda units: self.tier.copy_out(HOST_PAGES, self.outbox.memory, units, dev[:len(units)]))
-        cks = [ck for ck in placed if ck.node is not None and ("checkpoint", ck.node.key) not in self.known]
+        cks = [n.checkpoint for n in nodes if n.checkpoint is not None and n.checkpoint.node is n
+               and n.checkpoint.unit > 0 and self._offer("checkpoint", n.key)]
         if cks:
             at = [CheckpointAt(swa_pages=tuple(np.asarray(ck.swa_pages).tolist()), unit=ck.unit) for ck in cks]
             self._put(HOST_CHECKPOINTS, [ck.node.key for ck in cks], [ck.boundary_tokens for ck in cks],
@@ -137,7 +177,8 @@ class SharedLink(HostLink):
         return (j <= len(path) and path[j - 1].checkpoint is not None) or self.tier.contains("checkpoint", key)
 
     def _below(self, keys, path, host: int, cap: int) -> int:
-        self.shared.poll()
+        self._settle()
+        end_s = time.monotonic() + self.shared.deadline_s    # one deadline: the lookup and the read
         self._retire_quarantine()
         self._fetched = set()
         best = next((j for j in range(host, 0, -1) if self._has_checkpoint(keys, path, j)), 0)
@@ -146,7 +187,7 @@ class SharedLink(HostLink):
         pages = [Entry("page", int(k), 0) for k in keys[host:cap]]
         cks = [Entry("checkpoint", int(keys[j - 1]), j * self.P) for j in range(best + 1, cap + 1)
                if not self._has_checkpoint(keys, path, j)]
-        have = self.shared.exists(pages + cks)
+        have = self.shared.exists(pages + cks, end_s)
         if have is None:
             return host
         run = host + next((i for i, h in enumerate(have[:len(pages)]) if not h), len(pages))
@@ -158,7 +199,7 @@ class SharedLink(HostLink):
         if j is None:
             return host
         ck = next((e for e in cks if e.boundary_tokens == j * self.P and e.page_key in in_store), None)
-        return self._fetch(keys, len(path), host, j, ck)
+        return self._fetch(keys, len(path), host, j, ck, end_s)
 
     def _reserve(self, kind: str, keys: list):
         if not keys:
@@ -171,7 +212,7 @@ class SharedLink(HostLink):
                 self.boundary.pop(k, None)
         return claim
 
-    def _fetch(self, keys, device: int, host: int, j: int, ck) -> int:
+    def _fetch(self, keys, device: int, host: int, j: int, ck, end_s: float) -> int:
         """Read pages keys[host:j] (and resume point `ck`) into host slots; the new host depth."""
         ks = [int(k) for k in keys[host:j]]
         self.tier.touch("page", [int(k) for k in keys[device:host]])   # the reservation must not drop them
@@ -185,7 +226,7 @@ class SharedLink(HostLink):
         if cc is not None:
             entries.append(Entry("checkpoint", ck.page_key, ck.boundary_tokens,
                                  self.tier.entry_parts(HOST_CHECKPOINTS, int(cc.slots[0])) if self.bytes else ()))
-        got = self.shared.get(entries)
+        got = self.shared.get(entries, end_s)
         claims = [c for c in (pc, cc) if c is not None]
         if got.landing is not None:
             self._quarantine.append((got.landing, claims))
@@ -219,7 +260,7 @@ class SharedLink(HostLink):
 
     def _count_hit(self, keys, pages: int) -> None:
         shared = sum(1 for k in keys if k in self._fetched)
-        if shared or any(isinstance(k, tuple) for k in self._fetched):
+        if shared:   # (a resume point alone restores no token from the store: not a hit request)
             self.shared_hit_requests += 1
             self.shared.hit_requests = self.shared_hit_requests
         if pages > shared:

@@ -30,13 +30,20 @@ class MemoryStore(Store):
         self.evicted = 0
         self._lock = threading.Lock()
 
+    @staticmethod
+    def check(u, field: str = "shared_tier") -> None:
+        unknown = set(u.options) - {"capacity"}
+        if unknown:
+            raise ConfigError(field, f"memory:// takes no option {sorted(unknown)[0]!r}",
+                              "give memory://NAME or memory://NAME?capacity=BYTES")
+        if u.username is not None or u.password is not None or u.port is not None:
+            raise ConfigError(field, f"{u.text!r}: memory:// takes a name only", "give memory://NAME")
+        if "capacity" in u.options:
+            parse_bytes(u.options["capacity"], f"{field} capacity")
+
     @classmethod
     def named(cls, name: str, opts: dict) -> "MemoryStore":
         """One store per name in this process (memory://NAME?capacity=64MiB)."""
-        unknown = set(opts) - {"capacity"}
-        if unknown:
-            raise ConfigError("shared_tier", f"memory:// takes no option {sorted(unknown)[0]!r}",
-                              "give memory://NAME or memory://NAME?capacity=BYTES")
         if name not in _NAMED:
             cap = parse_bytes(opts["capacity"], "shared_tier capacity") if "capacity" in opts else None
             _NAMED[name] = cls(cap)

@@ -17,13 +17,20 @@ the value has another length (WRONG_SIZE) or the transfer failed (the memory dae
 -800 at once); a master that is gone stalls each call about 4 s, then -900 (the tier's deadline
 stops waiting long before). A put of an existing key returns 0 and moves nothing (first writer
 wins); -200 is no room (under pressure, or segments not mounted again yet after a restart).
+
+Opening is bounded (`open`): Mooncake's `setup` retries 20 times for up to 30 s each when the
+master does not answer, and holds the interpreter lock meanwhile (no thread of this process
+runs, signals wait), so the same setup is first made by a probe process killed at the start-up
+bound; this process sets up only after the probe succeeded.
 """
 
 from __future__ import annotations
 
+from urllib.parse import urlsplit
+
 from ...errors import ConfigError
 from ...units import parse_bytes
-from .store import ABSENT, FAILED, FULL, GET_FAILED, STORED, WRONG_SIZE, Store, StoreUnavailable
+from .store import ABSENT, FAILED, FULL, GET_FAILED, STORED, WRONG_SIZE, Store, StoreUnavailable, run_probe
 
 NOT_FOUND = -704
 NO_ROOM = -200
@@ -40,27 +47,88 @@ def _store_class():
     return MooncakeDistributedStore
 
 
+# A probe process: Mooncake's setup, then close; it prints setup's return code. (Its own module
+# only: it imports neither kvatlas nor torch, so it starts in a fraction of a second.)
+_PROBE = """
+import ctypes, json, sys
+try:
+    ctypes.CDLL(None).prctl(1, 9)   # PR_SET_PDEATHSIG, SIGKILL: never outlives the process that asked
+except Exception:
+    pass
+from mooncake.store import MooncakeDistributedStore
+a = json.loads(sys.argv[1])
+s = MooncakeDistributedStore()
+rc = s.setup(a["local"], a["metadata"], 0, 16 << 20, a["protocol"], a["device"], a["master"])
+print("rc", rc, flush=True)
+if rc == 0:
+    s.close()
+"""
+
+
 class MooncakeStore(Store):
     name = "mooncake"
     zero_copy = True
 
-    def __init__(self, host: str, port: int, opts: dict, field: str = "shared_tier") -> None:
-        unknown = set(opts) - _OPTIONS
+    @staticmethod
+    def check(u, field: str = "shared_tier") -> None:
+        """The URL's host, port and options (no connection made)."""
+        unknown = set(u.options) - _OPTIONS
         if unknown:
             raise ConfigError(field, f"mooncake:// takes no option {sorted(unknown)[0]!r}",
                               f"give only {', '.join(sorted(_OPTIONS))}")
-        if "metadata" not in opts:
+        if u.host is None or u.port is None:
+            raise ConfigError(field, f"{u.text!r} names no host and port", "give mooncake://127.0.0.1:PORT")
+        if u.username is not None or u.password is not None or u.path not in ("", "/"):
+            raise ConfigError(field, f"{u.text!r}: mooncake:// takes no credentials and no path",
+                              "give mooncake://MASTER_HOST:PORT?metadata=http://HOST:PORT/metadata")
+        if "metadata" not in u.options:
             raise ConfigError(field, "mooncake:// needs the metadata server",
                               "add ?metadata=http://HOST:PORT/metadata (the master's --enable_http_metadata_server)")
-        self.master = f"{host}:{port}"
-        segment = 0 if opts.get("segment", "0") == "0" else parse_bytes(opts["segment"], f"{field} segment")
-        buffer = parse_bytes(opts.get("buffer", "64MiB"), f"{field} buffer")
-        self.s = _store_class()()
-        rc = self.s.setup(opts.get("local", "127.0.0.1"), opts["metadata"], segment, buffer,
-                          opts.get("protocol", "tcp"), opts.get("device", ""), self.master)
-        if rc != 0:
-            raise StoreUnavailable(f"mooncake master {self.master}: setup returned {rc}")
+        meta = urlsplit(u.options["metadata"])
+        try:
+            meta_port = meta.port
+        except ValueError:
+            meta_port = None
+        if meta.scheme not in ("http", "https") or not meta.hostname or not meta_port:
+            raise ConfigError(field, f"metadata {u.options['metadata']!r} is not an http://HOST:PORT/PATH URL",
+                              "give ?metadata=http://HOST:PORT/metadata")
+        for opt in ("protocol", "local"):
+            if opt in u.options and not u.options[opt]:
+                raise ConfigError(field, f"mooncake:// option {opt!r} is empty", f"drop {opt}= or give a value")
+        if u.options.get("segment", "0") != "0":
+            parse_bytes(u.options["segment"], f"{field} segment")
+        parse_bytes(u.options.get("buffer", "64MiB"), f"{field} buffer")
+
+    def __init__(self, u, field: str = "shared_tier") -> None:
+        self.check(u, field)
+        opts = u.options
+        self.master = f"{u.host}:{u.port}"
+        self.segment = 0 if opts.get("segment", "0") == "0" else parse_bytes(opts["segment"], f"{field} segment")
+        self.buffer = parse_bytes(opts.get("buffer", "64MiB"), f"{field} buffer")
+        self.args = {"local": opts.get("local", "127.0.0.1"), "metadata": opts["metadata"],
+                     "protocol": opts.get("protocol", "tcp"), "device": opts.get("device", ""), "master": self.master}
+        self._class = _store_class()
+        self.s = None
+        self.ready = False
         self._registered: list = []
+
+    def open(self, bound_s: float) -> None:
+        """Mooncake's `setup` retries for minutes when the master does not answer, holding the
+        interpreter lock: a probe process makes the same setup first (killed at `bound_s`), and
+        only after it succeeded does this process set up (then in well under a second)."""
+        import json
+        import sys
+        out = run_probe([sys.executable, "-c", _PROBE, json.dumps(self.args)], bound_s, self.describe())
+        rc = next((line.split()[1] for line in out.splitlines() if line.startswith("rc ")), None)
+        if rc != "0":
+            raise StoreUnavailable(f"{self.describe()}: setup " + (f"returned {rc}" if rc else "did not finish")
+                                   + " (is the master up, and its metadata server?)")
+        s = self._class()
+        rc = s.setup(self.args["local"], self.args["metadata"], self.segment, self.buffer, self.args["protocol"],
+                     self.args["device"], self.master)
+        if rc != 0:
+            raise StoreUnavailable(f"{self.describe()}: setup returned {rc}")
+        self.s, self.ready = s, True
 
     def describe(self) -> str:
         return f"mooncake master {self.master}"
@@ -124,6 +192,8 @@ class MooncakeStore(Store):
         self.s.put(key, blob)
 
     def close(self) -> None:
+        if self.s is None:
+            return
         for a in self._registered:
             self.s.unregister_buffer(a.ctypes.data)
         self._registered.clear()

@@ -9,8 +9,9 @@
 Store calls run on two threads of the tier's own, one for reads and one for writes (so a backlog
 of puts never delays a read); the serving thread only waits for a read, and never longer than
 the deadline. A call that fails, or is not back by its deadline, opens the breaker (a missed
-deadline at once: the store's thread is still stuck in the call), and while it is open every
-read is a miss with reason `tier_unavailable` and every put is skipped; it closes by itself
+deadline at once: the store's thread is still stuck in the call), and while it is open (or
+while the store has not opened yet: opening.OpeningStore) every read is a miss with reason
+`tier_unavailable` and every put is skipped; it closes by itself
 when a trial call succeeds after the cool-off. A read that missed its deadline may still land
 later: `Got.landing` is its future, and the caller keeps the destination memory untouched until
 it is done.
@@ -24,6 +25,7 @@ the store's memory pressure, and count the real payload sizes as moved.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -35,8 +37,8 @@ from ...errors import ConfigError
 from .breaker import Breaker
 from .counters import SHARED_SCHEMA_VERSION, SharedCounters, SharedSnapshot
 from .inbox import Inbox, _timed, copy_payload, read_chunks
-from .store import ABSENT, EXISTS, GET_FAILED, STORED, WRONG_SIZE, StoreUnavailable
-from .values import HEADER_BYTES, check, checksum, checksums, header
+from .store import ABSENT, EXISTS, FAILED, GET_FAILED, STORED, WRONG_SIZE, StoreUnavailable
+from .values import HEADER_BYTES, check, checksums, header, sealed
 
 MAX_PUTS_IN_FLIGHT = 256
 READ_CHUNK = 64     # values per store call of a read (a later chunk is read while one is checked)
@@ -76,11 +78,11 @@ class Got:
 
 
 class _PutJob:
-    __slots__ = ("future", "issued", "entries", "headers", "release", "late")
+    __slots__ = ("future", "issued", "entries", "headers", "release", "landed", "late")
 
-    def __init__(self, future, entries, headers, release) -> None:
+    def __init__(self, future, entries, headers, release, landed) -> None:
         self.future, self.issued, self.entries = future, time.monotonic(), entries
-        self.headers, self.release, self.late = headers, release, False
+        self.headers, self.release, self.landed, self.late = headers, release, landed, False
 
 
 def _split(e: Entry, value) -> tuple:
@@ -116,6 +118,7 @@ class SharedTier:
         self._sums = ThreadPoolExecutor(SUM_THREADS - 1, thread_name_prefix="kvatlas-shared-sum") \
             if SUM_THREADS > 1 else None
         self._puts: list[_PutJob] = []
+        self._lock = threading.Lock()    # poll may run on a scrape's thread (snapshot) beside put's
         self._late_reads: list = []   # (future, header ids)
         staged = inbox and store.zero_copy and not modeled_scale
         self._inbox = Inbox(store, max(self.value_bytes(k) for k in layout.payload_bytes)) if staged else None
@@ -156,17 +159,20 @@ class SharedTier:
 
     def _unavailable(self, entries, op: str) -> bool:
         """True (and the misses counted) when the store is not to be asked now."""
-        if self.breaker.allow() and not self._reader_stuck():
+        if self.store.ready and self.breaker.allow() and not self._reader_stuck():
             return False
         for e in entries:
             self.c.misses[e.kind]["tier_unavailable"] += 1
         return True
 
-    def _call(self, op: str, pool, fn, *args):
+    def _end(self, end_s: float | None) -> float:
+        return time.monotonic() + self.deadline_s if end_s is None else end_s
+
+    def _call(self, op: str, pool, fn, *args, end_s: float | None = None):
         """(result, None) or (None, miss reason); the breaker and the counters see the outcome."""
         fut = pool.submit(_timed, fn, *args)
         try:
-            result, secs = fut.result(timeout=self.deadline_s)
+            result, secs = fut.result(timeout=max(self._end(end_s) - time.monotonic(), 0.0))
         except FutureTimeout:
             self.breaker.failure(at_once=True)
             self.c.errors[op] += 1
@@ -182,16 +188,18 @@ class SharedTier:
     def miss(self, kind: str, reason: str) -> None:
         self.c.misses[kind][reason] += 1
 
-    def exists(self, entries) -> list[bool] | None:
+    def exists(self, entries, end_s: float | None = None) -> list[bool] | None:
         """Which entries the store says it holds (a hint); None when it was not asked or failed
-        (one lookup, one miss: counted on the first entry, with the reason)."""
+        (one lookup, one miss: counted on the first entry, with the reason). `end_s` (monotonic
+        seconds): the deadline, when the caller's lookup and read share one (a prefetch's do);
+        by default now + deadline_s."""
         if not entries:
             return []
-        if not self.breaker.allow() or self._reader_stuck():
+        if not self.store.ready or not self.breaker.allow() or self._reader_stuck():
             self.miss(entries[0].kind, "tier_unavailable")
             return None
         keys = [self.layout.key(e.kind, e.page_key) for e in entries]
-        result, why = self._call("exists", self._reads, self.store.exists_many, keys)
+        result, why = self._call("exists", self._reads, self.store.exists_many, keys, end_s=end_s)
         if why is not None:
             self.miss(entries[0].kind, why)
             if why == "deadline":
@@ -200,9 +208,10 @@ class SharedTier:
         self.breaker.success()
         return result
 
-    def get(self, entries) -> Got:
+    def get(self, entries, end_s: float | None = None) -> Got:
         """Read entries into their parts; a hit is a value of the expected size whose header
-        and checksum hold. Waits at most the deadline (kvatlas.tiers.shared.inbox: how)."""
+        and checksum hold. Waits at most until `end_s`, by default the deadline from now
+        (kvatlas.tiers.shared.inbox: how)."""
         entries = list(entries)
         if not entries:
             return Got([])
@@ -230,7 +239,7 @@ class SharedTier:
                 read = [_split(entries[i], v) for i, v in zip(range(a, b), views(k, sizes[a:b]))]
             else:
                 read = [(self._headers[ids[i]], self._parts(entries[i])) for i in range(a, b)]
-            sums = self._digests(entries[a:b], codes, [parts for _, parts in read])
+            sums = self._digests(entries[a:b], codes, read)
             for j, (i, code) in enumerate(zip(range(a, b), codes)):
                 why = self._judge(entries[i], code, *read[j], sums[j])
                 if staged and why is None:   # a hit's payload, from the inbox into its parts
@@ -239,7 +248,7 @@ class SharedTier:
                 reasons.append(why)
 
         why, upto, late = read_chunks(self._reads, self.store.get_many, keys, dests_of, spans,
-                                      time.monotonic() + self.deadline_s, judged)
+                                      self._end(end_s), judged)
         if why is not None:
             self.breaker.failure(at_once=why == "deadline")
             self.c.errors["get"] += 1
@@ -257,13 +266,13 @@ class SharedTier:
         self._give_headers(ids)
         return Got(reasons)
 
-    def _digests(self, entries, codes, parts) -> list:
-        """The checksums of the payloads (`parts`, per entry) of the values read whole (the
-        others are misses without one), made at once across the sum threads."""
+    def _digests(self, entries, codes, read) -> list:
+        """The checksums of the values read whole (`read`: per entry its header and payload
+        ranges; the others are misses without one), made at once across the sum threads."""
         if self.modeled_scale:
             return [None] * len(entries)
         whole = [j for j, (e, c) in enumerate(zip(entries, codes)) if c == self.value_bytes(e.kind)]
-        sums = checksums([parts[j] for j in whole], self._sums, SUM_THREADS)
+        sums = checksums([read[j] for j in whole], self._sums, SUM_THREADS)
         out = [None] * len(entries)
         for j, d in zip(whole, sums):
             out[j] = d
@@ -289,13 +298,15 @@ class SharedTier:
         return why
 
     # ------------------------------------------------------------------ writes
-    def put(self, entries, release=None) -> bool:
+    def put(self, entries, release=None, landed=None) -> bool:
         """Queue entries for the store (first writer wins); `release()` is called (by poll) once
-        the store no longer reads their parts. False (released at once) when skipped."""
+        the store no longer reads their parts, and `landed(entries, outcomes)` with what the store
+        said of each (stored, exists, full or failed; poll may run on another thread than put's).
+        False (released at once, `landed` never called) when skipped."""
         entries = list(entries)
         self.poll()
         ids = None
-        if entries and self.breaker.allow() and len(self._puts) < MAX_PUTS_IN_FLIGHT:
+        if entries and self.store.ready and self.breaker.allow() and len(self._puts) < MAX_PUTS_IN_FLIGHT:
             ids = self._take_headers(len(entries))
         if ids is None:
             for e in entries:
@@ -304,7 +315,8 @@ class SharedTier:
                 release()
             return False
         fut = self._writes.submit(_timed, self._put_now, entries, ids)
-        self._puts.append(_PutJob(fut, entries, ids, release))
+        with self._lock:
+            self._puts.append(_PutJob(fut, entries, ids, release, landed))
         return True
 
     def _put_now(self, entries, ids) -> list[str]:
@@ -319,9 +331,9 @@ class SharedTier:
         for i in todo:
             e, h = entries[i], self._headers[ids[i]]
             parts = self._parts(e)
-            digest = 0 if self.modeled_scale else checksum(parts)
-            h[:] = np.frombuffer(header(self.layout, e.kind, e.page_key, e.boundary_tokens,
-                                        self.layout.payload_bytes[e.kind], digest, self.writer), np.uint8)
+            head = header(self.layout, e.kind, e.page_key, e.boundary_tokens, self.layout.payload_bytes[e.kind], 0,
+                          self.writer)
+            h[:] = np.frombuffer(head if self.modeled_scale else sealed(head, parts), np.uint8)
             values.append([h] + parts)
         for i, o in zip(todo, self.store.put_many([keys[i] for i in todo], values)):
             out[i] = o
@@ -330,6 +342,10 @@ class SharedTier:
     def poll(self) -> int:
         """Retire finished puts; a put past its deadline counts once as an error and opens the
         breaker. Returns the puts still in flight."""
+        with self._lock:
+            return self._poll()
+
+    def _poll(self) -> int:
         left, now = [], time.monotonic()
         for job in self._puts:
             if not job.future.done():
@@ -353,8 +369,9 @@ class SharedTier:
             if not job.late:
                 self.c.errors["put"] += 1
                 self.breaker.failure()
+            outcomes = [FAILED] * len(job.entries)
             for e in job.entries:
-                self.c.puts[e.kind]["failed"] += 1
+                self.c.puts[e.kind][FAILED] += 1
         else:
             self.c.op_count["put"] += 1
             self.c.op_seconds["put"] += secs
@@ -368,6 +385,8 @@ class SharedTier:
         self._give_headers(job.headers)
         if job.release is not None:
             job.release()
+        if job.landed is not None:
+            job.landed(job.entries, outcomes)
 
     def flush(self, timeout_s: float | None = None) -> None:
         """Wait for the queued puts (benchmarks and tests; never on the serving path)."""
@@ -386,7 +405,9 @@ class SharedTier:
         return SharedSnapshot(
             schema_version=SHARED_SCHEMA_VERSION, store=self.store.describe(), layout_tag=self.layout.tag,
             policy=self.policy, modeled_payload=bool(self.modeled_scale), deadline_s=self.deadline_s,
-            breaker_open=self.breaker.is_open, breaker_state=self.breaker.state,
+            # a store not open yet is bypassed as an open breaker is (the gauge and its alert see it)
+            breaker_open=self.breaker.is_open or not self.store.ready,
+            breaker_state=self.breaker.state if self.store.ready else "store_not_open",
             breaker_opened=self.breaker.times_opened, moved_bytes=copy(c.moved_bytes),
             moved_entries=copy(c.moved_entries), hits=copy(c.hits), misses=copy(c.misses), errors=copy(c.errors),
             op_count=copy(c.op_count), op_seconds=copy(c.op_seconds), puts=copy(c.puts),

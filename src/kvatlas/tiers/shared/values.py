@@ -5,9 +5,12 @@ A key names the content and everything that makes its bytes comparable:
     kvatlas/<namespace>/<layout tag>/<kind>/<page key, 16 hex digits>
 
 `kind` is `p` (one full-token page of every host-page buffer) or `c` (a resume point). The layout
-tag is 16 hex digits of a hash over the model, the layout and row formats, the byte sizes of
-every buffer a value holds and the rank shape (tp, pp, pp rank: a rank of another shape holds other
-layers or heads). Two caches whose tags agree read each other's values byte for byte.
+tag is 16 hex digits of a hash over the model's identity (the digest of its whole config, never
+its name: two models in folders of one name are two models, one config in two folders is one),
+the layout and row formats, the byte sizes of every buffer a value holds, the rank shape (tp, pp,
+pp rank: a rank of another shape holds other layers or heads) and, for a bookkeeping run whose
+payloads are modeled, its scale. Two caches whose tags agree read each other's values byte for
+byte; the namespace separates deployments of one model.
 
 The header (little-endian, 64 bytes) comes first in every value:
 
@@ -15,14 +18,20 @@ The header (little-endian, 64 bytes) comes first in every value:
     boundary tokens u64 | payload bytes u64 | checksum u64 | writer u64 | 0 u64
 
 A read is a hit only when the value is exactly header + the expected payload, the magic, version,
-layout, key and boundary agree and the checksum of the payload holds; anything else is a miss
-with its reason, and nothing is restored (`check`).
+layout, key and boundary agree and the checksum holds; anything else is a miss with its reason,
+and nothing is restored (`check`).
 
-The checksum is, per buffer range of the value, the 64-bit sum of its 8-byte words weighted by an
-odd number of the range's position: it catches flipped, zeroed and truncated bytes and ranges
-placed wrong (not words swapped within a range, and not an adversary: the store is trusted), and
-runs at memory speed in numpy (12 GB/s measured on CI's 2-core machine, where zlib's CRC-32 ran
-at 0.37 GB/s and an extra XOR pass at 4 GB/s, both slower than the store's own reads).
+The checksum (format version 2) covers every range of the value: each payload range is hashed
+with XXH3-64 (the `xxhash` package), then XXH3-64 of the header (its checksum field read as
+zeros) followed by each payload range's length and hash, in value order, is the value's. Flipped,
+zeroed, truncated, swapped or misplaced bytes anywhere — in a range, across ranges, in the header
+— change it except with probability 2^-64. Chosen by measurement (bench/shared_checksum.py, a
+restore batch of 16 V4-Flash pages and a resume point, 20 MB, on CI's 2-core machine, three runs
+in bench/RESULTS.md): XXH3-64 15.7-17.8 GB/s on one thread, as fast as the version-1 word sum
+(15.0-16.6) and faster than google-crc32c (5.9-13.9); the library releases the interpreter lock,
+so a large batch's ranges are hashed on threads. Version 1
+summed 8-byte words weighted by the range's position, which two compensating bit flips, two
+swapped words or two swapped rows of one range left unchanged: its values now read as `stale`.
 """
 
 from __future__ import annotations
@@ -31,15 +40,15 @@ import hashlib
 import struct
 from dataclasses import dataclass
 
-import numpy as np
+import xxhash
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 HEADER_BYTES = 64
 MAGIC = b"KVAT"
 KINDS = {"page": b"p", "checkpoint": b"c"}
 _KIND_CODE = {"page": 1, "checkpoint": 2}
 _HEADER = struct.Struct("<4sHBBQQQQQQQ")
-_MASK = (1 << 64) - 1
+_SUM_AT = 40     # the checksum field's offset in the header
 
 # Why a shared-tier read was not a hit; every reason is exported, zeros too.
 MISS_REASONS = ("absent", "stale", "foreign", "corrupt", "size_mismatch", "deadline", "tier_unavailable")
@@ -61,11 +70,24 @@ class Layout:
         return f"kvatlas/{self.namespace}/{self.tag}/{KINDS[kind].decode()}/{int(page_key):016x}"
 
 
-def layout_of(host_plan, device_plan, namespace: str = "default") -> Layout:
-    """The Layout of a host plan's values (its buffers are what a value holds, in this order)."""
+def model_identity(model) -> str:
+    """What makes one model's KV another's: its config's digest (kvatlas.planning.model.config_digest),
+    never its name (a folder's basename); a ModelSpec made by hand: a digest of all its fields."""
+    if model.config_digest:
+        return model.config_digest
+    from dataclasses import replace
+    return hashlib.blake2b(repr(replace(model, name="")).encode(), digest_size=16).hexdigest()
+
+
+def layout_of(host_plan, device_plan, namespace: str = "default", modeled_scale: int = 0) -> Layout:
+    """The Layout of a host plan's values (its buffers are what a value holds, in this order);
+    `modeled_scale` > 0: a bookkeeping run's values (payloads of zeros, kvatlas.tiers.shared.tier),
+    under a tag of their own so that a real run never meets them."""
     o = device_plan.options
-    parts = [device_plan.model.name, o.kv_layout, f"tp{o.tp}", f"pp{o.pp}.{o.pp_rank}",
+    parts = [model_identity(device_plan.model), o.kv_layout, f"tp{o.tp}", f"pp{o.pp}.{o.pp_rank}",
              f"page{device_plan.page_tokens}", f"v{FORMAT_VERSION}"]
+    if modeled_scale:
+        parts.append(f"modeled1/{int(modeled_scale)}")
     for b in host_plan.buffers:
         parts.append(f"{b.name}:{b.dtype}:{b.unit_bytes}:{b.inner_shape}:{b.layers}")
     digest = hashlib.blake2b("|".join(map(str, parts)).encode(), digest_size=8).digest()
@@ -75,51 +97,51 @@ def layout_of(host_plan, device_plan, namespace: str = "default") -> Layout:
                                  "checkpoint": host_plan.unit_bytes(HOST_CHECKPOINTS)})
 
 
-def checksum(parts) -> int:
-    """The payload checksum over `parts` (uint8 arrays in value order, each a multiple of 8 B):
-    the sum of each part's 8-byte words, weighted by an odd number of the part's position,
-    modulo 2^64. A flipped bit b moves it by an odd multiple of 2^b, never 0."""
-    return checksums([parts])[0]
+def checksum(head, parts) -> int:
+    """The value's checksum: `head` its 64-byte header (the checksum field is not read), `parts`
+    its payload ranges (uint8 arrays) in value order."""
+    return checksums([(head, parts)])[0]
 
 
 def checksums(values, pool=None, shares: int = 1) -> list[int]:
-    """checksum() of each value (a list of parts), the words of them all cut into `shares` runs of
-    equal length, all but the first summed on `pool`'s threads (numpy's sums release the
-    interpreter lock). Values just read are cold in the caches: on CI's 2-core machine a 20 MB
-    batch took 1.41 ms on one thread and 0.88 on two."""
-    items = []   # (value, weight, words)
-    for v, parts in enumerate(values):
-        for i, p in enumerate(parts):
-            w = p.view(np.uint64)
-            if len(w):
-                items.append((v, 2 * i + 1, w))
-    total = sum(len(w) for _, _, w in items)
-    if pool is None or shares < 2 or total < (1 << 18):   # under 2 MiB: not worth a hand-off
-        runs = [items]
+    """checksum() of each value, a (header, parts) pair; the ranges of them all are cut into
+    `shares` runs of about equal bytes (whole ranges), all but the first hashed on `pool`'s
+    threads (xxhash releases the interpreter lock)."""
+    ranges = [(v, i, p) for v, (_, parts) in enumerate(values) for i, p in enumerate(parts)]
+    total = sum(p.nbytes for _, _, p in ranges)
+    if pool is None or shares < 2 or total < (2 << 20):   # under 2 MiB: not worth a hand-off
+        runs = [ranges]
     else:
-        runs, run, left, per = [], [], total, -(-total // shares)
-        room = per
-        for v, wt, w in items:
-            while len(w):
-                take = min(room, len(w))
-                run.append((v, wt, w[:take]))
-                w, room, left = w[take:], room - take, left - take
-                if room == 0 and left:
-                    runs.append(run)
-                    run, room = [], per
+        runs, run, done, per = [], [], 0, total / shares
+        for r in ranges:
+            run.append(r)
+            done += r[2].nbytes
+            if done >= per * (len(runs) + 1) and len(runs) < shares - 1:
+                runs.append(run)
+                run = []
         runs.append(run)
-    later = [pool.submit(_sums, r, len(values)) for r in runs[1:]]
-    out = _sums(runs[0], len(values))
+    later = [pool.submit(_hash_ranges, r) for r in runs[1:] if r]
+    sums = _hash_ranges(runs[0])
     for f in later:
-        out = [a + b for a, b in zip(out, f.result())]
-    return [x & _MASK for x in out]
-
-
-def _sums(run, n: int) -> list[int]:
-    out = [0] * n
-    for v, wt, w in run:
-        out[v] += int(w.sum(dtype=np.uint64)) * wt
+        sums.update(f.result())
+    out = []
+    for v, (head, parts) in enumerate(values):
+        h = bytearray(bytes(head[:HEADER_BYTES]))
+        h[_SUM_AT:_SUM_AT + 8] = bytes(8)
+        words = [x for i, p in enumerate(parts) for x in (p.nbytes, sums[(v, i)])]
+        out.append(xxhash.xxh3_64_intdigest(bytes(h) + struct.pack(f"<{len(words)}Q", *words)))
     return out
+
+
+def _hash_ranges(run) -> dict:
+    return {(v, i): xxhash.xxh3_64_intdigest(p) for v, i, p in run}
+
+
+def sealed(head, parts) -> bytes:
+    """`head` (a header made with checksum 0) with the value's checksum filled in."""
+    h = bytearray(bytes(head[:HEADER_BYTES]))
+    h[_SUM_AT:_SUM_AT + 8] = checksum(h, parts).to_bytes(8, "little")
+    return bytes(h)
 
 
 def header(layout: Layout, kind: str, page_key: int, boundary_tokens: int, payload_bytes: int, digest: int,
@@ -150,7 +172,7 @@ def check(layout: Layout, kind: str, page_key: int, boundary_tokens: int, got_by
           parts, value_bytes: int, digest: int | None = None) -> str | None:
     """None for a hit, else the miss reason. `got_bytes`: the value's length as the store read
     it; `value_bytes`: the length it must have; `parts`: the payload as read (None: a modeled
-    payload, whose bytes are not checked); `digest`: their checksum when the caller made it."""
+    payload, whose bytes are not checked); `digest`: the value's checksum when the caller made it."""
     if got_bytes != value_bytes:
         return "size_mismatch"
     h = parse(raw_header)
@@ -163,6 +185,6 @@ def check(layout: Layout, kind: str, page_key: int, boundary_tokens: int, got_by
         return "foreign"
     if h.payload_bytes != layout.payload_bytes[kind]:
         return "size_mismatch"
-    if parts is not None and (checksum(parts) if digest is None else digest) != h.checksum:
+    if parts is not None and (checksum(raw_header, parts) if digest is None else digest) != h.checksum:
         return "corrupt"
     return None

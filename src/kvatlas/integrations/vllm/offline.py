@@ -1,5 +1,5 @@
 """vLLM 0.33's own KV planner and scheduler for DeepSeek-V4, run offline on a CPU. All knowledge of
-how to stand vLLM up without a GPU lives here; the plugin (`vllm_plugin.py`) and kvatlas's tests
+how to stand vLLM up without a GPU lives here; the plugin (`plugin.py` beside it) and kvatlas's tests
 and benchmarks build on it.
 
 What runs is vLLM's code, not a model of it: its `ModelConfig` parses the DeepSeek-V4 config,
@@ -73,7 +73,7 @@ class EngineOptions:
     @classmethod
     def of(cls, options: "EngineOptions | None", kwargs: dict) -> "EngineOptions":
         from dataclasses import fields, replace
-        from ..errors import ConfigError
+        from ...errors import ConfigError
         known = {f.name for f in fields(cls)}
         for key in kwargs:
             if key not in known:
@@ -106,7 +106,7 @@ def vllm_config(model, options: EngineOptions | None = None, **kwargs):
 
 
 def _require_supported() -> None:
-    from ..errors import ConfigError
+    from ...errors import ConfigError
     version = vllm_version()
     if not supported(version):
         raise ConfigError("vllm", f"vLLM {version or '(not installed)'} is not 0.33.x",
@@ -114,9 +114,9 @@ def _require_supported() -> None:
 
 
 def _model_dir(model, tmp: str) -> str:
-    from ..errors import ConfigError
-    from ..planning.model import load_model
-    from .foreign import model_dir
+    from ...errors import ConfigError
+    from ...planning.model import load_model
+    from ..foreign import model_dir
     spec = load_model(model)
     if spec.family != "v4":
         raise ConfigError("model", f"{spec.name} is a {spec.family} model; vLLM 0.33 builds V4 / V4-Pro here",
@@ -381,7 +381,7 @@ class OfflineEngine:
 def build_engine(model, memory, options: EngineOptions | None = None, **kwargs) -> OfflineEngine:
     """vLLM's engine core for `model` with `memory` bytes (an int or "120GiB") for the KV cache:
     what its memory profiler would report as available (or `--kv-cache-memory-bytes`)."""
-    from ..units import parse_bytes
+    from ...units import parse_bytes
     opts = EngineOptions.of(options, kwargs)
     budget = parse_bytes(memory)
     config = vllm_config(model, opts)
@@ -394,7 +394,7 @@ def build_engine(model, memory, options: EngineOptions | None = None, **kwargs) 
 def kv_cache_config(model, memory, options: EngineOptions | None = None, **kwargs):
     """Only the planner: the scheduler's KVCacheConfig vLLM builds for `model` and `memory`, through
     `EngineCore._initialize_kv_caches` itself, with no scheduler. Returns (config, VllmConfig)."""
-    from ..units import parse_bytes
+    from ...units import parse_bytes
     opts = EngineOptions.of(options, kwargs)
     config = vllm_config(model, opts)
     from vllm.v1.engine.core import EngineCore

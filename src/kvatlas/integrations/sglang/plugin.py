@@ -32,8 +32,8 @@ import re
 from dataclasses import dataclass
 from importlib import metadata
 
-from . import sglang_prefix
-from .foreign import model_dir as _model_dir   # SGLang reads a directory holding config.json
+from . import prefix as sglang_prefix
+from ..foreign import model_dir as _model_dir   # SGLang reads a directory holding config.json
 
 SUPPORTED_VERSION = "0.5.23"
 ENGINE = "sglang"
@@ -192,8 +192,8 @@ def track(req_pool, kv, alloc, pricing: Pricing | None = None, *, publish: bool 
 
 
 def build_ledger(req_pool, kv, alloc, pricing: Pricing | None):
-    from ..cache.audit import audit
-    from .foreign import ForeignLedger
+    from ...cache.audit import audit
+    from ..foreign import ForeignLedger
     roots = _roots(req_pool, kv, alloc)
     report = audit(roots)
     groups: dict[str, list] = {name: [] for name in roots}   # pools in the roots' order
@@ -265,7 +265,7 @@ def _layers(kv, ratio: int | None) -> tuple[int, ...]:
 
 def _buffer(name: str, entries: list, kv, alloc, req_pool, pricing):
     """One pool in kvatlas's layout terms, with its real unit counts and reachability."""
-    from .foreign import ForeignBuffer
+    from ..foreign import ForeignBuffer
     tensor = sum(e.bytes for e in entries)
     first = entries[0]
     backing = sum(_backing_bytes(e) for e in entries)
@@ -284,14 +284,14 @@ def _backing_bytes(entry) -> int:
     """CPU: the storage itself. CUDA: the caching allocator's block for it (512-B rounding);
     segment slack shared with other allocations is not attributed to the KV cache."""
     if entry.device.startswith("cuda"):
-        from ..cache.arena import cuda_block_bytes
+        from ...cache.arena import cuda_block_bytes
         return cuda_block_bytes(entry.bytes)
     return entry.bytes
 
 
 def _layout(name: str, first, tensor_bytes: int, kv, alloc, req_pool):
     """(EngineBuffer, index space, bytes one used unit holds) for one named pool."""
-    from ..engines.base import EngineBuffer, paged_buffer, row_buffer
+    from ...engines.base import EngineBuffer, paged_buffer, row_buffer
     page = alloc.page_size
     full_pages, swa_pages = alloc.size_full // page, alloc.size_swa // page
     ratio = {"swa_kv": 0, "c4_kv": 4, "c128_kv": 128, "c4_indexer": 4}.get(name)
@@ -331,7 +331,7 @@ def _layout(name: str, first, tensor_bytes: int, kv, alloc, req_pool):
 
 
 def _row_format(bytes_per_entry: int):
-    from ..planning import formats
+    from ...planning import formats
     known = (formats.FP8_DS_MLA, formats.indexer_format("fp8"), formats.indexer_format("fp4"))
     for fmt in known:
         if fmt.entry_bytes == bytes_per_entry:
@@ -374,11 +374,11 @@ def startup_line(ledger) -> str:
 
 def _publish(ledger) -> None:
     if _multiprocess_metrics():
-        from .foreign import write_gauges
+        from ..foreign import write_gauges
         write_gauges(ledger.snapshot())
     port = _P.settings.state_port
     if port is not None and _P.state_server is None:
-        from .foreign import serve_state
+        from ..foreign import serve_state
         rank = ledger.labels.get("tp_rank", "0")
         offset = int(rank) if rank.isdigit() else 0
         try:
@@ -409,7 +409,7 @@ def refresh() -> int:
         lg.prefix.check(lg.labels)
     if not _P.ledgers or not _multiprocess_metrics():
         return 0
-    from .foreign import write_gauges
+    from ..foreign import write_gauges
     return sum(write_gauges(lg.snapshot()) for lg in _P.ledgers)
 
 
@@ -442,8 +442,8 @@ def build_offline(model, memory_bytes, *, max_running_requests: int = 256, chunk
     budget larger than this machine's memory is only reserved, never touched; sizes are unchanged.
     """
     import tempfile
-    from ..errors import ConfigError
-    from ..units import parse_bytes
+    from ...errors import ConfigError
+    from ...units import parse_bytes
     budget = parse_bytes(memory_bytes)
     if swa_mode not in ("ratio", "cap"):
         raise ConfigError("swa_mode", f"{swa_mode!r} is not an SGLang sizing mode", "use ratio or cap")

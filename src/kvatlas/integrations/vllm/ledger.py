@@ -26,9 +26,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from ..cache.ledger import ZERO, Measures
-from ..units import cdiv
-from .foreign import SCHEMA_VERSION, ForeignSnapshot, Occupancy, PoolState
+from ...cache.ledger import ZERO, Measures
+from ...units import cdiv
+from ..foreign import SCHEMA_VERSION, ForeignSnapshot, Occupancy, PoolState
 
 ENGINE = "vllm"
 KINDS = {"swa_kv": ("kv", "swa"), "c4_kv": ("kv", "c4"), "c128_kv": ("kv", "c128"), "c4_indexer": ("indexer", "c4"),
@@ -166,7 +166,7 @@ def _kind_of(parts) -> str:
 def _full_tokens(usable: int, groups, vllm_config) -> int:
     """Tokens of full KV the pool holds while max_num_seqs requests run (all but one decoding, one
     in chunked prefill): kvatlas's model of vLLM's planner (`compare`), fed vLLM's own groups."""
-    from ..engines.vllm import serving_sliding_blocks, sliding_blocks_per_request
+    from ...engines.vllm import serving_sliding_blocks, sliding_blocks_per_request
     sched = vllm_config.scheduler_config
     spec = vllm_config.speculative_config
     step = 1 + (spec.num_speculative_tokens if spec is not None else 0)
@@ -237,8 +237,8 @@ class SampleMap:
     def __init__(self, layout: PoolLayout) -> None:
         import numpy as np
 
-        from .foreign import samples
-        from .vllm_census import Counts
+        from ..foreign import samples
+        from .census import Counts
         g = len(layout.groups)
 
         def counts(i: int = -1) -> Counts:

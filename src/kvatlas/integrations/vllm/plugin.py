@@ -11,7 +11,7 @@ The hooks (each wraps one vLLM method; the result is vLLM's own, returned unchan
   (`available_gpu_memory_for_kv_cache`), for `over_budget` and the start-up line.
 - AFTER `Scheduler.__init__` (engine core; `AsyncScheduler` runs it too): the scheduler's
   `KVCacheConfig` and its `KVCacheManager`: the pool's layout per group and cache kind
-  (`vllm_ledger`), a block census installed on its block pool (`vllm_census`), one start-up line
+  (`ledger`), a block census installed on its block pool (`census`), one start-up line
   with the tokens the pool truly holds beside vLLM's logged figure, and the first values.
 - AFTER `Scheduler.make_stats` (engine core, every step that makes stats): one read of the
   census (O(groups), whatever the number of running requests) written to this engine's board.
@@ -71,7 +71,7 @@ _P = _Process()
 def register() -> bool:
     """The entry point. Returns whether the hooks were installed (vLLM ignores the value)."""
     try:
-        from . import vllm as offline
+        from . import offline
         version = offline.vllm_version()
         if not offline.supported(version):
             log.warning("kvatlas: vLLM %s is not 0.33.x, the version this plugin knows; plugin off, vLLM runs "
@@ -160,7 +160,7 @@ class Tracker:
 
     def snapshot(self):
         """The full snapshot (pools, measures, occupancy), built from the census now."""
-        from .vllm_ledger import snapshot
+        from .ledger import snapshot
         return snapshot(self.layout, self.census.counts())
 
     def refresh(self) -> bool:
@@ -181,8 +181,8 @@ def track(scheduler, budget_bytes: int | None = None) -> Tracker | None:
     model whose caches are not DeepSeek-V4's."""
     if scheduler in _P.trackers:
         return _P.trackers[scheduler]
-    from .vllm_census import BlockCensus
-    from .vllm_ledger import SampleMap, layout_of, startup_line
+    from .census import BlockCensus
+    from .ledger import SampleMap, layout_of, startup_line
     config = scheduler.vllm_config
     model_type = getattr(config.model_config.hf_config, "model_type", "")
     if model_type != "deepseek_v4":   # V4 / V4-Pro only: V4.1's caches (bounded SWA replay) are not mapped
@@ -195,7 +195,7 @@ def track(scheduler, budget_bytes: int | None = None) -> Tracker | None:
     sample_map = SampleMap(layout)
     board = None
     if _P.metrics_dir and os.path.isdir(_P.metrics_dir):
-        from .boards import Board
+        from ..boards import Board
         board = Board(_P.metrics_dir, f"vllm-dp{layout.labels['dp_rank']}", sample_map.keys)
         weakref.finalize(scheduler, board.close)   # also at exit
     tracker = Tracker(layout, census, board, sample_map)
@@ -216,7 +216,7 @@ def _attach_collector() -> None:
     server) and in every registry `get_prometheus_registry()` returns later (several API servers)."""
     import importlib
     import sys
-    from .boards import BoardCollector
+    from ..boards import BoardCollector
     _P.collector = BoardCollector(_P.metrics_dir)
     if "prometheus_client" in sys.modules:
         from prometheus_client import REGISTRY
