@@ -299,3 +299,22 @@ def test_copy_contents_then_finish_never_publishes_kv_under_the_destinations_pro
     s.admit(a_seq, 530, 1)
     assert s.hits == 1
     s.check("a hit on A's content")
+
+
+def test_a_swap_of_two_requests_swaps_what_each_may_publish():
+    """copy_contents(["A", "B"], ["B", "A"]): each now holds the other's content, so each
+    publishes under the other's prompt keys (the property test found a swap giving both A's)."""
+    c = kvatlas.allocate(kvatlas.plan("tiny-v4", "128MiB", max_running_requests=4, prefix_checkpoints=16))
+    rng = np.random.default_rng(34)
+    prompts = {"A": rng.integers(0, 50_000, 600), "B": rng.integers(0, 50_000, 600)}
+    for rid, p in prompts.items():
+        c.admit(rid, 600, 8, token_ids=p)
+        c.extend(rid, 600)
+    c.copy_contents(["A", "B"], ["B", "A"])
+    with pytest.raises(ContentMismatchError):
+        c.finish("A", token_ids=prompts["A"])
+    c.finish("A", token_ids=prompts["B"])
+    assert sorted(c.prefix.tree.nodes) == sorted(page_keys(prompts["B"], P).tolist())
+    c.finish("B")
+    assert sorted(c.prefix.tree.nodes) == sorted(page_keys(prompts["A"], P).tolist() + page_keys(prompts["B"], P).tolist())
+    c.check_integrity()

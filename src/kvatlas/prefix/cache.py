@@ -276,7 +276,10 @@ class PrefixCache:
         up to the last boundary whose rows it has begun writing. They are dropped when it
         finishes, not now: its window may still read their SWA pages (Sharing._pin_tails)."""
         a = self.alloc
-        took = [(self.requests.get(r), int(self._divergence[a.slot_of[r]])) for r in src_ids]   # all read first
+        def prompt(r):   # a copy of what it may publish: a swap writes one pair's src as the other's dst
+            req = self.requests.get(r)
+            return None if req is None else _Request(req.keys, None, req.prompt_tokens, req.tail)
+        took = [(prompt(r), int(self._divergence[a.slot_of[r]])) for r in src_ids]   # all read first
         for (src, div), rid in zip(took, dst_ids):
             slot = a.slot_of[rid]
             self._divergence[slot] = div
