@@ -1,14 +1,15 @@
 """The vLLM plugin's cost per stats interval at 16 vs 1,024 running requests (target: ratio <= 1.5).
 
-Two of vLLM 0.33's own engine cores (kvatlas.integrations.vllm: its planner, EngineCore, Scheduler,
+(Its cost on the scheduler's hot path, plugin loaded vs VLLM_PLUGINS=none, is bench/vllm_plugin_cost.py.)
+
+Two of vLLM's own engine cores (0.33 or 0.34, whichever the venv holds) (kvatlas.integrations.vllm: its planner, EngineCore, Scheduler,
 KVCacheManager on the CPU, the plugin loaded by vLLM's own plugin loader), the same configuration
 (V4-Flash, 120 GiB, max_num_seqs 1,024), one serving 16 decoding requests and one 1,024. What the
 plugin does each stats interval (after `Scheduler.make_stats`) is timed: read the census, build the
 snapshot, write the board. The two are timed alternately, in rounds, so machine noise lands on
 both; the figure is the ratio of medians. Beside it, for scale: vLLM's own `make_stats`, and the
-decode step of the 1,024-request engine with the census's wrappers on the block pool vs removed
-(what the O(groups) read costs in the block pool's own calls instead), and the plugin's share of
-those steps' profiled time.
+plugin's share of the 1,024-request engine's decode steps' profiled time (the census is counted
+from vLLM's state once per refresh interval; nothing on the allocation path is wrapped).
 
 Run in the vLLM venv (tests/vllm_plugin/setup_env.sh):
     .venv-vllm/bin/python bench/vllm_stats_cost.py [--rounds 30] [--reads 200]
@@ -54,40 +55,9 @@ def per_make_stats(eng, reads: int) -> float:
     return (time.perf_counter() - t0) / reads
 
 
-def step_cost(eng, tracker, steps: int) -> tuple[float, float]:
-    """Median decode-step seconds with the census's wrappers installed and with them removed."""
-    census = tracker.census
-    pool = census.pool
-    managers = census.managers
-    views = [m.block_pool for m in managers]
-
-    def uninstall():
-        for name in census.WRAPPED:
-            delattr(pool, name)
-        for m in managers:
-            m.block_pool = pool
-
-    def install():
-        for name in census.WRAPPED:
-            setattr(pool, name, getattr(census, name))
-        for m, v in zip(managers, views):
-            m.block_pool = v
-    on, off = [], []
-    for i in range(steps):
-        if i % 2:
-            uninstall()
-        t0 = time.perf_counter()
-        eng.step()
-        (off if i % 2 else on).append(time.perf_counter() - t0)
-        if i % 2:
-            install()
-            census.recount()   # the uninstalled step's moves, counted again from vLLM's state
-    return statistics.median(on), statistics.median(off)
-
-
 def profiled_share(eng, steps: int) -> float:
-    """Share of the decode steps' profiled time spent in the plugin's own functions (the census's
-    wrappers on the block pool, the stats hook): the A/B step times above are within noise."""
+    """Share of the decode steps' profiled time spent in the plugin's own functions (the stats hook
+    and, once per refresh interval, the census count)."""
     import cProfile
     import pstats
     prof = cProfile.Profile()
@@ -122,9 +92,6 @@ def main(argv=None) -> int:
           f"({samples} samples written): ratio {rb / ra:.3f} (target <= 1.5)")
     print(f"vLLM's own make_stats (the plugin's hook finds the census unchanged between these calls): {statistics.median(ms_a) * 1e6:.1f} us at 16, "
           f"{statistics.median(ms_b) * 1e6:.1f} us at 1,024")
-    on, off = step_cost(big, t_big, args.steps)
-    print(f"decode step at 1,024 running (schedule, offline model output, update, stats): {on * 1e3:.2f} ms with the "
-          f"census's wrappers, {off * 1e3:.2f} ms without: ratio {on / off:.3f}")
     print(f"the plugin's own functions: {profiled_share(big, args.steps // 2):.2%} of those steps' profiled time")
     return 0
 

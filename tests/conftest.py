@@ -6,7 +6,7 @@ import pytest
 # the engine plugins' tests run in venvs of their own (each folder's setup_env.sh builds it) and are
 # skipped wherever that engine is not installed, e.g. in the main test environment
 ENGINE_FOLDERS = {"tests/sglang_plugin/": ("sglang", "SGLang 0.5.23", ".venv-sglang"),
-                  "tests/vllm_plugin/": ("vllm", "vLLM 0.33.0", ".venv-vllm")}
+                  "tests/vllm_plugin/": ("vllm", "vLLM 0.34.0", ".venv-vllm")}
 
 
 def pytest_collection_modifyitems(config, items):

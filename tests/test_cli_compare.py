@@ -15,7 +15,7 @@ def test_table(capsys):
     assert main(["compare", "--memory", "120GiB"]) == 0
     out = capsys.readouterr().out
     for text in ("kvatlas [plan]", "sglang 0.5.23 [ratio 0.1 (default)]", "sglang 0.5.23 [cap]",
-                 "vllm 0.33 [hybrid manager]", "GPU KV cache size: 12,507,513", "max_total_num_tokens: 17,798,400",
+                 "vllm 0.34 [hybrid manager]", "GPU KV cache size: 12,507,513", "max_total_num_tokens: 17,798,400",
                  "+12,822,592", "1.785×", "kvatlas re-planned for one context"):
         assert text in out, text
 
@@ -25,7 +25,7 @@ def test_json(capsys):
     doc = json.loads(capsys.readouterr().out)
     assert doc["schema"] == "kvatlas.compare" and doc["schema_version"] == 1
     by = {(e["engine"], e["variant"]): e for e in doc["engines"]}
-    assert by[("vllm 0.33", "hybrid manager")]["reported"]["capacity_tokens"] == 8_729_604
+    assert by[("vllm 0.34", "hybrid manager")]["reported"]["capacity_tokens"] == 8_729_604
     assert by[("sglang 0.5.23", "ratio 0.1 (default)")]["reported"]["memory_gauge_bytes"] == 0
     for e in doc["engines"]:
         assert e["kvatlas_token_ratio"] >= 1
@@ -45,10 +45,10 @@ def test_states_gpu_and_entry_point_and_marks_refusals(capsys):
     assert main(["compare", "--memory", "120GiB", "--indexer", "fp4"]) == 0
     out = capsys.readouterr().out
     assert "max running 256, GPU h200" in out
-    assert ("- vllm 0.33 [hybrid manager, fp4 indexer]: assumes vllm serve on h200: max_num_batched_tokens 8,192 "
+    assert ("- vllm 0.34 [hybrid manager, fp4 indexer]: assumes vllm serve on h200: max_num_batched_tokens 8,192 "
             "(its default there), max_num_seqs 256 (given; its default there 1,024)") in out
     assert "REFUSED on h200: the fp4 indexer needs a Blackwell GPU; h200 is hopper" in out
-    assert "vllm 0.33 [hybrid manager, fp4 indexer] REFUSED" in out  # its table rows carry the mark
+    assert "vllm 0.34 [hybrid manager, fp4 indexer] REFUSED" in out  # its table rows carry the mark
     assert main(["compare", "--memory", "120GiB", "--gpu", "b200", "--vllm-entrypoint", "offline", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["gpu"] == "b200"
@@ -75,7 +75,7 @@ def test_plot(tmp_path, capsys):
 
 @pytest.mark.parametrize("args, text", [
     (["--engines", "kvatlas,trtllm"], "--engines: 'trtllm' is not a modelled engine"),
-    (["--engines", "vllm", "--state-dtype", "bf16"], "--state-dtype: vllm 0.33: keeps compressor state in fp32"),
+    (["--engines", "vllm", "--state-dtype", "bf16"], "--state-dtype: vllm 0.34: keeps compressor state in fp32"),
     (["--engines", "vllm", "--sglang-swa-ratio", "0.2"], "sglang options were given"),
     (["--engines", "sglang:cap", "--sglang-swa-ratio", "0.2"], "--sglang-swa-ratio"),
     (["--engines", "sglang", "--draft-tokens", "12"], "--draft-tokens"),

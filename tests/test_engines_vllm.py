@@ -186,3 +186,53 @@ def test_offline_entry_point_moves_the_reserve():
     with pytest.raises(ConfigError) as err:
         vl(entrypoint="api")
     assert err.value.field == "entrypoint" and "serve" in err.value.fix
+
+
+def test_releases_in_a_lineup():
+    from kvatlas.engines import compare, parse_entry
+    assert parse_entry("vllm") == ("vllm", {})
+    assert parse_entry("vllm@0.33:sync") == ("vllm", {"async_scheduling": False, "release": "0.33"})
+    with pytest.raises(ConfigError, match="use vllm@0.34 or vllm@0.33"):
+        parse_entry("vllm@0.32")
+    with pytest.raises(ConfigError, match="models one release"):
+        parse_entry("sglang@0.5.23")
+    new, old = compare("deepseek-v4-flash", 120 * GIB, lineup=["vllm", "vllm@0.33"])
+    assert (new.engine, old.engine) == ("vllm 0.34", "vllm 0.33") and new.pool_tokens == old.pool_tokens
+
+
+GRANULE = 2 << 20
+
+
+def test_sizing_after_warm_up_on_a_gpu_budget():
+    """0.34 on an H200, V4-Flash at tp 4: the extensible rule (utilization 1.0, 1 GiB margin floor, the
+    activation peak kept free) and the fixed one (0.92), from the same device and weights."""
+    total = 143771 * 2**20
+    for peak in (0, 6 * GIB):
+        r = run_engine("vllm", "deepseek-v4-flash", tp=4, weights_bytes="auto", activation_peak_bytes=peak)
+        m, bpb = r.figures["sizing"], r.figures["bytes_per_block"]
+        w = m["weights_bytes"]
+        margin = max(GIB, int(0.75 * peak))
+        e = m["extensible"]
+        assert e["kv_bytes"] == total - w - margin - peak and e["margin_bytes"] == margin
+        assert e["reserved_bytes"] == total - w - peak                       # what the profiler reports at 1.0
+        n = e["num_blocks"]
+        assert -(-n * bpb // GRANULE) * GRANULE <= e["kv_bytes"] < -(-(n + 1) * bpb // GRANULE) * GRANULE
+        assert m["fixed"]["kv_bytes"] == -(-total * 92 // 100) - w - peak
+        assert m["fixed"]["num_blocks"] == m["fixed"]["kv_bytes"] // bpb < n
+        assert any("sizes its cache after warm-up" in note for note in r.notes)
+    given = run_engine("vllm", "deepseek-v4-flash", 64 * GIB)             # --kv-cache-memory-bytes: fixed
+    assert "sizing" not in given.figures and any("extensible cache is off" in n for n in given.notes)
+    old = run_engine("vllm", "deepseek-v4-flash", tp=4, weights_bytes="auto", release="0.33")
+    assert "sizing" not in old.figures and old.engine == "vllm 0.33"
+
+
+def test_utilization_default_and_margin_rule():
+    assert vllm.resolved_gpu_memory_utilization(None, True) == 1.0
+    assert vllm.resolved_gpu_memory_utilization(None, False) == 0.92
+    assert vllm.resolved_gpu_memory_utilization(0.8, True) == 0.8
+    # the margin grows with the transient peak past 4/3 GiB; an explicit utilization caps the budget
+    kw = {"init_free_bytes": 100 * GIB, "non_kv_bytes": 10 * GIB}
+    assert vllm.extensible_kv_bytes(requested_bytes=100 * GIB, transient_peak_bytes=4 * GIB, **kw) == 100 * GIB - 10 * GIB - 3 * GIB - 4 * GIB
+    assert vllm.extensible_kv_bytes(requested_bytes=80 * GIB, **kw) == 70 * GIB
+    assert vllm.extensible_kv_bytes(requested_bytes=100 * GIB, torch_reserve_growth_bytes=2 * GIB, **kw) == 87 * GIB
+    assert vllm.extensible_blocks(5 * GRANULE, GRANULE + 1, 100) == 4 and vllm.extensible_blocks(10 * GIB, 1, 7) == 7

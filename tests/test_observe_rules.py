@@ -37,6 +37,7 @@ METRIC = re.compile(r"\bkvatlas_[a-z0-9_]+\b")
 GRAFANA_VARS = {"$__rate_interval": "1m", "$job": ".*", "$instance": ".*"}
 TARGET_LABELS = {"job", "instance"}   # added by Prometheus to every scraped sample
 ENGINES = ("sglang", "vllm")          # the plugins' panels select engine="sglang" / engine="vllm"
+ROUTE = re.compile(r"\bkvatlas_route_")  # kvatlas route's panels: a router's own families
 
 
 def dashboard_queries() -> list[str]:
@@ -99,12 +100,15 @@ class _Quiet(WSGIRequestHandler):
 
 @pytest.fixture(scope="module")
 def engines():
-    """{job: port} of one loopback /metrics per plugin, exporting what it adds to its engine's."""
+    """{job: port} of one loopback /metrics per plugin, exporting what it adds to its engine's, and
+    one of a router's families (kvatlas route)."""
     from prometheus_client import make_wsgi_app
     from plugin_ledger import plugin_registries
+    from route_fleet import route_registry
     with plugin_registries() as regs:
-        servers = {f"{engine}-plugin": make_server("127.0.0.1", 0, make_wsgi_app(reg), WSGIServer, _Quiet)
-                   for engine, reg in regs.items()}
+        regs = {**regs, "route": route_registry()}
+        servers = {f"{engine}-plugin" if engine != "route" else "kvatlas-route":
+                   make_server("127.0.0.1", 0, make_wsgi_app(reg), WSGIServer, _Quiet) for engine, reg in regs.items()}
         threads = [threading.Thread(target=srv.serve_forever, daemon=True) for srv in servers.values()]
         for t in threads:
             t.start()
@@ -162,6 +166,14 @@ def scrape(serve):
     return {s.name for s in samples}, {k for s in samples for k in s.labels}
 
 
+def route_families():
+    """(sample names, label names) a router's registry writes."""
+    from prometheus_client import generate_latest
+    from route_fleet import route_registry
+    samples = [s for fam in text_string_to_metric_families(generate_latest(route_registry()).decode()) for s in fam.samples]
+    return {s.name for s in samples}, {k for s in samples for k in s.labels}
+
+
 def plugin_families():
     """{engine: (sample names, label names)} the SGLang and vLLM plugins write, from ledgers built
     as they build them, exported as they export them."""
@@ -182,7 +194,7 @@ def test_every_metric_and_label_the_dashboard_and_rules_name_exists(scrape):
     rules = shipped.read("rules")
     queries = dashboard_queries()
     plugins = plugin_families()
-    engine_query = {q for q in queries if any(f'engine="{e}"' in q for e in ENGINES)}
+    engine_query = {q for q in queries if any(f'engine="{e}"' in q for e in ENGINES) or ROUTE.search(q)}
     used = set(METRIC.findall(rules)) | {m for q in set(queries) - engine_query for m in METRIC.findall(q)}
     assert len(used) > 40
     assert not used - names, sorted(used - names)
@@ -191,6 +203,10 @@ def test_every_metric_and_label_the_dashboard_and_rules_name_exists(scrape):
         drawn = {m for q in queries if f'engine="{engine}"' in q for m in METRIC.findall(q)}
         assert drawn and not drawn - plugin_names, (engine, sorted(drawn - plugin_names))
         plugin_labels |= engine_labels
+    route_names, route_labels = route_families()
+    drawn = {m for q in queries if ROUTE.search(q) for m in METRIC.findall(q)}
+    assert len(drawn) > 10 and not drawn - route_names, sorted(drawn - route_names)
+    plugin_labels |= route_labels
     known = labels | plugin_labels | TARGET_LABELS
     referred = label_names(rules) | {n for q in queries for n in label_names(q)}
     referred |= {n for p in json.loads(shipped.read("dashboard"))["panels"]
@@ -210,6 +226,9 @@ def test_every_metric_family_kvatlas_or_a_plugin_writes_has_a_panel():
     assert not missing, f"no dashboard panel draws {missing}"
     for engine, (plugin_names, _) in plugin_families().items():
         assert len(plugin_names) > 5 and not plugin_names - drawn, (engine, sorted(plugin_names - drawn))
+    from kvatlas.routing.metrics import HELP as ROUTE_HELP
+    missing = sorted(n for n in ROUTE_HELP if not {n, f"{n}_total", f"{n}_bucket", f"{n}_count"} & drawn)
+    assert not missing, f"no dashboard panel draws the router's {missing}"
     assert "kvatlas_info" in drawn
 
 

@@ -56,6 +56,7 @@ def documents():
             ("/state host_tier", entry["host_tier"]), ("/state shared_tier", entry["shared_tier"]),
             ("plan_host", host_plan)]
     out += _plugin_documents()
+    out.append(("kvatlas route /state", _route_state()))
     return out
 
 
@@ -75,6 +76,29 @@ def _served_state():
         return get_json(h.url + "/state"), cache.host.tier.plan.to_dict()
     finally:
         h.close()
+
+
+def _route_state():
+    """`kvatlas route`'s /state with one fake vLLM replica that has published (groups and blocks
+    learned) and one where nothing listens (taken out, no events endpoint)."""
+    import time
+    from route_fleet import Fake, Router, get, post
+    fake = Fake("a").start()
+    try:
+        r = Router([fake.replica_flag(), "http://127.0.0.1:9,name=gone"], "--health-interval-s", "0.2")
+        try:
+            assert post(r.url + "/v1/completions", {"prompt": list(range(5, 700)), "max_tokens": 1})[0] == 200
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                state = get(r.url + "/state")
+                if state["replicas"][0]["ranks"][0]["index"]["blocks"] and not state["replicas"][1]["up"]:
+                    return state
+                time.sleep(0.1)
+            raise AssertionError(f"the router learned nothing in 10 s: {state}")
+        finally:
+            r.stop()
+    finally:
+        fake.stop()
 
 
 def _plugin_documents():

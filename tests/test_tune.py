@@ -96,13 +96,13 @@ def test_tune_cli_json(capsys):
     assert main(["tune", "--tp", "4", "--workload", HEAD, "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["schema"] == "kvatlas.tune" and doc["schema_version"] == 1 and doc["simulated"] is None
-    assert [e["engine"] for e in doc["engines"]] == ["sglang 0.5.23", "vllm 0.33", "kvatlas"]
+    assert [e["engine"] for e in doc["engines"]] == ["sglang 0.5.23", "vllm 0.34", "kvatlas"]
     assert doc["budget_bytes"] == 94_755_285_790 and doc["weights_bytes"] == 40_924_052_296
     sgl = doc["engines"][0]
     assert sgl["command"].startswith("--swa-full-tokens-ratio ") and sgl["tuned"]["token_capacity"] > 0
     assert main(["tune", "--tp", "4", "--workload", HEAD]) == 0
     out = capsys.readouterr().out
-    assert "sglang 0.5.23: --swa-full-tokens-ratio" in out and "vllm 0.33: --max-num-seqs" in out
+    assert "sglang 0.5.23: --swa-full-tokens-ratio" in out and "vllm 0.34: --max-num-seqs" in out
 
 
 def test_tune_refuses_bad_input(capsys):

@@ -107,4 +107,4 @@ def fake_version(version: str) -> dict:
 
 
 if __name__ == "__main__":
-    print(json.dumps(serve(fake_version(sys.argv[1] if len(sys.argv) > 1 else "0.34.0"))))
+    print(json.dumps(serve(fake_version(sys.argv[1] if len(sys.argv) > 1 else "0.35.0"))))

@@ -1,5 +1,6 @@
-"""The offline builder: vLLM 0.33's own planner and engine core, stood up on the CPU from a kvatlas
-preset. Its figures are vLLM's; they must agree with kvatlas's pure-Python model of that planner."""
+"""The offline builder: vLLM's own planner (0.34 or 0.33, whichever is installed) and engine core, stood
+up on the CPU from a kvatlas preset. Its figures are vLLM's; they must agree with kvatlas's pure- Python
+model of that planner."""
 
 import pytest
 
@@ -74,3 +75,46 @@ def test_v3_model_refused(kv, tmp_path):
     with pytest.raises(ConfigError):
         kv.vllm_config(str(cfg))
     assert load_model("deepseek-v4-flash").family == "v4"
+
+
+def test_kv_events_published_by_vllms_own_publisher(kv, tmp_path):
+    """The scheduler's ZMQ publisher (bound on an ipc endpoint: no network), on the wire vLLM documents:
+    (topic, 8-byte big-endian seq, msgpack EventBatch); a stored block per full block of each group."""
+    import time
+
+    import msgspec
+    import zmq
+    endpoint = f"ipc://{tmp_path}/kv-events"
+    eng = kv.build_engine("deepseek-v4-flash", 2 * GIB, max_model_len=4096, max_num_seqs=4, max_num_batched_tokens=1024,
+                          kv_events={"endpoint": endpoint, "topic": "kv"})
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"kv")
+    sub.setsockopt(zmq.RCVTIMEO, 5000)
+    sub.connect(endpoint)
+    stored, seqs = [], []
+    try:
+        time.sleep(0.3)                       # the slow joiner: let the subscription reach the publisher
+        eng.add_request("a", [5] * 1000, max_tokens=2)
+        eng.run()
+        while sum(len(e["block_hashes"]) for e in stored if e["block_size"] == 256) < 3:
+            try:
+                topic, seq, payload = sub.recv_multipart()
+            except zmq.Again:
+                break
+            assert topic == b"kv" and len(seq) == 8
+            seqs.append(int.from_bytes(seq, "big"))
+            ts, events, *_ = msgspec.msgpack.decode(payload)
+            stored += [e for e in events if e.get("type") == "BlockStored"]
+    finally:
+        sub.close(0)
+        ctx.term()
+        eng.shutdown()
+    assert seqs == sorted(seqs) and stored
+    # 1000 prompt tokens fill three 256-token blocks of the compressed-KV group
+    assert sum(len(e["block_hashes"]) for e in stored if e["block_size"] == 256) == 3
+
+
+def test_kv_events_option_names_a_wrong_field(kv):
+    with pytest.raises(ConfigError, match="kv_events.endpoitn"):
+        kv.vllm_config("deepseek-v4-flash", kv_events={"endpoitn": "ipc:///x"})

@@ -3,6 +3,7 @@ finishes, with the plugin loaded: at every step the plugin's occupied and evicta
 and cache kind equal the blocks vLLM's own state holds (counted the slow way) × the group's bytes."""
 
 import random
+import types
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -122,22 +123,78 @@ def test_a_census_failure_never_reaches_vllm_and_heals(engine, monkeypatch):
 
     from kvatlas.integrations.vllm import plugin as vllm_plugin
     eng, tracker = engine
-    failed = []
+    calls = []
 
-    def broken(block):
-        failed.append(block.block_id)
+    def broken():
+        calls.append(1)
         raise RuntimeError("injected")
-    monkeypatch.setattr(tracker.census, "_released", broken)
+    monkeypatch.setattr(vllm_plugin._P, "refresh_s", 0.0)       # read at every stats call
+    monkeypatch.setattr(tracker.census, "counts", broken)
+    monkeypatch.setattr(vllm_plugin._P, "warned", set())
     lines = []
     handler = logging.Handler()
     handler.emit = lambda record: lines.append(record.getMessage())
     vllm_plugin.log.addHandler(handler)
     try:
         eng.add_request("broken", prompt(1, 2000, 77), max_tokens=3)
-        eng.run()                                    # its blocks freed through the failing bookkeeping
+        eng.run()
     finally:
         vllm_plugin.log.removeHandler(handler)
         monkeypatch.undo()
-    assert failed and not eng.has_requests()
-    assert [m for m in lines if "census lost track" in m] == [lines[0]] and "RuntimeError" in lines[0]
-    check_snapshot(tracker, eng)                     # the next read counted again from vLLM's state
+    assert len(calls) >= 2 and not eng.has_requests()            # tried again, vLLM went on
+    assert len(lines) == 1 and "make_stats hook failed" in lines[0] and "RuntimeError" in lines[0]
+    check_snapshot(tracker, eng)                                   # the next read is exact again
+
+
+def test_refresh_is_throttled_and_catches_the_idle_state(engine, monkeypatch):
+    """With the default interval the census is read once per interval while requests run, and once
+    more as the scheduler goes idle, so the board ends on the idle state."""
+    from kvatlas.integrations.vllm import plugin as vllm_plugin
+    eng, tracker = engine
+    reads = []
+    counts = tracker.census.counts
+    monkeypatch.setattr(vllm_plugin._P, "refresh_s", 3600.0)
+    monkeypatch.setattr(tracker.census, "counts", lambda: reads.append(1) or counts())
+    tracker.due = 0.0
+    eng.add_request("t1", prompt(2, 3000, 5), max_tokens=6)
+    steps = 0
+    while eng.has_requests():
+        eng.step()
+        steps += 1
+    eng.step()                                                     # an idle step's stats
+    assert steps > 4 and len(reads) == 2, (steps, reads)           # the first busy step, then idle
+    assert tracker.last == counts() and sum(tracker.last.held) == 0
+
+
+def test_a_slow_count_spaces_the_next_one_out(engine, monkeypatch):
+    """A count that takes 50 ms of the plugin's clock (a fake one, moved by hand) puts the next periodic
+    read 5 s later (100x its time: MAX_CENSUS_SHARE), not 1 s; a fast one keeps the 1 s interval."""
+    from kvatlas.integrations.vllm import plugin as vllm_plugin
+    eng, tracker = engine
+    clock, reads, took = [1000.0], [], [0.05]
+    counts = tracker.census.counts
+
+    def slow():
+        reads.append(clock[0])
+        clock[0] += took[0]
+        return counts()
+    monkeypatch.setattr(vllm_plugin, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))   # the plugin's clock only
+    monkeypatch.setattr(vllm_plugin._P, "refresh_s", 1.0)
+    monkeypatch.setattr(tracker.census, "counts", slow)
+    tracker.due = 0.0
+    eng.add_request("slow", prompt(3, 600, 9), max_tokens=40)
+    for _ in range(4):                                             # the first step whose stats are made
+        eng.step()
+        if reads:
+            break
+    assert reads == [1000.0] and tracker.due == pytest.approx(1005.0)
+    for t in (1001.5, 1004.9):                                     # past the 1 s interval, within 5 s
+        clock[0] = t
+        eng.step()
+    assert len(reads) == 1 and eng.has_requests()
+    took[0], clock[0] = 0.001, 1005.0
+    eng.step()
+    assert reads[1:] == [1005.0] and tracker.due == pytest.approx(1006.0)   # fast again: the 1 s interval
+    monkeypatch.undo()
+    eng.run()
+    check_snapshot(tracker, eng)

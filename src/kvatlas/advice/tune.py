@@ -1,4 +1,4 @@
-"""`kvatlas tune`: the flags to start SGLang 0.5.23, vLLM 0.33 and kvatlas with, for a model, a
+"""`kvatlas tune`: the flags to start SGLang 0.5.23, vLLM 0.34 and kvatlas with, for a model, a
 GPU, a parallelism and a workload, and what each engine then holds against its own defaults.
 
 Every figure comes from the byte-exact engine models `compare` uses (`kvatlas.engines`) and from
@@ -228,8 +228,21 @@ def advise_vllm(model, base: ServeOptions, budget: int, t: dict, ctxs) -> Engine
            f"then reads {tuned.reported['gpu_kv_cache_size_tokens']:,} tokens (a concurrency × max_model_len, "
            "not a capacity)",
            f"--prefix-cache-retention-interval {interval:,}: a replay checkpoint every {t['spacing_pages']} pages, "
-           "the spacing kvatlas's resume-point policy fits to the same budget")
+           "the spacing kvatlas's resume-point policy fits to the same budget") + _vllm_sizing_why(tuned, base)
     return EngineAdvice(engine=vl.ENGINE, default=default, tuned=tuned, why=why)
+
+
+def _vllm_sizing_why(s: Setting, base: ServeOptions) -> tuple[str, ...]:
+    """vLLM 0.34 sizes its cache after warm-up (the extensible cache): say what its default would
+    take and why the flag holds it to the budget (engines.vllm.sizing_modes)."""
+    m = s.result.figures.get("sizing")
+    if not m:
+        return ()
+    e, f = m["extensible"], m["fixed"]
+    return (f"--gpu-memory-utilization {base.mem_fraction:g} (vLLM 0.34): it sizes the KV cache after warm-up; left "
+            f"unset (1.0 with its extensible cache) it would take {e['kv_bytes']:,} B ({e['num_blocks']:,} blocks), "
+            f"with --no-enable-extensible-kv-cache (0.92) {f['kv_bytes']:,} B; {base.mem_fraction:g} holds it to the "
+            "budget every column here uses",)
 
 
 def _kvatlas(model, opts: ServeOptions, budget: int, ctxs, flags: dict) -> Setting:

@@ -27,6 +27,7 @@ COMMANDS = {
     "simulate": ("kvatlas.cli.simulate", "run a workload offline through a real cache; plot memory over time"),
     "tune": ("kvatlas.cli.tune", "the flags to start SGLang, vLLM and kvatlas with for a workload, and what they hold"),
     "audit": ("kvatlas.cli.audit", "SGLang's own DeepSeek-V4 pools built offline (--sglang): every buffer mapped"),
+    "route": ("kvatlas.cli.route", "an OpenAI-compatible router in front of vLLM replicas, by exact DeepSeek-V4 prefix hits"),
     "observe": ("kvatlas.cli.observe", "the Grafana dashboard, Prometheus rules and alerts, and JSON Schemas kvatlas ships"),
 }
 

@@ -21,7 +21,8 @@ def add_parser(p) -> None:
     g = p.add_argument_group("engines")
     g.add_argument("--engines", default=",".join(DEFAULT_LINEUP),
                    help="comma list of engine[:variant]: kvatlas, sglang (0.5.23's real default, ratio 0.1), "
-                        f"sglang:ratio, sglang:cap, vllm, vllm:sync (default: {','.join(DEFAULT_LINEUP)})")
+                        f"sglang:ratio, sglang:cap, vllm (0.34, the newest modelled), vllm@0.33, vllm:sync "
+                        f"(default: {','.join(DEFAULT_LINEUP)})")
     g.add_argument("--sglang-swa-ratio", type=number(0.0, 1.0, open_low=True),
                    help="SGLang --swa-full-tokens-ratio (ratio mode)")
     g.add_argument("--sglang-prefix-tails", type=count(0), help="SGLang --swa-prefix-tails (cap mode headroom)")

@@ -33,14 +33,24 @@ def engine_module(name: str):
 
 
 def parse_entry(entry: str) -> tuple[str, dict]:
-    """"sglang:cap" → ("sglang", {"swa_mode": "cap"})."""
+    """"sglang:cap" → ("sglang", {"swa_mode": "cap"}); "vllm@0.33:sync" → ("vllm", {"release": "0.33",
+    "async_scheduling": False}). An engine without "@release" is its newest modelled release."""
     name, _, variant = entry.strip().partition(":")
-    engine_module(name)
+    name, at, release = name.partition("@")
+    mod = engine_module(name)
     variant = variant or "default"
     if variant not in VARIANTS[name]:
         raise ConfigError("engine", f"{name} has no variant {variant!r}",
                           f"use one of {', '.join(f'{name}:{v}' for v in VARIANTS[name])}")
-    return name, dict(VARIANTS[name][variant])
+    out = dict(VARIANTS[name][variant])
+    if at:
+        releases = getattr(mod, "RELEASES", ())
+        if release not in releases:
+            raise ConfigError("engine", f"{name}@{release}: {name} has no modelled release {release!r}",
+                              f"use {' or '.join(f'{name}@{r}' for r in releases)}" if releases
+                              else f"drop '@{release}' ({name} models one release)")
+        out["release"] = release
+    return name, out
 
 
 def _resolve(model, options: dict) -> tuple[ModelSpec, ServeOptions, int, dict]:

@@ -28,8 +28,10 @@ from .base import (CURVE_CONTEXTS, TABLE_CONTEXTS, EngineBuffer, EngineResult, R
                    split_options, unsupported)
 from ..planning.buffers import BufferSpec
 
-ENGINE = "vllm 0.33"
-OPTIONS = {"async_scheduling": True, "max_num_batched_tokens": None, "entrypoint": "serve"}
+RELEASES = ("0.34", "0.33")   # newest first: `vllm` in a lineup is the newest, `vllm@0.33` the older
+ENGINE = f"vllm {RELEASES[0]}"
+OPTIONS = {"async_scheduling": True, "max_num_batched_tokens": None, "entrypoint": "serve", "release": RELEASES[0],
+           "activation_peak_bytes": 0}
 ENTRYPOINTS = {"serve": "vllm serve", "offline": "the offline LLM class"}
 PAGE_ALIGN = formats.FP8_DS_MLA_PAGE_ALIGN   # every V4 spec pads its page to 576 B
 SWA_BLOCK_TOKENS = 64                        # the SWA backend's block; compressed KV uses 256
@@ -281,36 +283,110 @@ def buffers(z: Sizing) -> list[EngineBuffer]:
     return out
 
 
+# ---- 0.34's extensible ("elastic") KV cache: sized after warm-up from measured memory ---------------
+
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.92          # without the extensible cache (and 0.33's default)
+EXTENSIBLE_GPU_MEMORY_UTILIZATION = 1.0        # 0.34's default with it (gpu_memory_utilization None)
+MARGIN_FLOOR_BYTES = 1 << 30                   # CUDA (ROCm: 3 GiB)
+MARGIN_FRACTION = 0.75                         # of the transient peak
+NON_TORCH_RESERVE_BYTES = 1 << 29              # kept out of torch's cap, not out of the cache (CUDA)
+WARMUP_RESERVE_FRACTION = 0.1                  # of the headroom, while warm-up commits blocks
+GRANULE_BYTES = 2 << 20                        # VMM commits whole 2 MiB granules per segment
+
+
+def engine_name(release: str) -> str:
+    return f"vllm {release}"
+
+
+def resolved_gpu_memory_utilization(utilization: float | None, extensible: bool) -> float:
+    """0.34's default: None → 1.0 with the extensible cache, 0.92 without (0.33: always 0.92)."""
+    if utilization is not None:
+        return utilization
+    return EXTENSIBLE_GPU_MEMORY_UTILIZATION if extensible else DEFAULT_GPU_MEMORY_UTILIZATION
+
+
+def extensible_kv_bytes(*, init_free_bytes: int, non_kv_bytes: int, requested_bytes: int,
+                        transient_peak_bytes: int = 0, torch_reserve_growth_bytes: int = 0) -> int:
+    """The bytes 0.34's extensible cache may commit after warm-up: the budget less what the engine
+    uses besides the cache, capped by the device's headroom less a margin of max(1 GiB, 0.75 ×
+    the transient peak), less the larger of that peak and torch's reservation growth."""
+    headroom = init_free_bytes - non_kv_bytes
+    margin = max(MARGIN_FLOOR_BYTES, int(transient_peak_bytes * MARGIN_FRACTION))
+    available = min(requested_bytes - non_kv_bytes, headroom - margin)
+    return max(available - max(transient_peak_bytes, torch_reserve_growth_bytes), 0)
+
+
+def fixed_kv_bytes(*, total_bytes: int, non_kv_bytes: int, transient_peak_bytes: int = 0,
+                   utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION) -> int:
+    """The profiled (fixed) sizing: utilization × the device less what profiling saw besides the
+    cache (weights, non-torch memory, CUDA graphs) and the activation peak."""
+    import math
+    return max(math.ceil(total_bytes * utilization) - non_kv_bytes - transient_peak_bytes, 0)
+
+
+def extensible_blocks(kv_bytes: int, bytes_per_block: int, capacity_blocks: int) -> int:
+    """Blocks whose physical footprint (one segment, granule-rounded) fits in kv_bytes."""
+    n = min(kv_bytes // bytes_per_block, capacity_blocks)
+    while n > 0 and round_up(n * bytes_per_block, GRANULE_BYTES) > kv_bytes:
+        n -= 1
+    return n
+
+
+def sizing_modes(opts: ServeOptions, eng: dict, bytes_per_block: int) -> dict | None:
+    """0.34 on a budget made from the GPU (memory × mem_fraction − weights): what each of its
+    sizing modes would give the cache with its own default utilization, in bytes and blocks, and
+    the flags that hold it to kvatlas's budget instead. None for 0.33 or a budget given in bytes."""
+    if eng["release"] != "0.34" or opts.memory_bytes is not None:
+        return None
+    total, weights, peak = GPU_MEMORY_BYTES[opts.gpu], int(opts.weights_bytes), eng["activation_peak_bytes"]
+    reserve = fixed_kv_bytes(total_bytes=total, non_kv_bytes=weights, transient_peak_bytes=peak, utilization=1.0)
+    elastic = extensible_kv_bytes(init_free_bytes=total, non_kv_bytes=weights, requested_bytes=total,
+                                  transient_peak_bytes=peak)
+    fixed = fixed_kv_bytes(total_bytes=total, non_kv_bytes=weights, transient_peak_bytes=peak)
+    return {"gpu_total_bytes": total, "weights_bytes": weights, "activation_peak_bytes": peak,
+            "extensible": {"gpu_memory_utilization": EXTENSIBLE_GPU_MEMORY_UTILIZATION, "reserved_bytes": reserve,
+                           "reserved_blocks": reserve // bytes_per_block, "kv_bytes": elastic,
+                           "num_blocks": extensible_blocks(elastic, bytes_per_block, reserve // bytes_per_block),
+                           "margin_bytes": max(MARGIN_FLOOR_BYTES, int(peak * MARGIN_FRACTION))},
+            "fixed": {"gpu_memory_utilization": DEFAULT_GPU_MEMORY_UTILIZATION, "kv_bytes": fixed,
+                      "num_blocks": fixed // bytes_per_block},
+            "flags_for_budget": {"--gpu-memory-utilization": opts.mem_fraction}}
+
+
 def _check(model: ModelSpec, opts: ServeOptions, eng: dict) -> None:
+    if eng["release"] not in RELEASES:
+        raise unsupported("release", "vllm", f"{eng['release']!r} is not a modelled release",
+                          f"use one of {', '.join(RELEASES)} (vllm@0.33 in a lineup)")
+    name = engine_name(eng["release"])
     if model.family != "v4":
-        raise unsupported("model", ENGINE, f"{model.name} is a {model.family} model; only V4/V4-Pro are modelled",
+        raise unsupported("model", name, f"{model.name} is a {model.family} model; only V4/V4-Pro are modelled",
                           "compare a deepseek-v4-flash or deepseek-v4-pro preset")
     if opts.state_dtype != "fp32":
-        raise unsupported("state_dtype", ENGINE, "keeps compressor state in fp32 only (its state cache asserts it)",
+        raise unsupported("state_dtype", name, "keeps compressor state in fp32 only (its state cache asserts it)",
                           f"drop state_dtype={opts.state_dtype!r}, or leave vllm out of the lineup (kvatlas,sglang)")
     if opts.online_c128:
-        raise unsupported("online_c128", ENGINE, "has no online C128 state", "drop online_c128")
+        raise unsupported("online_c128", name, "has no online C128 state", "drop online_c128")
     if opts.kv_layout != "v4":
-        raise unsupported("kv_layout", ENGINE, f"only the fp8_ds_mla layout (v4) is modelled, not {opts.kv_layout!r}",
+        raise unsupported("kv_layout", name, f"only the fp8_ds_mla layout (v4) is modelled, not {opts.kv_layout!r}",
                           "drop kv_layout")
     if opts.indexer not in ("fp8", "fp4"):
-        raise unsupported("indexer", ENGINE, f"has no {opts.indexer} indexer", "use fp8 (default) or fp4 (mxfp4)")
+        raise unsupported("indexer", name, f"has no {opts.indexer} indexer", "use fp8 (default) or fp4 (mxfp4)")
     if opts.page_tokens != 256:
-        raise unsupported("page_tokens", ENGINE, "the V4 sparse-MLA kernels take block 256 only", "use page_tokens=256")
+        raise unsupported("page_tokens", name, "the V4 sparse-MLA kernels take block 256 only", "use page_tokens=256")
     if opts.pp != 1 or opts.dp != 1:
-        raise unsupported("pp" if opts.pp != 1 else "dp", ENGINE, "only one rank without pp or dp is modelled",
+        raise unsupported("pp" if opts.pp != 1 else "dp", name, "only one rank without pp or dp is modelled",
                           "use pp=1 and dp=1")
     if eng["entrypoint"] not in ENTRYPOINTS:
-        raise unsupported("entrypoint", ENGINE, f"{eng['entrypoint']!r} is not an entry point",
+        raise unsupported("entrypoint", name, f"{eng['entrypoint']!r} is not an entry point",
                           f"use one of {', '.join(ENTRYPOINTS)}")
 
 
-def _refuse_without_one_request(z: Sizing, budget: int) -> None:
+def _refuse_without_one_request(z: Sizing, budget: int, name: str = ENGINE) -> None:
     """Its start-up check runs after the null block is set aside: the blocks left must cover
     one max_model_len request, so a pool of exactly that many blocks is refused."""
     need = sum(z.max_blocks_per_request.values())
     if z.usable_blocks < need:
-        raise BudgetError(f"memory: {ENGINE} refuses to start: one request of max_model_len={z.max_model_len} "
+        raise BudgetError(f"memory: {name} refuses to start: one request of max_model_len={z.max_model_len} "
                           f"needs {need:,} blocks besides the null block ({(need + 1) * z.bytes_per_block:,} B) "
                           f"but {budget:,} B hold {z.num_blocks:,}; raise memory or lower max_model_len")
 
@@ -343,11 +419,13 @@ def _figures(z: Sizing, opts: ServeOptions, eng: dict, filling: dict) -> dict:
 
 
 def run(model: ModelSpec, opts: ServeOptions, budget: int, **engine_options) -> EngineResult:
-    eng = split_options(ENGINE, OPTIONS, engine_options)
+    eng = split_options("vllm", OPTIONS, engine_options)
     _check(model, opts, eng)
+    name = engine_name(eng["release"])
     z = configure(model, opts, eng, budget)
-    _refuse_without_one_request(z, budget)
+    _refuse_without_one_request(z, budget, name)
     assumes, refused = _setting(opts, eng, z)
+    modes = sizing_modes(opts, eng, z.bytes_per_block)
     contexts = sorted(set(TABLE_CONTEXTS + CURVE_CONTEXTS))
     reported = Reported(
         capacity_tokens=z.logged_tokens, capacity_label="GPU KV cache size", memory_gauge_bytes=None,
@@ -359,12 +437,30 @@ def run(model: ModelSpec, opts: ServeOptions, budget: int, **engine_options) -> 
              "each sliding group admits a request only with its reserve free; a decoding request keeps a few blocks",
              "fed same-length prompts from empty it holds " + ", ".join(f"{n:,} @{c:,}" for c, n in filling.items())
              + ": earlier requests decode, and grow, while later ones prefill")
-    return EngineResult(engine=ENGINE, variant="hybrid manager" + _suffix(opts), model=model.name, budget_bytes=budget,
+    if eng["release"] == "0.34":
+        notes += ((_sizing_note(modes, budget),) if modes else
+                  ("0.34 with --kv-cache-memory-bytes (this budget given in bytes) sizes the cache as 0.33 does: "
+                   "its extensible cache is off",))
+    figures = _figures(z, opts, eng, filling)
+    if modes:
+        figures["sizing"] = modes
+    return EngineResult(engine=name, variant="hybrid manager" + _suffix(opts), model=model.name, budget_bytes=budget,
                         buffers=tuple(buffers(z)), pool_tokens=pool_tokens(z),
                         token_capacity=live_tokens(pool_tokens(z), z.requests, z.max_model_len, z.page_tokens),
                         max_running_requests=opts.max_running_requests,
                         concurrency={c: concurrency(z, c) for c in contexts}, reported=reported,
-                        figures=_figures(z, opts, eng, filling), notes=notes, assumes=assumes, refused=refused)
+                        figures=figures, notes=notes, assumes=assumes, refused=refused)
+
+
+def _sizing_note(m: dict, budget: int) -> str:
+    e, f = m["extensible"], m["fixed"]
+    return (f"0.34 sizes its cache after warm-up (extensible, on by default on CUDA): with --gpu-memory-utilization "
+            f"unset (1.0) it would take {e['kv_bytes']:,} B = {e['num_blocks']:,} blocks (the device less weights, a "
+            f"{e['margin_bytes']:,} B margin and the {m['activation_peak_bytes']:,} B activation peak assumed), "
+            f"reserving {e['reserved_bytes']:,} B of address space; fixed sizing (--no-enable-extensible-kv-cache, "
+            f"0.92) would take {f['kv_bytes']:,} B = {f['num_blocks']:,} blocks; these rows use the budget "
+            f"{budget:,} B: --gpu-memory-utilization {m['flags_for_budget']['--gpu-memory-utilization']:g} gives it "
+            "in either mode")
 
 
 def _suffix(opts: ServeOptions) -> str:

@@ -40,6 +40,7 @@ SCHEMAS = {
     ("kvatlas.foreign_ledger", 1): "kvatlas.foreign_ledger.v1.schema.json",
     ("kvatlas.foreign_state", 1): "kvatlas.foreign_state.v1.schema.json",
     ("kvatlas.tune", 1): "kvatlas.tune.v1.schema.json",
+    ("kvatlas.route_state", 1): "kvatlas.route_state.v1.schema.json",
 }
 
 

@@ -7,6 +7,9 @@ Modules (each imports vLLM only when it is used; importing this package imports 
   in bytes per group and cache kind, returning vLLM's own results unchanged.
 - `ledger`: vLLM's `KVCacheConfig` and block pool in kvatlas's measures (what the plugin reports).
 - `census`: per-group held and evictable block counts, read from vLLM's block pool.
+- `replica`: the offline engine with its KV events on (vLLM's own ZMQ publisher), the engine's own
+  prefix hit, and one replica of the routing harness (`ReplicaServer`); kvatlas.routing's tests and
+  benchmarks measure the router against it.
 
 The offline engine's names are also reachable here (`kvatlas.integrations.vllm.build_engine`),
 loaded on first use.
@@ -14,7 +17,7 @@ loaded on first use.
 from importlib import import_module
 
 _OFFLINE = ("EngineOptions", "OfflineEngine", "build_engine", "kv_cache_config", "vllm_config",
-            "vllm_version", "supported", "BLOCK_TOKENS", "SUPPORTED_SERIES")
+            "vllm_version", "supported", "series", "BLOCK_TOKENS", "SUPPORTED_SERIES")
 
 
 def __getattr__(name: str):

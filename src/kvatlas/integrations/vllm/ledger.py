@@ -1,4 +1,4 @@
-"""vLLM 0.33's KV cache for DeepSeek-V4 in kvatlas's measures: per group and per cache kind.
+"""vLLM's KV cache for DeepSeek-V4 (0.33.x, 0.34.x) in kvatlas's measures: per group and per cache kind.
 
 What vLLM builds (`KVCacheConfig`): `num_blocks` blocks of `bytes_per_block` in ONE backing
 allocation (`allocate_kv_cache` asserts every `KVCacheTensor` has the same size and makes one
@@ -19,12 +19,20 @@ under whoever owns it now):
 planned is vLLM's own sizing: its "GPU KV cache size" assumes each of `num_blocks / Σ r_g`
 requests takes r_g blocks of every group g (`cdiv(max_memory_usage_bytes, page_size_bytes)`), so
 group g is planned `num_blocks × r_g / Σ r` blocks (floored; the remainder is planned free).
+
+0.34's extensible cache (on by default on CUDA): the worker reserves address space for the planned
+blocks (`reserved_blocks`) and, after warm-up, commits physical pages to the count vLLM measured
+(`committed_blocks`), which becomes the scheduler's `num_blocks`. The pools above then cover the
+committed blocks (tensor = reserved = physical = their bytes), and one more, `uncommitted`, holds
+the reserved address range beyond them (reserved bytes, no physical ones). So in total reserved ≥
+physical = committed blocks × bytes per block (vLLM's own physical figure rounds each segment up
+to the 2 MiB VMM granule).
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ...cache.ledger import ZERO, Measures
 from ...units import cdiv
@@ -75,6 +83,21 @@ class PoolLayout:
     max_model_len: int
     max_num_seqs: int
     full_tokens: int                 # tokens of full KV the pool holds beside max_num_seqs requests' windows
+    reserved_blocks: int = 0         # 0.34's extensible cache: blocks of address space reserved (0: not extensible)
+    committed_blocks: int = 0        # and committed to physical memory by the latest extension
+    released: bool = False           # the KV cache's memory is released (sleep, release_kv_cache_memory)
+
+    @property
+    def extensible(self) -> bool:
+        return self.reserved_blocks > 0
+
+    def extended(self, reserved_blocks: int, committed_blocks: int) -> "PoolLayout":
+        """This layout under an extensible cache: `reserved_blocks` of address space, of which
+        `committed_blocks` have physical pages (vLLM's pool uses `num_blocks` of them)."""
+        if not reserved_blocks >= committed_blocks >= self.num_blocks > 0:
+            raise ValueError(f"extensible cache of {reserved_blocks:,} reserved, {committed_blocks:,} committed blocks "
+                             f"cannot back a pool of {self.num_blocks:,}")
+        return replace(self, reserved_blocks=reserved_blocks, committed_blocks=committed_blocks)
 
     @property
     def usable_blocks(self) -> int:
@@ -108,7 +131,7 @@ def layout_of(kv_cache_config, vllm_config, budget_bytes: int | None = None, lab
     stride = {name: t.layer_stride for t in cfg.kv_cache_tensors for name in t.layers}
     sizes = {t.size for t in cfg.kv_cache_tensors}
     if len(sizes) != 1 or len({t.block_stride for t in cfg.kv_cache_tensors}) != 1:
-        raise ValueError(f"KV cache tensors of {len(sizes)} sizes: not vLLM 0.33's one backing allocation")
+        raise ValueError(f"KV cache tensors of {len(sizes)} sizes: not vLLM's one backing allocation")
     bpb = cfg.kv_cache_tensors[0].block_stride
     request_blocks = [cdiv(g.kv_cache_spec.max_memory_usage_bytes(vllm_config), g.kv_cache_spec.page_size_bytes)
                       for g in cfg.kv_cache_groups]
@@ -216,6 +239,16 @@ def snapshot(layout: PoolLayout, counts) -> ForeignSnapshot:
     pools["null_block"] = _state("null_block", "null", "all", None, _m(tensor=bpb), layout, 0)
     pools["unattributed"] = _state("unattributed", "kv", "all", None, _m(
         tensor=unknown * bpb, addressable=unknown * bpb, occupied=unknown * bpb), layout, 0)
+    if layout.extensible:
+        # 0.34's extensible cache: the address range beyond the pool's blocks; committed blocks the
+        # pool does not use (none after vLLM's own extension) have physical pages, the rest none
+        spare = layout.committed_blocks - layout.num_blocks
+        pools["uncommitted"] = _state("uncommitted", "reserve", "all", None, Measures(
+            planned_bytes=0, tensor_bytes=spare * bpb,
+            reserved_bytes=(layout.reserved_blocks - layout.num_blocks) * bpb,
+            physical_bytes=spare * bpb, addressable_bytes=0, occupied_bytes=0, evictable_bytes=0), layout, 0)
+    if layout.released:   # asleep: addresses and views stay, the physical pages are gone until wake-up
+        pools = {k: replace(p, measures=replace(p.measures, physical_bytes=0)) for k, p in pools.items()}
     kinds, total = {}, ZERO
     for p in pools.values():
         kinds[p.layer_kind] = kinds.get(p.layer_kind, ZERO) + p.measures
@@ -226,7 +259,9 @@ def snapshot(layout: PoolLayout, counts) -> ForeignSnapshot:
                            layout.allocation_bytes - layout.budget_bytes,
                            unreachable_bytes=bpb, occupancy=occupancy(layout, counts),
                            notes={"num_blocks": layout.num_blocks, "bytes_per_block": bpb,
-                                  "logged_tokens": layout.logged_tokens, "full_tokens": layout.full_tokens})
+                                  "logged_tokens": layout.logged_tokens, "full_tokens": layout.full_tokens,
+                                  "reserved_blocks": layout.reserved_blocks or layout.num_blocks,
+                                  "committed_blocks": layout.committed_blocks or layout.num_blocks})
 
 
 class SampleMap:
@@ -278,8 +313,22 @@ def startup_line(layout: PoolLayout) -> str:
     logged = ("" if layout.logged_tokens is None else
               f"; vLLM logs 'GPU KV cache size: {layout.logged_tokens:,} tokens' ({layout.logged_concurrency:.2f}x "
               f"max_model_len {layout.max_model_len:,}: a concurrency, it moves with max_model_len)")
-    return (f"kvatlas: vLLM DeepSeek-V4 KV cache dp{r['dp_rank']}: {layout.num_blocks:,} blocks x {bpb:,} B = "
-            f"{layout.allocation_bytes:,} B in one allocation ({layout.tensor_entries} KVCacheTensors view it); "
-            f"it holds {layout.full_tokens:,} tokens of full KV beside {layout.max_num_seqs:,} running requests' "
-            f"windows{logged}; a block per group (cache_config block_size {layout.cache_block_size} is the "
-            f"smallest): {groups}")
+    if layout.extensible:
+        head = extension_line(layout)
+    else:
+        head = (f"kvatlas: vLLM DeepSeek-V4 KV cache dp{r['dp_rank']}: {layout.num_blocks:,} blocks x {bpb:,} B = "
+                f"{layout.allocation_bytes:,} B in one allocation ({layout.tensor_entries} KVCacheTensors view it); "
+                f"it holds {layout.full_tokens:,} tokens of full KV beside {layout.max_num_seqs:,} running requests' "
+                f"windows")
+    return f"{head}{logged}; a block per group (cache_config block_size {layout.cache_block_size} is the smallest): {groups}"
+
+
+def extension_line(layout: PoolLayout) -> str:
+    """What vLLM 0.34's extensible cache reserved and committed, in bytes and in tokens, beside the
+    line vLLM logs for the same extension."""
+    r, bpb = layout.labels, layout.bytes_per_block
+    return (f"kvatlas: vLLM DeepSeek-V4 KV cache dp{r['dp_rank']} (extensible): reserved {layout.reserved_blocks:,} "
+            f"blocks x {bpb:,} B = {layout.reserved_blocks * bpb:,} B of address space; committed after warm-up "
+            f"{layout.committed_blocks:,} blocks = {layout.committed_blocks * bpb:,} B (vLLM logs 'Extended KV cache "
+            f"to {layout.committed_blocks} blocks'), which hold {layout.full_tokens:,} tokens of full KV beside "
+            f"{layout.max_num_seqs:,} running requests' windows")

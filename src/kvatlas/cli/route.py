@@ -1,0 +1,103 @@
+"""`kvatlas route`: an OpenAI-compatible router in front of N vLLM replicas, choosing for each
+request the replica (and DP rank) whose KV cache resumes most of its prompt, from the replicas' own
+KV events and DeepSeek-V4's hit rule, weighed against their load. SIGINT or SIGTERM stops it: the
+listening socket closes, requests in flight get `--grace-s` to finish."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import sys
+
+from ..errors import ConfigError
+from .common import count, number
+
+POLICIES = ("kvatlas", "round_robin", "least_loaded", "main_group_prefix")
+
+
+def add_parser(p) -> None:
+    p.add_argument("model", help="preset name, config.json or model directory (the model the replicas serve; a "
+                   "directory holding the tokenizer also tokenizes text prompts)")
+    p.add_argument("--replica", action="append", default=[], metavar="URL=EVENTS",
+                   help="a replica: its OpenAI server and KV event endpoint, http://HOST:PORT=tcp://HOST:PORT "
+                   "[,replay=tcp://HOST:PORT][,dp=N][,name=NAME]; once per replica")
+    p.add_argument("--policy", choices=POLICIES, default="kvatlas", help="how to choose (default kvatlas)")
+    p.add_argument("--tokenizer", metavar="DIR", help="local directory with the model's tokenizer, for text prompts "
+                   "and chat (default: MODEL when it is one)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: loopback only)")
+    p.add_argument("--port", type=count(0, 65535), default=9500, help="TCP port (default 9500; 0 picks a free one)")
+    g = p.add_argument_group("faults")
+    g.add_argument("--first-byte-timeout-s", type=number(0.0, 86400.0, open_low=True), default=300.0,
+                   help="a replica that sends nothing for this long is taken out and the request retried (default 300)")
+    g.add_argument("--connect-timeout-s", type=number(0.0, 600.0, open_low=True), default=5.0,
+                   help="connecting to a replica (default 5)")
+    g.add_argument("--health-interval-s", type=number(0.0, 3600.0, open_low=True), default=2.0,
+                   help="seconds between health checks of every replica (default 2)")
+    g.add_argument("--stale-after-s", type=number(0.0, 3600.0, open_low=True), default=10.0,
+                   help="a replica whose events lag this long (or stop while it serves) is scored from load alone "
+                   "(default 10)")
+    g.add_argument("--grace-s", type=number(0.0, 3600.0), default=5.0,
+                   help="on SIGINT/SIGTERM, seconds requests in flight get to finish (default 5)")
+
+
+def build_router(args):
+    """The Router for parsed arguments (also used by tests and the bench, without the socket)."""
+    from ..routing.choose import Chooser
+    from ..routing.replicas import parse_replicas
+    from ..routing.server import Router
+    from ..routing.tokenize import PromptTokenizer, has_tokenizer_files
+    specs = parse_replicas(args.replica)
+    tok_path = args.tokenizer
+    if tok_path is None and has_tokenizer_files(args.model):
+        tok_path = args.model
+    tokenizer = PromptTokenizer(tok_path)
+    chooser = Chooser(args.model, specs, args.policy, stale_after_s=args.stale_after_s)
+    return Router(model=_served_name(args.model), specs=specs, chooser=chooser, tokenizer=tokenizer,
+                  policy=args.policy, first_byte_timeout_s=args.first_byte_timeout_s,
+                  connect_timeout_s=args.connect_timeout_s, health_interval_s=args.health_interval_s,
+                  health_timeout_s=min(args.health_interval_s, 5.0))
+
+
+def _served_name(model: str) -> str:
+    return os.path.basename(os.path.normpath(model)) if os.sep in model else model
+
+
+def run(args) -> int:
+    from ..observing import server as obs
+    warning = obs.check_host(args.host)
+    if warning:
+        print(f"kvatlas route: warning: {warning}", file=sys.stderr, flush=True)
+    router = build_router(args)
+    logging.basicConfig(level=logging.WARNING, format="kvatlas route: %(message)s")
+    return asyncio.run(_serve(router, args))
+
+
+async def _serve(router, args) -> int:
+    from aiohttp import web
+    runner = web.AppRunner(router.app(), access_log=None, shutdown_timeout=args.grace_s,
+                           handle_signals=False)
+    await runner.setup()
+    site = web.TCPSite(runner, args.host, args.port)
+    try:
+        await site.start()
+    except OSError as e:
+        await runner.cleanup()
+        raise ConfigError("--port", f"cannot listen on {args.host}:{args.port} ({e.strerror or e})",
+                          "give a free port, or 0 to pick one") from None
+    port = site._server.sockets[0].getsockname()[1]
+    stop = asyncio.Event()
+    how = {"signal": None}
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, lambda s=sig: (how.update(signal=s.name), stop.set()))
+    names = ", ".join(f"{s.spec.name}={s.spec.url} (dp {s.spec.dp_size})" for s in router.states)
+    print(f"kvatlas route: {router.model}, policy {router.policy}, {len(router.states)} replicas: {names}; "
+          f"listening at http://{args.host}:{port} (/v1/completions /v1/chat/completions /v1/models /health "
+          f"/score /state /metrics)", flush=True)
+    await stop.wait()
+    await runner.cleanup()
+    print(f"kvatlas route: stopped by {how['signal']}; served {router.served}, retried {router.retried}, "
+          f"unserved {router.unserved}", flush=True)
+    return 130 if how["signal"] == "SIGINT" else 0

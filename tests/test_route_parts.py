@@ -1,0 +1,140 @@
+"""kvatlas route's parts without a network: --replica parsing, the prompt's token ids (ids, text,
+chat through a real tokenizer and its chat template), vLLM's load gauges, the metrics."""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client import generate_latest
+
+from kvatlas.errors import ConfigError
+from kvatlas.routing.replicas import ReplicaState, parse_replica, parse_replicas, parse_vllm_load
+from kvatlas.routing.tokenize import NO_TOKENIZER, ClientError, PromptTokenizer
+
+from route_fleet import metric, tiny_tokenizer
+
+
+def test_replica_flag_gives_url_ranks_and_replay_ports():
+    s = parse_replica("http://10.0.0.5:8000/=tcp://10.0.0.5:5557,replay=tcp://10.0.0.5:5600,dp=3,name=east-1", 0)
+    assert s.name == "east-1" and s.url == "http://10.0.0.5:8000" and s.dp_size == 3
+    assert [(r.dp_rank, r.events_endpoint, r.replay_endpoint) for r in s.ranks] == [
+        (0, "tcp://10.0.0.5:5557", "tcp://10.0.0.5:5600"), (1, "tcp://10.0.0.5:5558", "tcp://10.0.0.5:5601"),
+        (2, "tcp://10.0.0.5:5559", "tcp://10.0.0.5:5602")]
+    plain = parse_replica("http://h:8000", 4)
+    assert plain.name == "r4" and plain.ranks[0].events_endpoint is None and plain.dp_size == 1
+    assert not s.bind and parse_replica("http://h:8000=tcp://127.0.0.1:5557,bind,dp=2", 0).bind
+
+
+@pytest.mark.parametrize("text, field_words", [
+    ("h:8000=tcp://h:1", "base URL"), ("http://h:8000/v1=tcp://h:1", "base URL"),
+    ("http://h:8000=udp://h:1", "ZMQ tcp endpoint"), ("http://h:8000=tcp://h", "ZMQ tcp endpoint"),
+    ("http://h:8000=tcp://h:1,dp=0", "rank count"), ("http://h:8000=tcp://h:1,dp=x", "rank count"),
+    ("http://h:8000=tcp://h:1,foo=1", "not an option"), ("http://h:8000=tcp://h:65535,dp=2", "port 65536"),
+    ("http://h:8000=tcp://h:1,name=a b", "name="), ("http://h:99999=tcp://h:1", "base URL"),
+    ("http://h:8000,bind", "bind without an events endpoint"), ("http://h:8000=tcp://h:1,bind=1", "not an option"),
+    ("http://h:8000=tcp://h:1,bind,bind", "not an option")])
+def test_bad_replica_flags_name_the_flag_and_the_fix(text, field_words):
+    with pytest.raises(ConfigError) as e:
+        parse_replica(text, 0)
+    assert field_words in str(e.value) and "--replica" in str(e.value)
+
+
+def test_replicas_must_be_distinct_and_present():
+    with pytest.raises(ConfigError, match="no replica"):
+        parse_replicas([])
+    with pytest.raises(ConfigError, match="URL 'http://h:1' is given twice"):
+        parse_replicas(["http://h:1=tcp://h:5", "http://h:1=tcp://h:6,name=b"])
+    with pytest.raises(ConfigError, match="name 'x' is given twice"):
+        parse_replicas(["http://h:1,name=x", "http://h:2=tcp://h:6,name=x"][1:] * 2)
+
+
+def test_vllm_load_gauges_are_summed_over_engines():
+    text = ('# HELP vllm:num_requests_running x\nvllm:num_requests_running{engine="0",model_name="m"} 3.0\n'
+            'vllm:num_requests_running{engine="1",model_name="m"} 2.0\nvllm:num_requests_waiting{engine="0"} 7.0\n'
+            'vllm:num_requests_waiting_by_reason{reason="capacity"} 9\n')
+    assert parse_vllm_load(text) == (5, 7)
+    assert parse_vllm_load("other_metric 1\n") == (None, None)
+    s = ReplicaState(spec=parse_replica("http://h:1", 0), in_flight=4, running=3, waiting=2)
+    assert s.load() == 5
+    s.take_out("refused")
+    assert not s.up and s.down_reason == "refused" and s.failures == 1
+    s.bring_back()
+    assert s.up and s.recoveries == 1 and s.down_reason == ""
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    return PromptTokenizer(tiny_tokenizer(str(tmp_path_factory.mktemp("tok"))))
+
+
+def test_token_ids_pass_through_and_are_checked():
+    t = PromptTokenizer(None)
+    assert t.completion_ids({"prompt": [1, 2, 3]}) == [1, 2, 3]
+    assert t.completion_ids({"prompt": [[4, 5], [6]]}) == [4, 5]          # a batch routes by its first prompt
+    for bad in ([], [1, True], [-1], [2**31], "x", None, 7, [[]]):
+        with pytest.raises(ClientError) as e:
+            t.completion_ids({"prompt": bad})
+        assert e.value.status == 400 and e.value.param in ("prompt",)
+    with pytest.raises(ClientError) as e:
+        t.completion_ids({"prompt": "hello world"})
+    assert NO_TOKENIZER in e.value.message and "--tokenizer" in e.value.message
+    with pytest.raises(ClientError, match="--tokenizer"):
+        t.chat_ids({"messages": [{"role": "user", "content": "hi"}]})
+
+
+def test_text_and_chat_are_tokenized_as_the_engine_does(tok):
+    from transformers import AutoTokenizer
+    ref = AutoTokenizer.from_pretrained(tok.path)
+    assert tok.completion_ids({"prompt": "hello world the cache"}) == ref("hello world the cache")["input_ids"]
+    assert tok.completion_ids({"prompt": "hello", "add_special_tokens": False}) == [ref.convert_tokens_to_ids("hello")]
+    msgs = [{"role": "system", "content": "the cache is warm"}, {"role": "user", "content": "hello world"}]
+    ids = tok.chat_ids({"messages": msgs})
+    words = "<|system|> the cache is warm <|user|> hello world <|assistant|>".split()
+    assert ids == ref.convert_tokens_to_ids(words)
+    cont = tok.chat_ids({"messages": msgs + [{"role": "assistant", "content": "hello"}], "continue_final_message": True})
+    assert cont == ref.convert_tokens_to_ids(words[:-1] + ["<|assistant|>", "hello"])
+    with pytest.raises(ClientError, match="messages"):
+        tok.chat_ids({"messages": "hi"})
+    with pytest.raises(ClientError, match="chat template refused"):
+        tok.chat_ids({"messages": [{"role": "user"}], "chat_template": "{{ messages[0]['content'] + 1 }}"})
+
+
+def test_bad_tokenizer_folder_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match="--tokenizer"):
+        PromptTokenizer(str(tmp_path))
+
+
+def test_metrics_count_usage_against_predictions():
+    from kvatlas.routing.metrics import RouteMetrics
+    s = ReplicaState(spec=parse_replica("http://h:1,name=a", 0))
+    s.take_out("timeout")
+    ranks = [{"replica": "a", "dp_rank": 0, "lag_s": 0.5, "batches": 9, "gaps": 2, "replays": 1, "malformed": 3,
+              "stale": True}]
+    m = RouteMetrics(lambda: ([s], ranks))
+    m.observe_usage("a", 512, 768, 1000)
+    m.observe_usage("a", None, 256, 300)       # no prediction made (stale events): counted, no error sample
+    text = generate_latest(m.registry).decode()
+    assert metric(text, "kvatlas_route_engine_cached_tokens_total", replica="a") == 1024
+    assert metric(text, "kvatlas_route_predicted_cached_tokens_total", replica="a") == 512
+    assert metric(text, "kvatlas_route_prompt_tokens_total", replica="a") == 1300
+    assert metric(text, "kvatlas_route_prediction_error_tokens_count", replica="a") == 1
+    assert metric(text, "kvatlas_route_prediction_error_tokens_bucket", replica="a", le="256.0") == 1
+    assert metric(text, "kvatlas_route_prediction_error_tokens_bucket", replica="a", le="0.0") == 0
+    assert metric(text, "kvatlas_route_replica_up", replica="a", reason="timeout") == 0
+    assert metric(text, "kvatlas_route_event_malformed_total", replica="a", dp_rank="0") == 3
+    assert metric(text, "kvatlas_route_event_stale", replica="a", dp_rank="0") == 1
+    assert metric(text, "kvatlas_route_stale_replicas") == 1
+
+
+@pytest.mark.parametrize("policy", ["round_robin", "least_loaded", "kvatlas", "main_group_prefix"])
+def test_requests_nobody_holds_go_round_every_replica_and_score_takes_no_turn(policy):
+    from kvatlas.routing.choose import Chooser
+    specs = [parse_replica(f"http://127.0.0.1:{4000 + i},name=r{i}", i) for i in range(4)]
+    chooser = Chooser("deepseek-v4-flash", specs, policy)
+    states = [ReplicaState(spec=s) for s in specs]
+    sent = []
+    for _ in range(8):
+        scored = chooser.score([7] * 300, states)["choice"]["replica"]
+        chosen = chooser.rank([7] * 300, states)[0].replica
+        assert scored == chosen                      # /score answers what the next request gets
+        sent.append(chosen)
+    assert sent == ["r0", "r1", "r2", "r3"] * 2

@@ -1,0 +1,121 @@
+"""The subscriber against a publisher speaking vLLM's wire on loopback: in-order delivery, a gap
+filled by the replay socket, a gap the buffer no longer reaches (the engine marked stale), a late
+join, a malformed batch, a restarted publisher."""
+
+import time
+
+import pytest
+
+from kvatlas.errors import ConfigError
+from kvatlas.routing import BlockRemoved, EventBatch, Subscriber, rank_endpoint
+from routing_wire import FakePublisher, free_port, wait_for
+
+
+def batch(i: int) -> EventBatch:
+    return EventBatch(seq=-1, ts=float(i), events=(BlockRemoved(block_hashes=(i,), group=0),), dp_rank=0)
+
+
+@pytest.fixture
+def wire():
+    port, replay = free_port(), free_port()
+    pub = FakePublisher(port, replay, buffer_steps=5)
+    got, lost, resets = [], [], []
+    sub = Subscriber(f"tcp://127.0.0.1:{port}", replay_endpoint=f"tcp://127.0.0.1:{replay}",
+                     on_batch=got.append, on_lost=lost.append, on_reset=lambda: resets.append(1),
+                     replica="a", replay_timeout_s=3.0)
+    sub.start()
+    assert wait_for(lambda: sub.stats().connected)
+    time.sleep(0.3)     # a SUB misses what is published before its subscription reaches the PUB
+    yield pub, sub, got, lost, resets
+    sub.stop()
+    pub.close()
+
+
+def test_in_order_then_gap_replayed(wire):
+    pub, sub, got, lost, _ = wire
+    pub.publish(batch(0))
+    assert wait_for(lambda: len(got) == 1)
+    pub.publish(batch(1), drop=True)
+    pub.publish(batch(2), drop=True)
+    pub.publish(batch(3))
+    assert wait_for(lambda: len(got) == 4)
+    assert [b.seq for b in got] == [0, 1, 2, 3] and [b.ts for b in got] == [0.0, 1.0, 2.0, 3.0]
+    s = sub.stats()
+    assert (s.last_seq, s.gaps, s.replays, s.replayed_batches, s.lost_batches, s.stale_reason) == (3, 1, 1, 2, 0, None)
+    assert not lost and s.batches == 4 and s.events == 4
+
+
+def test_gap_past_the_buffer_is_lost(wire):
+    pub, sub, got, lost, _ = wire
+    pub.publish(batch(0))
+    assert wait_for(lambda: len(got) == 1)
+    for i in range(1, 8):                 # the buffer keeps 5: seq 1 and 2 are gone
+        pub.publish(batch(i), drop=True)
+    pub.publish(batch(8))
+    assert wait_for(lambda: sub.stats().last_seq == 8)
+    s = sub.stats()
+    assert [b.seq for b in got] == [0, 8] and s.lost_batches == 8 - 1 and s.gaps == 1
+    assert lost and "1..7" in lost[0] and s.stale_reason == lost[0]
+
+
+def test_malformed_batch_counted_and_marks_loss(wire):
+    pub, sub, got, lost, _ = wire
+    pub.publish(batch(0), payload=b"\xc1 not msgpack")
+    pub.publish(batch(1))
+    assert wait_for(lambda: len(got) == 1)
+    s = sub.stats()
+    assert s.malformed == 1 and got[0].seq == 1 and lost and "malformed" in lost[0]
+
+
+def test_publisher_restart_resets(wire):
+    pub, sub, got, lost, resets = wire
+    for i in range(3):
+        pub.publish(batch(i))
+    assert wait_for(lambda: len(got) == 3)
+    pub.seq = 0                               # a new engine process starts numbering again
+    pub.buffer.clear()
+    pub.publish(batch(10))
+    assert wait_for(lambda: len(got) == 4)
+    assert resets == [1] and sub.stats().resets == 1 and got[-1].seq == 0 and not lost
+
+
+def test_late_join_replays_from_zero():
+    port, replay = free_port(), free_port()
+    pub = FakePublisher(port, replay, buffer_steps=10)
+    for i in range(3):
+        pub.publish(batch(i))                 # nobody listening yet
+    got = []
+    sub = Subscriber(f"tcp://127.0.0.1:{port}", replay_endpoint=f"tcp://127.0.0.1:{replay}", on_batch=got.append)
+    try:
+        sub.start()
+        assert wait_for(lambda: sub.stats().connected)
+        time.sleep(0.3)
+        pub.publish(batch(3))
+        assert wait_for(lambda: len(got) == 4)
+        assert [b.seq for b in got] == [0, 1, 2, 3] and sub.stats().replayed_batches == 3
+    finally:
+        sub.stop()
+        pub.close()
+
+
+def test_rank_endpoint_and_bad_input():
+    assert rank_endpoint("tcp://10.0.0.1:5557", 0) == "tcp://10.0.0.1:5557"
+    assert rank_endpoint("tcp://10.0.0.1:5557", 3) == "tcp://10.0.0.1:5560"
+    assert rank_endpoint("tcp://*:0", 2) == "tcp://*:0"
+    assert rank_endpoint("inproc://kv", 1) == "inproc://kv_dp1"
+    with pytest.raises(ConfigError, match="endpoint"):
+        rank_endpoint("localhost:5557", 0)
+    with pytest.raises(ConfigError, match="on_batch"):
+        Subscriber("tcp://127.0.0.1:1", on_batch=None)
+    with pytest.raises(ConfigError, match="dp_rank"):
+        Subscriber("tcp://127.0.0.1:1", on_batch=print, dp_rank=-1)
+
+
+def test_lost_last_batch_found_by_the_idle_probe(wire):
+    """No later batch reveals the gap: after idle_probe_s of quiet the replay socket is asked."""
+    pub, sub, got, lost, _ = wire
+    pub.publish(batch(0))
+    pub.publish(batch(1), drop=True)
+    assert wait_for(lambda: len(got) == 2, 10.0)
+    s = sub.stats()
+    assert [b.seq for b in got] == [0, 1] and s.replayed_batches == 1 and s.gaps == 1 and not lost

@@ -1,0 +1,77 @@
+"""kvatlas.routing over the real wire: one vLLM engine core (`ReplicaServer`, the routing harness's
+replica) publishing through vLLM's own ZMQ publisher and replay socket on loopback, a `Fleet`
+subscribed to it; after each request the index, fed only by what came over the socket, predicts what
+vLLM's own `find_longest_cache_hit` answers, and a cache reset empties both."""
+
+from __future__ import annotations
+
+import random
+import socket
+import time
+
+import pytest
+
+from kvatlas.integrations.vllm.replica import ReplicaServer
+from kvatlas.routing import Fleet, PrefixIndex, groups_from_metadata
+
+MODEL = "deepseek-v4-flash"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def caught_up(fleet: Fleet, published: int, timeout_s: float = 30.0) -> bool:
+    sub = fleet.subscribers()[0]
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        last = sub.stats().last_seq
+        if last is not None and last >= published - 1:
+            return True
+        time.sleep(0.01)
+    return False
+
+
+@pytest.fixture(scope="module")
+def replica():
+    endpoint, replay = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    server = ReplicaServer(MODEL, "0.5GiB", endpoint, replay,
+                           {"max_model_len": 4096, "max_num_seqs": 4, "max_num_batched_tokens": 1000,
+                            "async_scheduling": False})
+    index = PrefixIndex(MODEL)
+    fleet = Fleet(index)
+    fleet.add("a", endpoint, replay_endpoint=replay, bind=True, idle_probe_s=0.05,
+              groups=groups_from_metadata(index.rule, server.metadata))
+    fleet.start()
+    time.sleep(0.3)
+    yield server, fleet, index
+    fleet.stop()
+    server.handle("stop")
+
+
+def test_index_over_vllm_zmq_matches_the_engine(replica):
+    server, fleet, index = replica
+    ok, published = server.handle("reset")
+    assert ok and caught_up(fleet, published)
+    rng = random.Random(7)
+    doc = [rng.randrange(1000, 60000) for _ in range(1500)]
+    prompts = [doc[:1200], doc[:1500], doc[:700] + [5] * 600, doc[:1500] + [9] * 300]
+    for i, tokens in enumerate(prompts):
+        server.handle("add", f"q{i}", tokens, 2)
+        out = {"running": 1}
+        while out["running"] or out.get("waiting"):
+            out = server.handle("step")
+        assert caught_up(fleet, out["published"]), fleet.state()["subscribers"]
+        for probe in prompts:
+            want = server.handle("hit", probe)
+            got = index.predict(probe)["a"]
+            assert got.device_tokens == want, (i, len(probe), got, want)
+            assert not got.stale
+    assert index.predict(doc[:1500] + [9] * 300)["a"].device_tokens > 0     # the last request's own prefix
+    ok, published = server.handle("reset")
+    assert ok and caught_up(fleet, published)
+    assert index.predict(doc[:1500])["a"].device_tokens == 0 == server.handle("hit", doc[:1500])
+    stats = fleet.state()["subscribers"][0]
+    assert stats["malformed"] == 0 and stats["lost_batches"] == 0
