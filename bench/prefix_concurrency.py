@@ -52,7 +52,7 @@ def concurrent(p, requests, host_bytes: int | None, check: bool) -> dict:
            "passes": sim.stats.steps, "peak_running": sim.stats.peak_running, "virtual_s": sim.clock_s,
            "seconds": time.perf_counter() - t0}
     if host is not None:
-        out["host_hit_tokens"] = host.hits.host_hit_tokens
+        out["host_hit_tokens"] = s.host_hit_tokens
     return out
 
 

@@ -187,3 +187,67 @@ def test_prefetch_into_a_device_with_no_room_brings_back_nothing_yet():
     assert cache.admit("again", len(first), 4, token_ids=first).cached_tokens == 768
     cache.check_integrity()
     link.tier.check_integrity()
+
+
+def _tier_counters(col) -> dict:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from kvatlas.observing.metrics import exposition
+    out = {}
+    for fam in text_string_to_metric_families(exposition(col).decode()):
+        if fam.name == "kvatlas_prefix_tier_hit_tokens":
+            out.update({s.labels["tier"]: s.value for s in fam.samples if s.name.endswith("_total")})
+    return out
+
+
+def test_tier_hit_counters_never_go_down_across_a_host_prefetch():
+    """Issue 33: the device tier's hits were served - host - shared, host hits counted at the
+    prefetch and served tokens at the admission, so between the two the device counter dropped
+    (Prometheus reads that as a reset). Each tier now counts where the hit is decided, the
+    admission: scraped after every step, no counter ever decreases, and they add up to the hits."""
+    from kvatlas.observing.metrics import KvatlasCollector
+    p = plan("tiny-v4", "64MiB", max_model_len=2048, max_running_requests=2, prefix_checkpoints=2,
+             chunked_prefill_tokens=512)
+    cache = allocate(p)
+    link = attach_host_tier(cache, HOST, checkpoint_share=0.5)
+    col, seen = KvatlasCollector(cache), []
+    rng = np.random.default_rng(3)
+    convs = [rng.integers(0, 50_000, 600) for _ in range(2)]
+
+    def scrape(where):
+        now = _tier_counters(col)
+        if seen:
+            for tier, v in seen[-1][1].items():
+                assert now[tier] >= v, f"{where}: {tier} hits went from {v} to {now[tier]}"
+        assert sum(now.values()) == cache.prefix.stats.hit_tokens, where
+        seen.append((where, now))
+
+    for i in range(10):   # two conversations in turns; the device holds few pages, so turns come from host
+        c = i % 2
+        convs[c] = np.concatenate((convs[c], rng.integers(0, 50_000, 150)))[:1500]
+        seq, rid = convs[c], f"r{i}"
+        ready = link.prefetch(len(seq), token_ids=seq)
+        scrape(f"turn {i} prefetched")
+        if ready is not None:
+            ready.wait()
+        if i == 4:   # a device-only hit between a prefetch and its admission
+            other = cache.admit("d", len(convs[1 - c]), 1, token_ids=convs[1 - c])
+            scrape(f"turn {i} other admitted ({other.cached_tokens} cached)")
+            cache.finish("d")
+        cache.admit(rid, len(seq), 4, token_ids=seq)
+        scrape(f"turn {i} admitted")
+        left = len(seq) - int(cache.allocator.length[cache.allocator.slot_of[rid]])
+        while left:
+            cache.extend(rid, min(left, 512))
+            left -= min(left, 512)
+        cache.finish(rid, token_ids=seq)
+        scrape(f"turn {i} finished")
+        if i % 3 == 2:   # everything evictable goes to host
+            while cache.prefix.tree.evict_checkpoint():
+                pass
+            cache.prefix.tree.evict_pages(len(cache.prefix.tree.nodes))
+            scrape(f"turn {i} evicted")
+    last = seen[-1][1]
+    assert last["host"] > 0 and last["device"] > 0, last
+    assert link.snapshot().hits["host_hit_tokens"] == last["host"]
+    cache.close()

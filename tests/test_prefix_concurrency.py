@@ -52,6 +52,7 @@ class _Req:
 
 class Concurrency(RuleBasedStateMachine):
     HOST = None   # bytes of host tier under the hot cache (None: device only)
+    WARM = (0, 0, 1, 1)   # the system prompts run alone before the rules begin
 
     def __init__(self):
         super().__init__()
@@ -59,7 +60,7 @@ class Concurrency(RuleBasedStateMachine):
         self.hot = allocate(plan("tiny-v4", "32MiB", prefix_checkpoints=8, **OPTIONS))
         self.cold = allocate(plan("tiny-v4", "32MiB", **OPTIONS))   # never hits: the reference
         self.mh, self.mc = Model(self.hot), Model(self.cold)
-        self.link = attach_host_tier(self.hot, self.HOST, checkpoint_share=0.5) if self.HOST else None
+        self.link = self._tiers()
         rng = np.random.default_rng(11)
         self.system = [rng.integers(0, VOCAB, n) for n in (300, 900)]
         self.finished: list = []
@@ -69,8 +70,12 @@ class Concurrency(RuleBasedStateMachine):
         self.n = 0
         self.hits = 0
         self.steps = 0   # rules run so far: the rare rules (flush, cut short, evict all) key on it
-        for i, system in enumerate((0, 0, 1, 1)):   # a warm cache: the second of each pair marks the
+        for i, system in enumerate(self.WARM):   # a warm cache: the second of each pair marks the
             self._alone(f"system{system}", 40 + i, 3, seed=i)   # divergence point, kept for the rest
+
+    def _tiers(self):
+        """The tiers under the hot cache (a host or shared link, or None)."""
+        return attach_host_tier(self.hot, self.HOST, checkpoint_share=0.5) if self.HOST else None
 
     def _alone(self, kind, extra, out, seed):
         """Admit one request and run it to its end by itself."""

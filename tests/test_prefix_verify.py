@@ -227,3 +227,96 @@ def drive(seed) -> int:
             del running[rid]
         c.check_integrity()
     return hits
+
+
+# ------------------------------------------------------------------ copy_contents moves what the pages hold
+@pytest.mark.parametrize("ids", [True, False], ids=["finish with B's ids", "finish without ids"])
+def test_copy_contents_then_finish_publishes_nothing_under_the_destinations_keys(ids):
+    """Issue 33, the reported sequence: A and B, two prompts, prefilled; copy_contents(["A"],
+    ["B"]) gives B A's KV. finish("B", token_ids=B's ids) was accepted (the ids agree with what
+    B was admitted with) and published A's KV under B's keys, as did finish("B") without ids:
+    a later request with B's prompt hit 512 tokens of A's KV. Now B's ids are refused with
+    nothing changed, and what B publishes goes under A's keys, the content its pages hold."""
+    c = kvatlas.allocate(kvatlas.plan("tiny-v4", "128MiB", max_running_requests=4, prefix_checkpoints=16))
+    rng = np.random.default_rng(33)
+    prompts = {"A": rng.integers(0, 50_000, 600), "B": rng.integers(0, 50_000, 600)}
+    for rid, p in prompts.items():
+        c.admit(rid, 600, 8, token_ids=p)
+        c.extend(rid, 600)
+    c.copy_contents(["A"], ["B"])
+    c.check_integrity()
+    if ids:
+        before = state(c)
+        with pytest.raises(ContentMismatchError, match="token_ids: page 0 differs from the prompt it was admitted"):
+            c.finish("B", token_ids=prompts["B"])
+        assert state(c) == before
+        c.finish("B", token_ids=prompts["A"])
+    else:
+        c.finish("B")
+    assert sorted(c.prefix.tree.nodes) == sorted(page_keys(prompts["A"], P).tolist())
+    c.finish("A", token_ids=prompts["A"])
+    c.check_integrity()
+    assert c.admit("B again", 600, 1, token_ids=prompts["B"]).cached_tokens == 0
+    assert c.admit("A again", 600, 1, token_ids=prompts["A"]).cached_tokens == 512
+
+
+def test_copy_contents_then_finish_never_publishes_kv_under_the_destinations_prompt():
+    """Issue 33: B takes over A's pages (copy_contents), so B's pages hold A's content. Finishing B
+    with B's own ids must not publish A's KV under B's keys: those ids are refused with nothing
+    changed, B's pages publish under A's keys (what they hold), and the resume points B saved
+    from its own content are not published. Both are decoding past boundary 512, its resume
+    point captured, its SWA tail still in their windows."""
+    from prefix_model import assert_same_reads
+    from prefix_session import Session, make_plan
+
+    s = Session(make_plan(0))
+    rng = np.random.default_rng(5)
+    a_seq, b_seq = rng.integers(0, 50_000, 600), rng.integers(0, 50_000, 600)
+    for seq in (a_seq, b_seq):
+        s.admit(seq, 500, 100)
+    for rid in ("r0", "r1"):
+        for n in (256, 244):
+            s.extend(rid, n)
+    for _ in range(40):
+        for rid in ("r0", "r1"):
+            s.step(rid, 1, 1)
+    for c in (s.hot, s.cold):
+        c.copy_contents(["r0"], ["r1"])
+    s.running["r1"] = s.running["r0"]   # the twins' record of what r1 holds
+    s.check("after copy_contents")
+    assert_same_reads(s.mh.reads("r1"), s.mh.reads("r0"), "r1 reads what r0 reads")   # its whole window too
+    before = state(s.hot)
+    with pytest.raises(ContentMismatchError, match="token_ids: page 0 differs from the prompt it was admitted"):
+        s.hot.finish("r1", token_ids=b_seq[:540])
+    assert state(s.hot) == before and len(s.hot.prefix.tree.nodes) == 0
+    s.hot.check_integrity()
+    s.hot.finish("r1", token_ids=a_seq[:540])   # what its pages hold
+    s.cold.finish("r1")
+    del s.running["r1"]
+    assert sorted(s.hot.prefix.tree.nodes) == sorted(page_keys(a_seq[:540], P).tolist())
+    s.finish("r0")
+    # nothing is cached under B's keys; A's content is, and a hit on it reads what a cold run reads
+    assert s.hot.admit("b again", 500, 1, token_ids=b_seq[:500]).cached_tokens == 0
+    s.hot.finish("b again")
+    s.admit(a_seq, 530, 1)
+    assert s.hits == 1
+    s.check("a hit on A's content")
+
+
+def test_a_swap_of_two_requests_swaps_what_each_may_publish():
+    """copy_contents(["A", "B"], ["B", "A"]): each now holds the other's content, so each
+    publishes under the other's prompt keys (the property test found a swap giving both A's)."""
+    c = kvatlas.allocate(kvatlas.plan("tiny-v4", "128MiB", max_running_requests=4, prefix_checkpoints=16))
+    rng = np.random.default_rng(34)
+    prompts = {"A": rng.integers(0, 50_000, 600), "B": rng.integers(0, 50_000, 600)}
+    for rid, p in prompts.items():
+        c.admit(rid, 600, 8, token_ids=p)
+        c.extend(rid, 600)
+    c.copy_contents(["A", "B"], ["B", "A"])
+    with pytest.raises(ContentMismatchError):
+        c.finish("A", token_ids=prompts["A"])
+    c.finish("A", token_ids=prompts["B"])
+    assert sorted(c.prefix.tree.nodes) == sorted(page_keys(prompts["B"], P).tolist())
+    c.finish("B")
+    assert sorted(c.prefix.tree.nodes) == sorted(page_keys(prompts["A"], P).tolist() + page_keys(prompts["B"], P).tolist())
+    c.check_integrity()

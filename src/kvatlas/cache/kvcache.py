@@ -168,14 +168,17 @@ class KVCache:
                 np.any(a.swa.owner[a.window_swa_pages(int(d))] == CACHE_OWNER) for d in dst.tolist()):
             raise RequestStateError("copy_contents: a destination's window holds a page of the prefix cache "
                                     "(a resume point's tail others read); copy after its window has passed it")
+        if self.prefix is not None:
+            self.prefix.copy_contents(src_ids, dst_ids)
         if not self.arena.backend.holds_memory or not len(src):
             return
         units = {REQUEST_SLOTS: (src, dst)}
         if a.full is not None:
             n = int(a.full_held[src[0]])
             units[FULL_PAGES] = (a.full_table[src, k:n].ravel(), a.full_table[dst, k:n].ravel())
-        if a.swa is not None:
-            cols = np.arange(a.swa_lo[src[0]], a.swa_hi[src[0]]) % a.ring
+        if a.swa is not None:   # the window's pages: a request's own resume tail may have left swa_lo behind it
+            L = int(a.length[src[0]])
+            cols = np.arange(max(L - (a.window - 1), 0) // a.Ps, -(-L // a.Ps)) % a.ring
             units[SWA_PAGES] = (a.swa_table[src][:, cols].ravel(), a.swa_table[dst][:, cols].ravel())
         for b in self.plan.buffers:
             if b.group in units and b.role != "table":

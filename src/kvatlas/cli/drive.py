@@ -387,7 +387,7 @@ def _host_line(sim) -> str:
     shared = sim.host.shared_snapshot()
     shared_tokens = shared.hit_tokens if shared is not None else 0
     return (f"{fmt_bytes(sim.host.tier.plan.budget_bytes)} ({'pinned' if sim.host.tier.memory_backed else 'modeled, no memory'}); "
-            f"hit tokens by tier: device {pc.hit_tokens - host_tokens - shared_tokens:,}, host {host_tokens:,}"
+            f"hit tokens by tier: device {pc.device_hit_tokens:,}, host {host_tokens:,}"
             + (f", shared {shared_tokens:,}" if shared is not None else "") + " "
             f"({snap.hits['host_hit_requests']:,} requests); moved to host {snap.bytes_to_host:,} B "
             f"({fmt_bytes(snap.bytes_to_host)}), to device {snap.bytes_to_device:,} B "

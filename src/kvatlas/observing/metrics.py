@@ -269,10 +269,10 @@ def host_samples(f: _Families, cache, host, rv: list[str], shared=None) -> None:
         f.fams[name] = SummaryMetricFamily(name, HELP[name], labels=f.rank_names)
     f.fams[name].add_metric(rv, count_value=host.restores_completed, sum_value=host.restore_latency_sum_s)
     if host.hits and cache.prefix is not None:
-        served, from_host = cache.prefix.stats.hit_tokens, host.hits["host_hit_tokens"]
-        tiers = [("device", served - from_host - (shared.hit_tokens if shared else 0)), ("host", from_host)]
-        for tier, v in tiers + ([("shared", shared.hit_tokens)] if shared is not None else []):
-            f.add("kvatlas_prefix_tier_hit_tokens", ["tier"], [tier] + rv, v, kind=CounterMetricFamily)
+        s = cache.prefix.stats   # each tier its own counter, counted at admission: none ever goes down
+        for tier in ("device", "host") + (("shared",) if shared is not None else ()):
+            f.add("kvatlas_prefix_tier_hit_tokens", ["tier"], [tier] + rv, getattr(s, f"{tier}_hit_tokens"),
+                  kind=CounterMetricFamily)
 
 
 def shared_samples(f: _Families, s, rv: list[str]) -> None:

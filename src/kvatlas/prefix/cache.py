@@ -40,7 +40,7 @@ class SharedPrefix:
 
 
 class _Request:
-    __slots__ = ("keys", "path", "kept", "prompt_tokens", "tail", "ids")
+    __slots__ = ("keys", "path", "kept", "prompt_tokens", "tail", "ids", "same_tokens", "stale_tokens")
 
     def __init__(self, keys, path, prompt_tokens, tail=None) -> None:
         # path: the tree's nodes of the request's leading pages that it reads (its hit, then the
@@ -49,6 +49,13 @@ class _Request:
         self.tail = tail   # the prompt's ids past its last full page (None: admitted without ids)
         self.kept: list = []
         self.ids = None    # the ids `generated` checked, of the pages keyed past the prompt
+        # after copy_contents: resume points at boundaries in (same_tokens, stale_tokens] hold rows
+        # of the content the request had before (see PrefixCache.copy_contents)
+        self.same_tokens = self.stale_tokens = 0
+
+    def holds_other(self, boundary_tokens: int) -> bool:
+        """Whether a resume point this request saved at that boundary holds other content."""
+        return self.same_tokens < boundary_tokens <= self.stale_tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,7 +195,19 @@ class PrefixCache:
             for k in m.keys[j:].tolist():
                 self._coming[k] = self._coming.get(k, 0) + 1
             self.alloc.on_pass_over = self._share_written
+        self._count_tiers(hit)
         return adm
+
+    def _count_tiers(self, hit) -> None:
+        s, P = self.stats, self.P
+        for node in hit:
+            tier, node.origin = node.origin, None
+            if tier == "shared":
+                s.shared_hit_tokens += P
+            elif tier == "host":
+                s.host_hit_tokens += P
+            else:
+                s.device_hit_tokens += P
 
     def _shared(self, hit) -> SharedPrefix | None:
         if not hit:
@@ -255,7 +274,7 @@ class PrefixCache:
                 i += 1
             for ck in [ck for ck in req.kept if ck.node is None and ck.boundary_tokens <= i * P]:
                 req.kept.remove(ck)   # kept before its page was shared: it joins now
-                self._place(ck, req.path)
+                self._place(ck, req.path, req)
             self._fill_next[slot] = i
             if i == len(req.keys):
                 del self._filling[slot]
@@ -320,7 +339,7 @@ class PrefixCache:
     def _keep_intermediate(self, slot: int, ck) -> None:
         req = self.requests[self.alloc.rid_of[slot]]
         if ck.boundary_tokens // self.P <= len(req.path) and self.share_as_written:
-            self._place(ck, req.path)   # its page is shared already: readers may resume there now
+            self._place(ck, req.path, req)   # its page is shared already: readers may resume there now
             return
         req.kept.append(ck)
         if not ck.divergence:
@@ -400,6 +419,61 @@ class PrefixCache:
         a.on_pass_over = self._share_written
         return len(keys)
 
+    # ---------------------------------------------------------------- a request takes another's content
+    def copy_contents(self, src_ids, dst_ids) -> None:
+        """Each dst request now holds what the src at its place holds (KVCache.copy_contents: beam
+        search), so what it may publish goes with the content: it takes the src's prompt (keys,
+        ids past them, divergence point) and finish-time ids are checked against that. The resume
+        points it saved itself hold its old content wherever that differs from the new one: from
+        its first page whose key differs (anything past the prompt's keys is unknown, so differs)
+        up to the last boundary whose rows it has begun writing. They are dropped when it
+        finishes, not now: its window may still read their SWA pages (Sharing._pin_tails)."""
+        a = self.alloc
+        def prompt(r):   # a copy of what it may publish: a swap writes one pair's src as the other's dst
+            req = self.requests.get(r)
+            if req is None:
+                return None
+            took = _Request(req.keys, None, req.prompt_tokens, req.tail)
+            took.ids = req.ids
+            return took
+        took = [(prompt(r), int(self._divergence[a.slot_of[r]])) for r in src_ids]   # all read first
+        for (src, div), rid in zip(took, dst_ids):
+            slot = a.slot_of[rid]
+            self._divergence[slot] = div
+            req = self.requests.get(rid)
+            if req is None:   # admitted past the cache: it publishes nothing
+                continue
+            keys = src.keys if src is not None else np.zeros(0, np.uint64)
+            n = min(len(keys), len(req.keys))
+            differ = (keys[:n] != req.keys[:n]).nonzero()[0]
+            same = (int(differ[0]) if len(differ) else n) * self.P
+            written = int(a.length[slot]) + a.resume_tokens - 1   # a boundary whose rows were begun
+            req.same_tokens = same if not req.stale_tokens else min(same, req.same_tokens)
+            req.stale_tokens = max(req.stale_tokens, written)
+            old = req.keys[len(req.path):]
+            if src is None:   # a src the cache never knew: no content to check ids against
+                req.keys, req.tail, req.ids = keys, None, None
+            else:
+                req.keys, req.tail, req.prompt_tokens, req.ids = src.keys, src.tail, src.prompt_tokens, src.ids
+            self._refill(slot, req, old)
+
+    def _refill(self, slot: int, req, old) -> None:
+        """After copy_contents: the pages the request has yet to share are those of its new keys
+        past the ones it shared already (which copy_contents requires to be the src's too)."""
+        for k in old.tolist():
+            self._unexpect(k, self._coming)
+        self._filling.pop(slot, None)
+        self._fill_end[slot] = 0
+        if not self.share_as_written or self.alloc.full is None or len(req.keys) <= len(req.path):
+            if not self._filling:
+                self.alloc.on_pass_over = None
+            return
+        for k in req.keys[len(req.path):].tolist():
+            self._coming[k] = self._coming.get(k, 0) + 1
+        self._filling[slot] = req
+        self._fill_end[slot], self._fill_next[slot] = len(req.keys), len(req.path)
+        self.alloc.on_pass_over = self._share_written
+
     # ---------------------------------------------------------------- finish: publish
     def finish(self, request_id, token_ids=None) -> None:
         """Finish a request; its full pages and kept resume points join the tree. token_ids (the
@@ -430,7 +504,7 @@ class PrefixCache:
             self._mark_end(req, L // self.P)
         keep_cols, nodes = self._publish(slot, keys[: min(L // self.P, len(keys))])
         a.finish(request_id, keep_pages=keep_cols)
-        placed = [ck for ck in req.kept if self._place(ck, nodes)]
+        placed = [ck for ck in req.kept if self._place(ck, nodes, req)]
         self._finishes += 1
         if self.policy.refit and self._finishes % REFIT_FINISHES == 0:
             self._refit()
@@ -473,10 +547,10 @@ class PrefixCache:
             parent = node
         return keep, nodes
 
-    def _place(self, ck, nodes) -> bool:
+    def _place(self, ck, nodes, req) -> bool:
         i = ck.boundary_tokens // self.P - 1
-        if i >= len(nodes) or nodes[i].checkpoint is not None:
-            self._drop(ck)   # no key for that page, or another request saved this point first
+        if i >= len(nodes) or nodes[i].checkpoint is not None or req.holds_other(ck.boundary_tokens):
+            self._drop(ck)   # no key for that page, another request saved this point first, or other content
             return False
         self.alloc.unpin_checkpoint(ck.swa_pages)
         self.tree.attach(nodes[i], ck, self.clock)
@@ -491,10 +565,12 @@ class PrefixCache:
             node = node.parent
         return out
 
-    def restore_pages(self, parent_key, keys) -> np.ndarray:
+    def restore_pages(self, parent_key, keys, origins=None) -> np.ndarray:
         """Cache-held storage for pages coming back from the host tier, linked under parent_key
         (0: the root); the caller copies their bytes in. Evicts (LRU leaves first, never the
-        parent's chain) when short; raises PoolExhaustedError with nothing changed otherwise."""
+        parent's chain) when short; raises PoolExhaustedError with nothing changed otherwise.
+        origins: per key, the tier it comes from ("host" or "shared"; default "host"), counted
+        when an admission first reads it (PrefixStats)."""
         keys = [int(k) for k in keys]
         if parent_key and parent_key not in self.tree.nodes:
             raise KvatlasError(f"restore_pages: parent_key {parent_key} is not cached; restore from the root down")
@@ -511,8 +587,9 @@ class PrefixCache:
             self.tree.unref(chain, self.clock)
         self.clock += 1
         node = self.tree.nodes.get(parent_key) if parent_key else None
-        for k, p in zip(keys, pages.tolist()):
+        for k, p, origin in zip(keys, pages.tolist(), origins if origins is not None else ["host"] * len(keys)):
             node = self.tree.add(k, node, p, self.clock)
+            node.origin = origin
         return pages
 
     def restore_checkpoint(self, key, boundary_tokens: int) -> tuple[int, np.ndarray]:

@@ -18,6 +18,12 @@ MISS_REASONS = (
 class PrefixStats:
     queried_tokens: int = 0
     hit_tokens: int = 0
+    # hit_tokens by the tier each page came from, counted at admission (where a hit is decided):
+    # a page brought back from the host tier or the shared store counts there the first time an
+    # admission reads it, and as a device page after that. They add up to hit_tokens.
+    device_hit_tokens: int = 0
+    host_hit_tokens: int = 0
+    shared_hit_tokens: int = 0
     missed_no_cached_prefix: int = 0
     missed_no_checkpoint: int = 0
     missed_evicted: int = 0

@@ -30,13 +30,14 @@ class Checkpoint:
 
 class Node:
     __slots__ = ("key", "parent", "depth", "page", "checkpoint", "children", "refs", "last_used",
-                 "checkpoint_evicted")
+                 "checkpoint_evicted", "origin")
 
     def __init__(self, key, parent, depth, page) -> None:
         self.key, self.parent, self.depth, self.page = key, parent, depth, page
         self.checkpoint = None
         self.children = self.refs = self.last_used = 0
         self.checkpoint_evicted = False
+        self.origin = None   # the lower tier it came back from, until an admission first reads it
 
 
 @dataclass(frozen=True, slots=True)

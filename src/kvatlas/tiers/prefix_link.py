@@ -27,15 +27,16 @@ from .memory import check_host_fits
 
 @dataclass(slots=True)
 class TierHits:
-    """Prompt tokens served per tier: a hit reaching host-resident pages counts them as host."""
+    """Prefetches that brought back a resume point deeper than the device's, and what they
+    restored. The tokens served from host pages are counted where the hit is decided, at the
+    admission (PrefixStats.host_hit_tokens, in `as_dict` as host_hit_tokens)."""
 
-    host_hit_tokens: int = 0
     host_hit_requests: int = 0
     restored_pages: int = 0
     restored_checkpoints: int = 0
 
-    def as_dict(self) -> dict:
-        return {"host_hit_tokens": self.host_hit_tokens, "host_hit_requests": self.host_hit_requests,
+    def as_dict(self, host_hit_tokens: int) -> dict:
+        return {"host_hit_tokens": host_hit_tokens, "host_hit_requests": self.host_hit_requests,
                 "restored_pages": self.restored_pages, "restored_checkpoints": self.restored_checkpoints}
 
 
@@ -154,7 +155,8 @@ class HostLink:
         try:
             if ks:
                 try:
-                    pages = self.prefix.restore_pages(int(keys[device - 1]) if device else 0, ks)
+                    pages = self.prefix.restore_pages(int(keys[device - 1]) if device else 0, ks,
+                                                      [self._origin(k) for k in ks])
                 except PoolExhaustedError:
                     self._no_hit()
                     return None   # (nothing changed; the claims are dropped below)
@@ -184,8 +186,11 @@ class HostLink:
             self._no_hit()
         return Ready(transfers) if transfers else None
 
+    def _origin(self, key) -> str:
+        """The tier a page brought back now comes from (its tokens count there when first read)."""
+        return "host"
+
     def _count_hit(self, keys, pages: int) -> None:
-        self.hits.host_hit_tokens += pages * self.P
         self.hits.host_hit_requests += 1
 
     def _no_hit(self) -> None:
@@ -198,7 +203,7 @@ class HostLink:
 
 
     def snapshot(self):
-        return self.tier.snapshot(hits=self.hits.as_dict())
+        return self.tier.snapshot(hits=self.hits.as_dict(self.prefix.stats.host_hit_tokens))
 
     def shared_snapshot(self):
         """The shared tier's snapshot (kvatlas.tiers.shared); None: there is none below."""

@@ -67,7 +67,7 @@ class SharedLink(HostLink):
         self._landed: deque = deque()     # (kind, key, outcome) from the tier's poll, any thread
         self._quarantine: list = []      # (read still landing, claims it writes into)
         self._fetched: set = set()       # page keys the last prefetch brought from the store
-        self.shared_hit_tokens = self.shared_hit_requests = 0
+        self.shared_hit_requests = 0     # (the tokens: PrefixStats.shared_hit_tokens, counted at admission)
         tier.on_victims = self._on_victims
         if policy == "finish":
             prefix.publisher = self
@@ -255,12 +255,14 @@ class SharedLink(HostLink):
                 self.tier.release_claim(cc)
         return host + m
 
+    def _origin(self, key) -> str:
+        return "shared" if key in self._fetched else "host"
+
     def _count_hit(self, keys, pages: int) -> None:
         shared = sum(1 for k in keys if k in self._fetched)
         if shared:   # (a resume point alone restores no token from the store: not a hit request)
-            self.shared_hit_tokens += shared * self.P
             self.shared_hit_requests += 1
-            self.shared.hit_tokens, self.shared.hit_requests = self.shared_hit_tokens, self.shared_hit_requests
+            self.shared.hit_requests = self.shared_hit_requests
         if pages > shared:
             super()._count_hit(keys, pages - shared)
         self._fetched = set()
@@ -270,9 +272,9 @@ class SharedLink(HostLink):
 
     # ---------------------------------------------------------------- reports
     def shared_snapshot(self):
-        snap = self.shared.snapshot()
+        from dataclasses import replace
+        snap = replace(self.shared.snapshot(), hit_tokens=self.prefix.stats.shared_hit_tokens)
         if self.outbox is not None:
-            from dataclasses import replace
             snap = replace(snap, outbox_bytes=self.outbox.nbytes)
         return snap
 
