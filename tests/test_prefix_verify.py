@@ -16,6 +16,7 @@ pytest.importorskip("torch")
 
 import kvatlas  # noqa: E402
 from kvatlas.prefix import page_keys  # noqa: E402
+from kvatlas.errors import RequestStateError  # noqa: E402
 from kvatlas.prefix.keys import ContentMismatchError  # noqa: E402
 
 P = 256
@@ -181,7 +182,7 @@ def drive(seed) -> int:
     c = kvatlas.allocate(kvatlas.plan("tiny-v4", "24MiB", max_running_requests=4, max_model_len=2048,
                                       chunked_prefill_tokens=512, prefix_checkpoints=12), backend="none")
     a = c.allocator
-    content: dict[int, bytes] = {}   # physical full page -> the ids its KV was computed for
+    content: dict[int, bytes] = {}   # physical full page -> the ids its KV was computed for (as written)
     finished: list = []              # sequences of finished requests: follow-up turns repeat them
     running: dict = {}               # rid -> [truth ids (prompt + generated), prompt, written]
     hits = 0
@@ -208,6 +209,9 @@ def drive(seed) -> int:
             if k:
                 c.extend(rid, k) if written < prompt else c.step([rid])
                 running[rid][2] += k
+                slot = a.slot_of[rid]   # its own full pages hold its ids (shared as written: others may read them now)
+                content.update({int(a.full_table[slot, i]): truth[i * P:(i + 1) * P].tobytes()
+                                for i in range(int(a.full_shared[slot]), (written + k) // P)})
         elif running:
             rid = list(running)[rng.integers(len(running))]
             truth, prompt, written = running[rid]
@@ -238,6 +242,7 @@ def test_copy_contents_then_finish_publishes_nothing_under_the_destinations_keys
     a later request with B's prompt hit 512 tokens of A's KV. Now B's ids are refused with
     nothing changed, and what B publishes goes under A's keys, the content its pages hold."""
     c = kvatlas.allocate(kvatlas.plan("tiny-v4", "128MiB", max_running_requests=4, prefix_checkpoints=16))
+    c.prefix.share_as_written = False   # pages shared at finish: two prompts' pages may be copied
     rng = np.random.default_rng(33)
     prompts = {"A": rng.integers(0, 50_000, 600), "B": rng.integers(0, 50_000, 600)}
     for rid, p in prompts.items():
@@ -260,6 +265,31 @@ def test_copy_contents_then_finish_publishes_nothing_under_the_destinations_keys
     assert c.admit("A again", 600, 1, token_ids=prompts["A"]).cached_tokens == 512
 
 
+def test_copy_contents_of_two_prompts_shared_as_written_is_refused_with_nothing_changed():
+    """The same sequence with pages shared as they are written (the default): A's and B's prompt
+    pages are in the cache already, each under its own prompt's keys, so B cannot take A's content
+    (its cached pages would hold other content than their keys): refused, nothing changed, and
+    each prompt's later hit reads its own pages."""
+    c = kvatlas.allocate(kvatlas.plan("tiny-v4", "128MiB", max_running_requests=4, prefix_checkpoints=16))
+    rng = np.random.default_rng(33)
+    prompts = {"A": rng.integers(0, 50_000, 600), "B": rng.integers(0, 50_000, 600)}
+    for rid, p in prompts.items():
+        c.admit(rid, 600, 8, token_ids=p)
+        c.extend(rid, 600)
+    first = {rid: int(c.allocator.full_table[c.allocator.slot_of[rid], 0]) for rid in prompts}
+    before = state(c)
+    with pytest.raises(RequestStateError, match="reading the same cached pages in each pair"):
+        c.copy_contents(["A"], ["B"])
+    assert state(c) == before
+    c.finish("B", token_ids=prompts["B"])
+    c.finish("A", token_ids=prompts["A"])
+    c.check_integrity()
+    for rid in ("A", "B"):
+        adm = c.admit(f"{rid} again", 600, 1, token_ids=prompts[rid])
+        assert adm.cached_tokens == 512
+        assert int(c.allocator.full_table[c.allocator.slot_of[f"{rid} again"], 0]) == first[rid]
+
+
 def test_copy_contents_then_finish_never_publishes_kv_under_the_destinations_prompt():
     """Issue 33: B takes over A's pages (copy_contents), so B's pages hold A's content. Finishing B
     with B's own ids must not publish A's KV under B's keys: those ids are refused with nothing
@@ -270,6 +300,7 @@ def test_copy_contents_then_finish_never_publishes_kv_under_the_destinations_pro
     from prefix_session import Session, make_plan
 
     s = Session(make_plan(0))
+    s.hot.prefix.share_as_written = False   # pages shared at finish: two prompts' pages may be copied
     rng = np.random.default_rng(5)
     a_seq, b_seq = rng.integers(0, 50_000, 600), rng.integers(0, 50_000, 600)
     for seq in (a_seq, b_seq):
@@ -307,6 +338,7 @@ def test_a_swap_of_two_requests_swaps_what_each_may_publish():
     """copy_contents(["A", "B"], ["B", "A"]): each now holds the other's content, so each
     publishes under the other's prompt keys (the property test found a swap giving both A's)."""
     c = kvatlas.allocate(kvatlas.plan("tiny-v4", "128MiB", max_running_requests=4, prefix_checkpoints=16))
+    c.prefix.share_as_written = False   # pages shared at finish: two prompts' pages may be copied
     rng = np.random.default_rng(34)
     prompts = {"A": rng.integers(0, 50_000, 600), "B": rng.integers(0, 50_000, 600)}
     for rid, p in prompts.items():

@@ -150,9 +150,10 @@ class KVCache:
         (beam search: a beam continues another's history), in every pool: its pages' entries, its
         SWA pages, its rings. Requests of one length; pages of the prefix cache they read (a
         resumed prefix, or their own pages shared as written) must be the same pages in each pair
-        and are not copied (others read them: they never change), and no destination's window may
-        hold a page of the cache; every source is read before any destination is written, so the
-        pairs may overlap."""
+        and are not copied (others read them: they never change), and (pages shared as written) no
+        destination's window may hold a page of the cache (a placed resume point's tail others may
+        read; shared at finish, a destination's own points are dropped instead); every source is
+        read before any destination is written, so the pairs may overlap."""
         a = self.allocator
         src, dst = ([a.slot_of[r] if r in a.slot_of else -1 for r in ids] for ids in (src_ids, dst_ids))
         if -1 in src or -1 in dst or len(src) != len(dst):
@@ -164,7 +165,8 @@ class KVCache:
                 np.any(a.full_shared[both] != k) or np.any(a.full_table[src, :k] != a.full_table[dst, :k]))):
             raise RequestStateError("copy_contents: requests of one length only, reading the same cached pages "
                                     "in each pair (or none)")
-        if a.swa is not None and a.prefix_on and any(
+        shares_as_written = self.prefix is not None and self.prefix.share_as_written
+        if a.swa is not None and a.prefix_on and shares_as_written and any(
                 np.any(a.swa.owner[a.window_swa_pages(int(d))] == CACHE_OWNER) for d in dst.tolist()):
             raise RequestStateError("copy_contents: a destination's window holds a page of the prefix cache "
                                     "(a resume point's tail others read); copy after its window has passed it")
