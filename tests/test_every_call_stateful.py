@@ -29,6 +29,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant, precondition, rule
 
 from kvatlas import allocate, plan
+from kvatlas.alloc.sharing import CACHE_OWNER
 from kvatlas.driving.simwrite import _row_format
 from kvatlas.errors import RequestStateError
 from kvatlas.prefix import page_keys
@@ -176,6 +177,7 @@ _RUNS: list = []   # one ColdRuns for every example: a content's cold run is the
 
 class EveryCall(Concurrency):
     HOST = HOST
+    SHARE_AS_WRITTEN = True   # the default; a subclass shares at finish, where two prompts' beams may copy
     WARM = ()   # the rules' first admissions of the system prompts warm the cache
 
     def _tiers(self):
@@ -186,6 +188,7 @@ class EveryCall(Concurrency):
         self.beams: set = set()
         self.reader = self.reader_link = None
         self.copies = self.refused = 0
+        self.hot.prefix.share_as_written = self.SHARE_AS_WRITTEN
         return shared_link(self.hot, self.store)
 
     # ---------------------------------------------------------------- beams: stepped together, copied
@@ -263,14 +266,16 @@ class EveryCall(Concurrency):
         self._copy(data)
 
     def _copy(self, data):
-        """Beam search: a beam continues another's history (or two swap). A request that resumed
-        from the prefix cache is refused, with nothing changed."""
+        """Beam search: a beam continues another's history (or two swap). Pairs whose pages in the
+        prefix cache differ (their own pages shared as written, or a resumed prefix) are refused
+        with nothing changed, as is (pages shared as written) a destination whose window holds a
+        page of the cache."""
         src, dst = data.draw(st.sampled_from(self._pairs()))
         srcs, dsts = ([src, dst], [dst, src]) if data.draw(st.booleans()) else ([src], [dst])
-        a = self.hot.allocator
-        if a.full_shared[[a.slot_of[src], a.slot_of[dst]]].any():
+        why = self._refusal(srcs, dsts)
+        if why is not None:
             before = state(self.hot)
-            with pytest.raises(RequestStateError, match="none resumed from the prefix cache"):
+            with pytest.raises(RequestStateError, match=why):
                 self.hot.copy_contents(srcs, dsts)
             assert state(self.hot) == before
             self.refused += 1
@@ -286,6 +291,18 @@ class EveryCall(Concurrency):
             new = _Req(np.concatenate((s.seq[:held], rng.integers(0, VOCAB, len(r.seq) - held))), s.prompt)
             new.written, new.admitted_with = s.written, getattr(r, "admitted_with", r.seq)
             self.running[rid] = new
+
+    def _refusal(self, srcs, dsts):
+        """What copy_contents must refuse (KVCache.copy_contents' contract), or None."""
+        a = self.hot.allocator
+        s, d = [a.slot_of[r] for r in srcs], [a.slot_of[r] for r in dsts]
+        k = int(a.full_shared[s + d].max())
+        if k and (np.any(a.full_shared[s + d] != k) or np.any(a.full_table[s, :k] != a.full_table[d, :k])):
+            return "reading the same cached pages in each pair"
+        if self.hot.prefix.share_as_written and any(
+                np.any(a.swa.owner[a.window_swa_pages(x)] == CACHE_OWNER) for x in d):
+            return "a destination's window holds a page of the prefix cache"
+        return None
 
     # ---------------------------------------------------------------- finish three ways
     def _finish(self, rid):
@@ -366,3 +383,14 @@ class EveryCall(Concurrency):
 TestEveryCall = EveryCall.TestCase
 TestEveryCall.settings = settings(max_examples=40 if SLOW else 3, stateful_step_count=40 if SLOW else 15,
                                   deadline=None, suppress_health_check=list(HealthCheck))
+
+
+class EveryCallSharedAtFinish(EveryCall):
+    """Pages shared when a request finishes (share_as_written off): beams of two prompts may copy
+    each other's content, and what each may publish goes with it (issue 33's copy-then-finish)."""
+    SHARE_AS_WRITTEN = False
+
+
+TestEveryCallSharedAtFinish = EveryCallSharedAtFinish.TestCase
+TestEveryCallSharedAtFinish.settings = TestEveryCall.settings
+
