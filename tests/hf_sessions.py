@@ -90,6 +90,9 @@ def server(m, memory="96MiB", *, host=None, chunk=256, checkpoints=8, requests=4
     """A Server over an exact-layout cache with the prefix cache on (and a host tier of `host` bytes)."""
     cache = kvatlas_cache_for(m, memory, layout="exact", max_running_requests=requests, max_model_len=max_len,
                               chunked_prefill_tokens=chunk, prefix_checkpoints=checkpoints, **kw)
+    # (the recording below learns a page's producer when it finishes: pages shared at finish, so no
+    # page joins the cache from a request still running, whose history is not known yet)
+    cache.kv.prefix.share_as_written = False
     link = None
     if host is not None:
         from kvatlas.tiers import attach_host_tier

@@ -321,7 +321,7 @@ PLANNED_CONFIGS = [
     ({"index_head_dim": 256}, "config.index_head_dim"),
     ({"sliding_window": 8192}, ("config.sliding_window=8192", "makes it too big")),
     ({"max_position_embeddings": 2048}, ("--max-model-len", "max_position_embeddings 2,048")),
-    ({"num_attention_heads": 3}, ("--tp", "3 attention heads")),
+    ({"num_attention_heads": 3, "o_groups": 1}, ("--tp", "3 attention heads")),   # (o_groups 1 divides 3)
     ({"num_hidden_layers": 2, "compress_ratios": [0, 4, 0]}, ("--pp", "2 layers")),
 ]
 

@@ -178,10 +178,10 @@ def test_the_kvatlas_default_row_is_what_compare_says(capsys):
 
 def test_engines_named_twice_are_advised_once(capsys):
     assert main(["tune", "tiny-v4", "--memory", "1GiB", "--engines", "kvatlas,kvatlas,vllm,vllm", "--json"]) == 0
-    assert [e["engine"] for e in json.loads(capsys.readouterr().out)["engines"]] == ["kvatlas", "vllm 0.33"]
+    assert [e["engine"] for e in json.loads(capsys.readouterr().out)["engines"]] == ["kvatlas", "vllm 0.34"]
     t = tune("tiny-v4", profile([Request(id="a", arrival_s=0.0, prompt_tokens=100, output_tokens=10)]),
              memory_bytes=2**30, engines=["vllm", "vllm"])
-    assert [e.engine for e in t.engines] == ["vllm 0.33"]
+    assert [e.engine for e in t.engines] == ["vllm 0.34"]
 
 
 def test_weights_zero_as_plan_takes_it(capsys):
