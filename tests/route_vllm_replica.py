@@ -103,17 +103,11 @@ class EngineThread:
                 self._step()
 
     def _step(self) -> None:
+        from kvatlas.integrations.vllm.replica import counted_step
         eng = self.eng
         sched = eng.scheduler
-        before = {rid: (r.num_computed_tokens, r.num_prompt_tokens) for rid, r in sched.requests.items()}
-        eng.step()
+        _, prefill, decode = counted_step(eng)   # (called only while the engine has requests)
         self.steps += 1
-        prefill = decode = 0
-        for rid, (done, prompt) in before.items():
-            r = sched.requests.get(rid)
-            delta = (r.num_computed_tokens if r is not None else max(prompt, done + 1)) - done
-            fill = max(0, min(prompt, done + delta) - done)
-            prefill, decode = prefill + fill, decode + max(0, delta - fill)
         for outs in eng.outputs[self.seen:]:
             for o in outs.outputs:
                 if o.prefill_stats is not None:

@@ -187,7 +187,9 @@ def serve_replica(conn, model, memory, endpoint: str, replay_endpoint: str | Non
             return
 
 
-def _step(eng, seen_outputs: int) -> dict:
+def counted_step(eng) -> tuple:
+    """One engine step (when it has requests): whether it ran, and the prompt and decode tokens it
+    computed, read from each request's progress across the step."""
     sched = eng.scheduler
     before = {rid: (r.num_computed_tokens, r.num_prompt_tokens) for rid, r in sched.requests.items()}
     ran = eng.step() if eng.has_requests() else False
@@ -197,6 +199,12 @@ def _step(eng, seen_outputs: int) -> dict:
         delta = (r.num_computed_tokens if r is not None else max(prompt, done + 1)) - done
         fill = max(0, min(prompt, done + delta) - done)
         prefill, decode = prefill + fill, decode + max(0, delta - fill)
+    return ran, prefill, decode
+
+
+def _step(eng, seen_outputs: int) -> dict:
+    sched = eng.scheduler
+    ran, prefill, decode = counted_step(eng)
     cached, finished = {}, []
     for outs in eng.outputs[seen_outputs:]:
         for o in outs.outputs:
