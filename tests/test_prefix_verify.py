@@ -234,6 +234,20 @@ def drive(seed) -> int:
 
 
 # ------------------------------------------------------------------ copy_contents moves what the pages hold
+
+def two_prefilled(seed, share_as_written):
+    """A cache with requests A and B, two prompts of 600 tokens, prefilled (pages shared as they are
+    written, or at finish, where two prompts' pages may be copied)."""
+    c = kvatlas.allocate(kvatlas.plan("tiny-v4", "128MiB", max_running_requests=4, prefix_checkpoints=16))
+    c.prefix.share_as_written = share_as_written
+    rng = np.random.default_rng(seed)
+    prompts = {"A": rng.integers(0, 50_000, 600), "B": rng.integers(0, 50_000, 600)}
+    for rid, p in prompts.items():
+        c.admit(rid, 600, 8, token_ids=p)
+        c.extend(rid, 600)
+    return c, prompts
+
+
 @pytest.mark.parametrize("ids", [True, False], ids=["finish with B's ids", "finish without ids"])
 def test_copy_contents_then_finish_publishes_nothing_under_the_destinations_keys(ids):
     """Issue 33, the reported sequence: A and B, two prompts, prefilled; copy_contents(["A"],
@@ -241,13 +255,7 @@ def test_copy_contents_then_finish_publishes_nothing_under_the_destinations_keys
     B was admitted with) and published A's KV under B's keys, as did finish("B") without ids:
     a later request with B's prompt hit 512 tokens of A's KV. Now B's ids are refused with
     nothing changed, and what B publishes goes under A's keys, the content its pages hold."""
-    c = kvatlas.allocate(kvatlas.plan("tiny-v4", "128MiB", max_running_requests=4, prefix_checkpoints=16))
-    c.prefix.share_as_written = False   # pages shared at finish: two prompts' pages may be copied
-    rng = np.random.default_rng(33)
-    prompts = {"A": rng.integers(0, 50_000, 600), "B": rng.integers(0, 50_000, 600)}
-    for rid, p in prompts.items():
-        c.admit(rid, 600, 8, token_ids=p)
-        c.extend(rid, 600)
+    c, prompts = two_prefilled(33, share_as_written=False)
     c.copy_contents(["A"], ["B"])
     c.check_integrity()
     if ids:
@@ -270,12 +278,7 @@ def test_copy_contents_of_two_prompts_shared_as_written_is_refused_with_nothing_
     pages are in the cache already, each under its own prompt's keys, so B cannot take A's content
     (its cached pages would hold other content than their keys): refused, nothing changed, and
     each prompt's later hit reads its own pages."""
-    c = kvatlas.allocate(kvatlas.plan("tiny-v4", "128MiB", max_running_requests=4, prefix_checkpoints=16))
-    rng = np.random.default_rng(33)
-    prompts = {"A": rng.integers(0, 50_000, 600), "B": rng.integers(0, 50_000, 600)}
-    for rid, p in prompts.items():
-        c.admit(rid, 600, 8, token_ids=p)
-        c.extend(rid, 600)
+    c, prompts = two_prefilled(33, share_as_written=True)
     first = {rid: int(c.allocator.full_table[c.allocator.slot_of[rid], 0]) for rid in prompts}
     before = state(c)
     with pytest.raises(RequestStateError, match="reading the same cached pages in each pair"):
@@ -337,13 +340,7 @@ def test_copy_contents_then_finish_never_publishes_kv_under_the_destinations_pro
 def test_a_swap_of_two_requests_swaps_what_each_may_publish():
     """copy_contents(["A", "B"], ["B", "A"]): each now holds the other's content, so each
     publishes under the other's prompt keys (the property test found a swap giving both A's)."""
-    c = kvatlas.allocate(kvatlas.plan("tiny-v4", "128MiB", max_running_requests=4, prefix_checkpoints=16))
-    c.prefix.share_as_written = False   # pages shared at finish: two prompts' pages may be copied
-    rng = np.random.default_rng(34)
-    prompts = {"A": rng.integers(0, 50_000, 600), "B": rng.integers(0, 50_000, 600)}
-    for rid, p in prompts.items():
-        c.admit(rid, 600, 8, token_ids=p)
-        c.extend(rid, 600)
+    c, prompts = two_prefilled(34, share_as_written=False)
     c.copy_contents(["A", "B"], ["B", "A"])
     with pytest.raises(ContentMismatchError):
         c.finish("A", token_ids=prompts["A"])
