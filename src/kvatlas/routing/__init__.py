@@ -34,9 +34,14 @@ Modules:
   device_tokens, cpu_tokens, storage_tokens, recompute_tokens, main_group_tokens, stale)},
   `keys(token_ids)` (digest once, predict many), `mark_stale`, `clear`, `add_engine`,
   `remove_engine`, `engines()`, `state()`.
-- `policy`: `make_policy(name, index=, weights=, oracle=)` for name in `POLICIES` (kvatlas,
-  main_group_prefix, round_robin, least_loaded, oracle); `Policy.choose(token_ids, loads)` →
-  [`Choice`(replica, cost, predicted_tokens, prediction)] best first; `ReplicaLoad`, `Weights`.
+- `policy`: `make_policy(name, index=, weights=, oracle=, in_flight=)` for name in `POLICIES`
+  (kvatlas, main_group_prefix, round_robin, least_loaded, oracle); `Policy.choose(token_ids | keys,
+  loads)` → [`Choice`(replica, cost, predicted_tokens, prediction, in_flight_tokens)] best first;
+  `Policy.routed(replica, request, prompt)` / `Policy.finished(request)` keep its prefixes in flight;
+  `ReplicaLoad`, `Weights`.
+- `inflight`: `InFlightPrefixes(align_tokens, ttl_s=, max_entries=, clock=)`: per replica the
+  aligned ends of prompts sent there and not finished; `add`, `finish`, `stored`, `expire`,
+  `expected(keys, replicas)` → {replica: (tokens, end digest)}, `state()`.
 - `fleet`: `Fleet(index)`: `add(replica, endpoint, replay_endpoint=, dp_size=, groups=)`,
   `start()`, `stop()`, `remove(replica)`, `subscribers()`, `state()`.
 """
@@ -44,11 +49,12 @@ Modules:
 from .events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, MalformedEventError
 from .fleet import Fleet
 from .index import Prediction, PrefixIndex, PromptKeys
+from .inflight import InFlightPrefixes
 from .policy import POLICIES, Choice, Policy, ReplicaLoad, Weights, make_policy
 from .rule import GroupSpec, HitRule, groups_from_metadata
 from .subscriber import Subscriber, SubscriberStats, rank_endpoint
 
 __all__ = ["AllBlocksCleared", "BlockRemoved", "BlockStored", "Choice", "EventBatch", "Fleet", "GroupSpec",
-           "HitRule", "MalformedEventError", "POLICIES", "Policy", "Prediction", "PrefixIndex", "PromptKeys",
+           "HitRule", "InFlightPrefixes", "MalformedEventError", "POLICIES", "Policy", "Prediction", "PrefixIndex", "PromptKeys",
            "ReplicaLoad", "Subscriber", "SubscriberStats", "Weights", "groups_from_metadata", "make_policy",
            "rank_endpoint"]
