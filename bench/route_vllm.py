@@ -18,8 +18,9 @@ count) then say which replica served it and what it really resumed. Per policy:
 - cluster hit ratio: engines' cached tokens / prompt tokens, over the run;
 - exactness: the share of requests whose predicted device tokens (router's /metrics histogram
   `kvatlas_route_prediction_error_tokens`, and the /score answer just before) equal the engine's
-  count; and the same for the full group alone (what `main_group_prefix` scores), with its mean
-  over-prediction;
+  count — resident at routing time, and expected including the prefixes in flight there
+  (`kvatlas_route_expected_error_tokens`, /score's `expected_tokens`); and the same for the full
+  group alone (what `main_group_prefix` scores), with its mean over-prediction;
 - the router's own routing time (tokenize + predict + score; its /metrics histogram) p50/p99;
 - every request answered (HTTP 200), the router's exit status.
 
@@ -144,6 +145,7 @@ async def replay(router_url: str, requests, max_tokens: int) -> list[dict]:
         rows.append({"i": i, "status": status, "replica": replica, "sent_s": sent, "latency_s": done - sent,
                      "prompt": len(ids), "cached": (usage.get("prompt_tokens_details") or {}).get("cached_tokens"),
                      "scored_choice": score["choice"]["replica"], "predicted": cand.get("device_tokens"),
+                     "expected": cand.get("expected_tokens"),
                      "main_group": min(cand.get("main_group_tokens", 0), len(ids) - 1) if cand else None,
                      "best_device": max(c["device_tokens"] for c in score["candidates"]),
                      "best_main_group": max(min(c.get("main_group_tokens", 0), len(ids) - 1) for c in score["candidates"]),
@@ -159,11 +161,15 @@ def summarize(policy: str, rows: list[dict], metrics_text: str, rc: int, err: st
     prompt = sum(r["prompt"] for r in ok)
     cached = sum(r["cached"] for r in ok)
     exact = sum(r["predicted"] == r["cached"] for r in ok)
+    expected_exact = sum(r["expected"] == r["cached"] for r in ok)
     main_exact = sum(r["main_group"] == r["cached"] for r in ok)
     over = [r["main_group"] - r["cached"] for r in ok if r["main_group"] is not None]
     m_exact = (metric(metrics_text, "kvatlas_route_prediction_error_tokens_bucket", le="0.0")
                - metric(metrics_text, "kvatlas_route_prediction_error_tokens_bucket", le="-1.0"))
     m_count = metric(metrics_text, "kvatlas_route_prediction_error_tokens_count")
+    e_exact = (metric(metrics_text, "kvatlas_route_expected_error_tokens_bucket", le="0.0")
+               - metric(metrics_text, "kvatlas_route_expected_error_tokens_bucket", le="-1.0"))
+    e_count = metric(metrics_text, "kvatlas_route_expected_error_tokens_count")
     per = {}
     for r in ok:
         per.setdefault(r["replica"], 0)
@@ -172,6 +178,8 @@ def summarize(policy: str, rows: list[dict], metrics_text: str, rc: int, err: st
             "prompt_tokens": prompt, "cached_tokens": cached, "hit_ratio": cached / prompt if prompt else 0.0,
             "score_exact": exact / len(ok) if ok else None,
             "metrics_exact": m_exact / m_count if m_count else None, "metrics_count": m_count,
+            "score_expected_exact": expected_exact / len(ok) if ok else None,
+            "metrics_expected_exact": e_exact / e_count if e_count else None,
             "main_group_exact": main_exact / len(ok) if ok else None,
             "main_group_overpredicted_tokens_mean": sum(over) / len(over) if over else None,
             "requests_by_replica": dict(sorted(per.items())),

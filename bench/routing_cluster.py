@@ -1,6 +1,6 @@
 """Routing policies side by side on N vLLM engine cores (the issue-36 harness).
 
-Each replica is vLLM 0.33's real engine core (its scheduler, hybrid KV cache manager and ZMQ
+Each replica is vLLM's real engine core (0.33 or 0.34, whichever the Python running this has) (its scheduler, hybrid KV cache manager and ZMQ
 KV-event publisher with a replay socket, on loopback), built offline on the CPU by
 `kvatlas.integrations.vllm.replica.ReplicaServer`: all in this process by default (one import of
 vLLM, what a 2-core machine affords), each in a process of its own with `--processes`. Either way the
@@ -18,15 +18,20 @@ batch the replicas published (a bounded wait; what is still missing is counted a
 Per policy and N: cluster hit ratio (the engines' own `num_local_cached_tokens` per request, over
 prompt tokens), load balance (max/mean of the replicas' running requests, sampled at each arrival
 when any runs; and of requests assigned), mean TTFT (virtual), and prediction exactness: kvatlas's
-predicted device tokens for the chosen replica against what the engine then reported, under every
-policy; a miss is classified: `lag` (the index was behind vLLM's own answer at routing time),
-`in_flight` (right at routing time; the cache changed before the request was scheduled: admissions,
-evictions), `wrong`. Beside it the full group's prefix (what main_group_prefix scores) against the
+predicted device tokens for the chosen replica (resident at routing time) against what the engine
+then reported, under every policy, and the same for what it expected including the prefixes in
+flight there (the prompts sent to that replica and not finished, `kvatlas.routing.inflight`); a miss
+of the first is classified: `lag` (the index was behind vLLM's own answer at routing time),
+`in_flight_prefix` (right at routing time; the engine then resumed from the end of a prompt in
+flight there, as expected), `admission` (right at routing time; the cache changed otherwise before
+the request was scheduled: a follower admitted in the same step as its writer's last chunk, an
+eviction), `wrong`. Beside it the full group's prefix (what main_group_prefix scores) against the
 same report, and how often it promised more than came.
 
     .venv-vllm/bin/python bench/routing_cluster.py --trace TRACE.jsonl [--start 0] [--requests 100]
         [--replicas 2,4,8] [--budgets 32GiB,64GiB] [--max-tokens 16] [--processes] [--json FILE]
         [--policies kvatlas,main_group_prefix,round_robin,least_loaded,oracle]
+        [--variant kvatlas:in_flight_prefix=0,waiting=2048 ...]   (a policy with Weights changed: a sweep)
 
 The N = 2 and 4 runs use the first replicas of the N = 8 set (each emptied, `reset_prefix_cache`, and
 the index with it, before every run).
@@ -194,7 +199,10 @@ def run_policy(name: str, replicas, fleet: Fleet, index: PrefixIndex, requests, 
                 in_flight[where[rid]] -= 1
                 in_flight_prefixes.finish(rid)
             work[step_name] = out["running"] + out["waiting"] > 0
-    return summarize(name, rec, first, arrival, balance, assigned, lag_waits, time.perf_counter() - wall)
+    out = summarize(name, rec, first, arrival, balance, assigned, lag_waits, time.perf_counter() - wall)
+    out["rows"] = {rid: {**r, "replica": where[rid], "arrival_s": arrival[rid], "first_s": first.get(rid)}
+                   for rid, r in rec.items()}
+    return out
 
 
 def summarize(name, rec, first, arrival, balance, assigned, lag_waits, wall_s) -> dict:
@@ -243,6 +251,27 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def start_fleet(replicas, attempts: int = 10):
+    """A fresh index and fleet bound to the replicas' event endpoints. The previous N's fleet bound
+    the same ports a moment ago: a bind refused while the old socket is let go is tried again."""
+    for attempt in range(attempts):
+        index = PrefixIndex(MODEL)
+        fleet = Fleet(index)
+        for r in replicas:
+            fleet.add(r.name, r.endpoint, replay_endpoint=r.replay, idle_probe_s=0.02, bind=True,
+                      groups=groups_from_metadata(index.rule, r.metadata))
+        fleet.start()
+        time.sleep(0.5)
+        refused = [s.stats().stale_reason for s in fleet.subscribers()
+                   if (s.stats().stale_reason or "").startswith("cannot bind")]
+        if not refused:
+            return index, fleet
+        fleet.stop()
+        print(f"fleet: {refused[0]}; trying again", file=sys.stderr)
+        time.sleep(1.0 + attempt)
+    raise SystemExit(f"could not bind the replicas' event endpoints: {refused}")
+
+
 def parse_variant(text: str) -> tuple[str, Weights]:
     """"kvatlas:in_flight_prefix=0.5,waiting=2048" → ("kvatlas", Weights(in_flight_prefix=0.5, waiting=2048))."""
     name, _, pairs = text.partition(":")
@@ -270,6 +299,7 @@ def main() -> None:
                     help="also run POLICY with these Weights changed (repeat for a sweep), e.g. "
                          "kvatlas:in_flight_prefix=0,waiting=2048")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--rows", action="store_true", help="keep every request's row in the JSON")
     args = ap.parse_args()
     runs = [(name, name, None) for name in args.policies.split(",") if name]
     for v in args.variant:
@@ -289,19 +319,16 @@ def main() -> None:
                 r.ready()
             print(f"{budget}: {len(replicas)} replicas built in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
             for n in ns:
-                index = PrefixIndex(MODEL)
-                fleet = Fleet(index)
-                for r in replicas[:n]:
-                    fleet.add(r.name, r.endpoint, replay_endpoint=r.replay, idle_probe_s=0.02, bind=True,
-                              groups=groups_from_metadata(index.rule, r.metadata))
-                fleet.start()
-                time.sleep(0.5)
+                index, fleet = start_fleet(replicas[:n])
                 try:
                     for label, name, weights in runs:
                         res = run_policy(name, replicas[:n], fleet, index, requests, args.max_tokens, weights)
                         res.update(budget=budget, n=n, policy=label, weights=dataclasses.asdict(weights or Weights()))
                         results.append(res)
-                        print(json.dumps(res), file=sys.stderr, flush=True)
+                        rows = res.pop("rows")
+                        if args.rows:
+                            res["rows"] = rows
+                        print(json.dumps({k: v for k, v in res.items() if k != "rows"}), file=sys.stderr, flush=True)
                 finally:
                     fleet.stop()
         finally:

@@ -54,7 +54,7 @@ def test_follower_goes_to_the_writers_replica_while_it_prefills():
     loads = {"b": ReplicaLoad(), "a": ReplicaLoad(in_flight=1)}      # b listed first: it wins ties
     best, other = policy.choose(FOLLOWER, loads)
     assert best.replica == "a" and (best.predicted_tokens, best.in_flight_tokens) == (0, 11_776)
-    assert best.cost == 13_000 - 11_776 + 4096 and other.cost == 13_000 and other.in_flight_tokens == 0
+    assert best.cost == 13_000 - 11_776 + 256 and other.cost == 13_000 and other.in_flight_tokens == 0
     # the same without the term (weight 0): the idle replica, the old greedy choice
     greedy = make_policy("kvatlas", index=index, weights=Weights(in_flight_prefix=0.0))
     greedy.routed("a", "writer", WRITER)
@@ -62,7 +62,7 @@ def test_follower_goes_to_the_writers_replica_while_it_prefills():
     # half weight: half the tokens counted
     half = make_policy("kvatlas", index=index, weights=Weights(in_flight_prefix=0.5))
     half.routed("a", "writer", WRITER)
-    assert {c.replica: c.cost for c in half.choose(FOLLOWER, loads)}["a"] == 13_000 - 5_888 + 4096
+    assert {c.replica: c.cost for c in half.choose(FOLLOWER, loads)}["a"] == 13_000 - 5_888 + 256
 
 
 def test_the_entry_goes_when_the_events_show_the_prefix_stored():

@@ -43,19 +43,28 @@ class ReplicaLoad:
 class Weights:
     """Cost weights, in prefill tokens: each token to compute costs `prefill_token`; restoring a
     token from CPU or STORAGE costs `cpu_token` / `storage_token`; each request ahead costs its
-    weight (defaults: a waiting request a typical prompt, a running one a share of a batch).
-    `in_flight_prefix`: the share of a prefix in flight (a prompt this router sent to the replica,
-    not finished, that the request extends) counted as resumable there beyond what is resident now:
-    0 ignores prefixes in flight, 1 counts them as if already computed (a follower admitted in the
-    same engine step as its writer's last chunk resumes from less, so it is an expectation)."""
+    weight: `in_flight` (sent by this router, not finished), `running` and `waiting` (as the replica
+    reports them). `in_flight_prefix`: the share of a prefix in flight (a prompt this router sent to
+    the replica, not finished, that the request extends) counted as resumable there beyond what is
+    resident now: 0 ignores prefixes in flight, 1 counts them as if already computed (a follower
+    admitted in the same engine step as its writer's last chunk resumes from less, so it is an
+    expectation).
+
+    The defaults are the choice of a sweep on vLLM's engine cores over a Mooncake slice
+    (bench/routing_cluster.py; docs/routing.md): load weights of 256/64/512 tokens a request and
+    `in_flight_prefix` 1 hit the most there at N = 2, 4 and 8, and loads 4-16 times heavier
+    (4096/1024/8192 before) gave away 4-16% of the hits. At these weights load decides between
+    replicas whose resumable prefixes differ by less than a few requests' worth (a few thousand
+    tokens) and wherever nothing is resumable; a replica holding a prefix that many requests share
+    takes them all. Raise the load weights where queueing costs more than prefill."""
 
     prefill_token: float = 1.0
     cpu_token: float = 0.1
     storage_token: float = 0.3
     in_flight_prefix: float = 1.0
-    in_flight: float = 4096.0
-    running: float = 1024.0
-    waiting: float = 8192.0
+    in_flight: float = 256.0
+    running: float = 64.0
+    waiting: float = 512.0
 
     def __post_init__(self) -> None:
         for name in self.__slots__:
