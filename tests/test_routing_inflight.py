@@ -227,3 +227,20 @@ class InFlightMachine(RuleBasedStateMachine):
 
 TestInFlightMachine = InFlightMachine.TestCase
 TestInFlightMachine.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+
+
+def test_fork_prefix_counts_the_full_groups_prefix_beyond_the_resumable_one():
+    index = make_index("a", "b")
+    index.apply("a", 0, computed(WRITER))                   # a holds the writer: resumable at 11,776
+    sibling = WRITER[:8192] + [3] * 4000                    # shares 8,192 tokens, forks before its end
+    plain = make_policy("kvatlas", index=index)
+    fork = make_policy("kvatlas", index=index, weights=Weights(fork_prefix=0.5))
+    loads = {"b": ReplicaLoad(), "a": ReplicaLoad()}
+    assert [(c.replica, c.cost, c.predicted_tokens) for c in plain.choose(sibling, loads)] == [("b", 12_192, 0),
+                                                                                            ("a", 12_192, 0)]
+    best = fork.choose(sibling, loads)[0]
+    assert (best.replica, best.cost, best.predicted_tokens) == ("a", 12_192 - 4_096, 0)
+    # nothing beyond the resumable prefix: the term adds nothing (the follower resumes 11,776 either way)
+    assert fork.choose(FOLLOWER, loads)[0].cost == plain.choose(FOLLOWER, loads)[0].cost == 13_000 - 11_776
+    with pytest.raises(ConfigError, match="weights.fork_prefix"):
+        Weights(fork_prefix=float("nan"))

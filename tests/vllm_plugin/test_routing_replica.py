@@ -111,3 +111,24 @@ def test_a_follower_goes_where_its_prefix_is_being_prefilled(replica):
     assert len(policy.in_flight) == 0
     for probe in (writer + [5] * 100, follower):       # both prompts' ends are resident now: the index says it exactly
         assert index.predict(probe)["a"].device_tokens == server.handle("hit", probe) > 0
+
+
+def test_a_fork_point_becomes_resumable_once_a_second_prompt_through_it_is_computed(replica):
+    """What `Weights.fork_prefix` rests on, on the real engine: after one prompt, a sibling sharing
+    its first 2,048 tokens resumes from nothing (the tails are kept at the prompt's end only); after
+    a second prompt through the same prefix, the fork point is resumable — and the index says so."""
+    server, fleet, index = replica
+    ok, published = server.handle("reset")
+    assert ok and caught_up(fleet, published)
+    rng = random.Random(5)
+    shared = [rng.randrange(1000, 60000) for _ in range(2048)]
+    siblings = [shared + [rng.randrange(1000, 60000) for _ in range(700)] for _ in range(3)]
+    for i, prompt in enumerate(siblings[:2]):
+        server.handle("add", f"s{i}", prompt, 2)
+        out = {"running": 1}
+        while out["running"] or out.get("waiting"):
+            out = server.handle("step")
+        assert caught_up(fleet, out["published"])
+        want = 0 if i == 0 else 2048
+        assert server.handle("hit", siblings[2]) == index.predict(siblings[2])["a"].device_tokens == want
+        assert index.predict(siblings[2])["a"].main_group_tokens == 2048

@@ -48,7 +48,11 @@ class Weights:
     the replica, not finished, that the request extends) counted as resumable there beyond what is
     resident now: 0 ignores prefixes in flight, 1 counts them as if already computed (a follower
     admitted in the same engine step as its writer's last chunk resumes from less, so it is an
-    expectation).
+    expectation). `fork_prefix`: the share of the full group's resident prefix beyond that (a prefix
+    the prompt shares with a prompt computed there and forks from before that prompt's end: nothing
+    resumable now) counted as if resumable. It is worth something later, not now: vLLM keeps the
+    sliding tails at the fork point once a second prompt through it has been computed there, so
+    later requests sharing the prefix resume from it on that replica.
 
     The defaults are the choice of a sweep on vLLM's engine cores over a Mooncake slice
     (bench/routing_cluster.py; docs/routing.md): load weights of 256/64/512 tokens a request and
@@ -62,6 +66,7 @@ class Weights:
     cpu_token: float = 0.1
     storage_token: float = 0.3
     in_flight_prefix: float = 1.0
+    fork_prefix: float = 0.0
     in_flight: float = 256.0
     running: float = 64.0
     waiting: float = 512.0
@@ -191,8 +196,12 @@ class Policy:
                           prediction=p)
         extra = self._extra(replica, p.device_tokens, pending)
         beyond = max(0, extra - p.cpu_tokens - p.storage_tokens)    # what no restore would give either
-        cost = (w.prefill_token * (p.recompute_tokens - w.in_flight_prefix * beyond) + w.cpu_token * p.cpu_tokens
-                + w.storage_token * p.storage_tokens + w.load(load))
+        fork = 0
+        if w.fork_prefix:
+            cap = (n - 1) // self.index.rule.align_tokens * self.index.rule.align_tokens
+            fork = max(0, min(p.main_group_tokens, cap) - p.device_tokens - extra)
+        cost = (w.prefill_token * (p.recompute_tokens - w.in_flight_prefix * beyond - w.fork_prefix * fork)
+                + w.cpu_token * p.cpu_tokens + w.storage_token * p.storage_tokens + w.load(load))
         return Choice(replica=replica, cost=cost, predicted_tokens=p.device_tokens, prediction=p,
                       in_flight_tokens=extra)
 
