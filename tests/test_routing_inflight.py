@@ -233,8 +233,8 @@ def test_fork_prefix_counts_the_full_groups_prefix_beyond_the_resumable_one():
     index = make_index("a", "b")
     index.apply("a", 0, computed(WRITER))                   # a holds the writer: resumable at 11,776
     sibling = WRITER[:8192] + [3] * 4000                    # shares 8,192 tokens, forks before its end
-    plain = make_policy("kvatlas", index=index)
-    fork = make_policy("kvatlas", index=index, weights=Weights(fork_prefix=0.5))
+    plain = make_policy("kvatlas", index=index, weights=Weights(fork_prefix=0.0))
+    fork = make_policy("kvatlas", index=index)             # the default: half of it
     loads = {"b": ReplicaLoad(), "a": ReplicaLoad()}
     assert [(c.replica, c.cost, c.predicted_tokens) for c in plain.choose(sibling, loads)] == [("b", 12_192, 0),
                                                                                             ("a", 12_192, 0)]

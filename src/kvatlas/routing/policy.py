@@ -55,9 +55,9 @@ class Weights:
     later requests sharing the prefix resume from it on that replica.
 
     The defaults are the choice of a sweep on vLLM's engine cores over a Mooncake slice
-    (bench/routing_cluster.py; docs/routing.md): load weights of 256/64/512 tokens a request and
-    `in_flight_prefix` 1 hit the most there at N = 2, 4 and 8, and loads 4-16 times heavier
-    (4096/1024/8192 before) gave away 4-16% of the hits. At these weights load decides between
+    (bench/routing_cluster.py; docs/routing.md and bench/RESULTS.md have the figures): load
+    weights of 256/64/512 tokens a request (16 times lighter than before), `in_flight_prefix` 1
+    and `fork_prefix` 0.5 hit the most there at N = 2, 4 and 8. At these weights load decides between
     replicas whose resumable prefixes differ by less than a few requests' worth (a few thousand
     tokens) and wherever nothing is resumable; a replica holding a prefix that many requests share
     takes them all. Raise the load weights where queueing costs more than prefill."""
@@ -66,7 +66,7 @@ class Weights:
     cpu_token: float = 0.1
     storage_token: float = 0.3
     in_flight_prefix: float = 1.0
-    fork_prefix: float = 0.0
+    fork_prefix: float = 0.5
     in_flight: float = 256.0
     running: float = 64.0
     waiting: float = 512.0
@@ -152,11 +152,16 @@ class Policy:
             if keys is not None:
                 raise ConfigError("token_ids", "the oracle asks the engines with the prompt's tokens",
                                   "pass the token ids, not keys")
-            pending = self._pending(self.keys(token_ids), names)
+            keys = self.keys(token_ids)
+            pending = self._pending(keys, names)
+            # the full group's prefix (for the fork term) from the index, when there is one
+            preds = self.index.predict(keys, names) if keys is not None and w.fork_prefix else {}
             for r in names:
                 hit = self.oracle(r, token_ids)
                 extra = self._extra(r, hit, pending)
-                out.append(Choice(replica=r, cost=w.prefill_token * (n - hit - w.in_flight_prefix * extra)
+                fork = self._fork(n, preds[r].main_group_tokens, hit + extra) if r in preds else 0
+                out.append(Choice(replica=r, cost=w.prefill_token * (n - hit - w.in_flight_prefix * extra
+                                                                     - w.fork_prefix * fork)
                                   + w.load(loads[r]), predicted_tokens=hit, in_flight_tokens=extra))
         else:
             keys = keys if keys is not None else self.index.keys(token_ids)
@@ -184,6 +189,11 @@ class Policy:
             return 0
         return tokens - resident
 
+    def _fork(self, n: int, main_group_tokens: int, expected: int) -> int:
+        """The full group's resident prefix beyond what is expected resumable (at most n − 1, aligned)."""
+        align = self.index.rule.align_tokens
+        return max(0, min(main_group_tokens, (n - 1) // align * align) - expected)
+
     def _priced(self, replica: str, n: int, p: Prediction | None, load: ReplicaLoad, pending: dict) -> Choice:
         w = self.weights
         if p is None or p.stale:
@@ -196,10 +206,7 @@ class Policy:
                           prediction=p)
         extra = self._extra(replica, p.device_tokens, pending)
         beyond = max(0, extra - p.cpu_tokens - p.storage_tokens)    # what no restore would give either
-        fork = 0
-        if w.fork_prefix:
-            cap = (n - 1) // self.index.rule.align_tokens * self.index.rule.align_tokens
-            fork = max(0, min(p.main_group_tokens, cap) - p.device_tokens - extra)
+        fork = self._fork(n, p.main_group_tokens, p.device_tokens + extra) if w.fork_prefix else 0
         cost = (w.prefill_token * (p.recompute_tokens - w.in_flight_prefix * beyond - w.fork_prefix * fork)
                 + w.cpu_token * p.cpu_tokens + w.storage_token * p.storage_tokens + w.load(load))
         return Choice(replica=replica, cost=cost, predicted_tokens=p.device_tokens, prediction=p,
