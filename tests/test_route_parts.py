@@ -162,3 +162,14 @@ def test_score_shows_resident_and_in_flight_and_the_router_forgets_what_ended():
     chooser.done(handle)
     rows = {r["replica"]: r for r in chooser.score(writer + [5] * 500, states)["candidates"]}
     assert rows[first]["in_flight_tokens"] == 0 and len(chooser.policy.in_flight) == 0
+
+
+def test_weights_flag_sets_the_named_weights_and_refuses_others():
+    from kvatlas.cli.route import parse_weights
+    from kvatlas.routing import Weights
+    assert parse_weights(None) is None
+    assert parse_weights("waiting=2048, fork_prefix=0") == Weights(waiting=2048.0, fork_prefix=0.0)
+    for text, words in (("bogus=1", "NAME one of"), ("waiting", "NAME=VALUE"), ("waiting=x", "not a number"),
+                        ("waiting=-1", "weights.waiting")):
+        with pytest.raises(ConfigError, match=words):
+            parse_weights(text)
