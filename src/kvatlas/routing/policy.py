@@ -4,7 +4,9 @@
   device, with CPU/STORAGE restores priced per token), less the expected resumable tokens of
   prefixes in flight there (prompts this router sent to the replica and it has not finished: once
   computed, a prompt that extends one resumes from its end; `inflight.py`), weighted by
-  `Weights.in_flight_prefix`, plus the replica's load in tokens: requests in flight (sent by this
+  `Weights.in_flight_prefix`, less `Weights.fork_prefix` of the full group's resident prefix
+  beyond those (a fork: resumable for later requests once a second prompt through it is computed
+  there), plus the replica's load in tokens: requests in flight (sent by this
   router, not yet finished), running and waiting (as the replica reports them), each with its
   weight (`Weights`). A stale replica's prediction counts as nothing. The caller tells the policy
   what it sent and what finished (`routed`, `finished`); a policy never told sees no prefix in flight.
@@ -173,6 +175,8 @@ class Policy:
         return sorted(out, key=lambda c: (c.cost, order[c.replica]))
 
     def _pending(self, keys: PromptKeys | None, names) -> dict:
+        """{replica: (tokens, end digest)} of the prefixes in flight the prompt extends (none looked
+        up when their weight is 0: `in_flight_tokens` then reads 0)."""
         if self.in_flight is None or keys is None or not self.weights.in_flight_prefix:
             return {}
         return self.in_flight.expected(keys, names)
