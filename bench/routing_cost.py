@@ -171,7 +171,7 @@ def main() -> None:
     skip_rate = blocks * rounds / (time.perf_counter() - t)
     t, rounds = time.perf_counter(), 0
     while time.perf_counter() - t < args.seconds:
-        fresh = PrefixIndex(MODEL)
+        fresh = PrefixIndex(index.rule, digester=index.digester)   # the process's weights, drawn once
         fresh.add_engine("a", 0, groups_from_metadata(fresh.rule, meta))
         for p in payloads:
             fresh.apply("a", 0, decode_payload(p))

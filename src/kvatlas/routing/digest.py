@@ -93,4 +93,4 @@ def as_tokens(token_ids) -> np.ndarray:
         raise TokenIdsError(f"token_ids: values must lie in [0, {MAX_TOKEN_ID}]; pass the tokenizer's ids")
     if arr.dtype != np.int64:
         raise TokenIdsError("token_ids: not integers; pass the tokenizer's ids")
-    return arr.astype(np.uint64, copy=False)
+    return arr.view(np.uint64)          # checked non-negative: the same bits, no copy

@@ -30,6 +30,7 @@ Per medium: GPU alone (`device_tokens`), then GPU+CPU and GPU+CPU+STORAGE for wh
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -101,13 +102,13 @@ class _Engine:
         self._reset()
 
     def _reset(self) -> None:
-        self._full_tables = None
         # medium → group → table: a sliding group's hash → copies; a full group's hash → its key
         # ((block count << 64) | digest), _UNPLACED or _PARTIAL, one copy (more in `dups`)
         self.res: dict[str, dict[int, dict[int, int]]] = {m: {} for m in MEDIA}
         self.dups: dict[tuple[str, int, int], int] = {}   # (medium, full group, hash) → copies beyond one
         self.by_key: dict[int, int] = {}     # key → full-group hash
         self._full_tables: list[dict] | None = None       # every full group's table on every medium
+        self._shape_cache = None
         self.back: dict[int, int] = {}       # (anchor hash, offset) → hash of the block that far before it
         self.pending: OrderedDict = OrderedDict()   # (group, last hash) → run awaiting its anchor
 
@@ -122,7 +123,7 @@ class _Engine:
         spec = self.groups.get(index)
         if spec is None:
             spec = self.groups[index] = self.rule.group_of(index, block, kind, window)
-            self._full_tables = None
+            self._full_tables = self._shape_cache = None
             if index not in self.fixed_groups:
                 self.learned.add(index)
         elif spec.block_tokens != block:
@@ -131,7 +132,7 @@ class _Engine:
             if index in self.learned and block == self.rule.full_block_tokens:
                 was = spec
                 spec = self.groups[index] = self.rule.group_of(index, block, kind, window)
-                self._full_tables = None
+                self._full_tables = self._shape_cache = None
                 if spec.kind == FULL and was.kind != FULL:
                     self._entries_were_partial(index)
                 return spec
@@ -186,7 +187,7 @@ class _Engine:
         table = self.res[medium].get(group)
         if table is None:
             table = self.res[medium][group] = {}
-            self._full_tables = None
+            self._full_tables = self._shape_cache = None
         return table
 
     def full_tables(self) -> list[dict]:
@@ -316,15 +317,19 @@ class _Engine:
 
     # ---- prediction ------------------------------------------------------------------------------
 
+    def _shape(self) -> tuple[list[int], list[GroupSpec], bool]:
+        """(full groups, sliding groups, no hit possible yet): what predict needs of the groups."""
+        if self._shape_cache is None:
+            self._shape_cache = (self.full_groups(), self.sliding_groups(), self.missing_kinds())
+        return self._shape_cache
+
     def predict(self, prompt: PromptKeys) -> tuple[int, int, int, int]:
         """(device, +cpu, +storage resumable tokens, main-group tokens) for one prompt."""
         align = self.rule.align_tokens
         cap = max(prompt.prompt_tokens - 1, 0) // align
-        full = self.full_groups()
+        full, sliding, impossible = self._shape()
         if not full or prompt.block_tokens != align:
             return 0, 0, 0, 0
-        sliding = self.sliding_groups()
-        impossible = self.missing_kinds()
         out, main = [], 0
         for n, media in enumerate(_MEDIA_SETS):
             if n and not any(self.res[m] for m in media[1:]):
@@ -347,13 +352,10 @@ class _Engine:
             return run
         by_key = self.by_key
         if len(tables) == 1 and len(tables[0]) == 1:          # one full group on one medium: the common case
-            table = tables[0][0]
-            for k in keys:
-                h = by_key.get(k)
-                if h is None or h not in table:
-                    break
-                run.append(h)
-            return run
+            # in C (map), not a Python loop: the prompt's blocks up to the first the table lacks
+            hashes = list(map(by_key.get, keys))
+            held = list(map(tables[0][0].__contains__, hashes))   # (None, for a key not placed: False)
+            return hashes[:held.index(False)] if False in held else hashes
         for k in keys:
             h = by_key.get(k)
             if h is None or not all(any(h in t for t in ts) for ts in tables):
@@ -376,14 +378,12 @@ class _Engine:
             groups.append((g, tables))
         groups.sort(key=lambda gt: sum(len(t) for t in gt[1]))     # the sparsest group rules most boundaries out
         first, first_tables = groups[0]
-        single = first_tables[0] if len(first_tables) == 1 else None
-        for b in range(top, 0, -1):
+        if len(first_tables) == 1:     # the boundaries where the sparsest group has its anchor, found in C
+            candidates = list(itertools.compress(range(1, top + 1), map(first_tables[0].__contains__, hashes[:top])))
+        else:
+            candidates = [b for b in range(1, top + 1) if any(hashes[b - 1] in t for t in first_tables)]
+        for b in reversed(candidates):
             anchor = hashes[b - 1]
-            if single is not None:
-                if anchor not in single:
-                    continue
-            elif not any(anchor in t for t in first_tables):
-                continue
             if all(self._tail(g, tables, anchor, b * align) for g, tables in groups):
                 return b * align
         return 0

@@ -210,8 +210,11 @@ def _stored(e: _Stored, i: int) -> BlockStored:
 
 
 def _hashes(values: list, i: int) -> tuple[int, ...]:
-    if all(type(v) is int and v >= 0 for v in values):     # msgpack ints stop at 2**64 - 1
-        return tuple(values)
+    try:
+        if not values or min(values) >= 0:     # ints (msgspec refused anything else but bytes): in C
+            return tuple(values)
+    except TypeError:
+        pass                                   # bytes hashes (vLLM's default), or a mix
     return tuple(hash_key(v, f"events[{i}].block_hashes") for v in values)
 
 
