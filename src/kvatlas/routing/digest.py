@@ -7,7 +7,8 @@ key of every block boundary of a 128K-token prompt at once, and a chain continue
 boundary: K(s + m) = K(s) + the sum over the m tokens after s. Two different prefixes of the same
 length get one key with probability at most 2**-46 (token ids are below 2**18; the weights are
 secret to the process, so a prompt cannot be crafted to collide); a collision can only mislead a
-routing decision, never an engine.
+routing decision, never an engine. The index keys a block by (its block count << 64) | K there
+(`block_keys`): one int naming the prefix and its length, from which a chain continues.
 """
 
 from __future__ import annotations
