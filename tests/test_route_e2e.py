@@ -228,9 +228,17 @@ def test_kill_9_mid_replay_and_restart(fleet):
     wait_for("r1 back", lambda: replica_state(router, "r1")["up"], 15)
     # the restarted replica's cache is empty: once it publishes (seq 0 again), the router forgets
     # what r1 held before and predicts only what it holds now
+    # (a batch published before the router's subscriber has reconnected is lost, as on any PUB
+    # socket: each try stores a new prompt, so its batch is another chance to be seen)
+    tries = iter(range(950, 1000))
+
+    def restart_seen() -> bool:
+        post(victim.url + "/v1/completions", {"prompt": prompt(next(tries), 300), "max_tokens": 1})
+        return replica_state(router, "r1")["ranks"][0]["events"]["resets"] >= 1
+
+    wait_for("r1's restart seen", restart_seen, 20, every_s=0.5)
     ids = prompt(900, 600)
     post(victim.url + "/v1/completions", {"prompt": ids, "max_tokens": 1})
-    wait_for("r1's restart seen", lambda: replica_state(router, "r1")["ranks"][0]["events"]["resets"] >= 1, 10)
     settle(router, ids + [1], "r1", 512)
     for k in range(5):
         assert predicted(router, prompt(50 + k, 512) + [1] * 300)["r1"] == 0

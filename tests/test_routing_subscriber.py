@@ -79,6 +79,41 @@ def test_publisher_restart_resets(wire):
     assert resets == [1] and sub.stats().resets == 1 and got[-1].seq == 0 and not lost
 
 
+def test_publisher_restart_seen_when_its_first_batch_is_lost(wire):
+    """A restarted engine's first batch published before the SUB reconnected: the next one goes
+    back (seq 1 < 5) and is newer than anything applied, so it is a restart, not a duplicate; the
+    new publisher's seq 0 comes from its replay socket."""
+    pub, sub, got, lost, resets = wire
+    for i in range(5):
+        pub.publish(batch(i))
+    assert wait_for(lambda: len(got) == 5)
+    pub.seq = 0
+    pub.buffer.clear()
+    pub.publish(batch(20), drop=True)          # seq 0: never reaches the SUB, kept for replay
+    pub.publish(batch(21))                     # seq 1
+    assert wait_for(lambda: len(got) == 7)
+    s = sub.stats()
+    assert resets == [1] and s.resets == 1 and not lost
+    assert [(b.seq, b.ts) for b in got[5:]] == [(0, 20.0), (1, 21.0)] and s.replayed_batches == 1
+
+
+def test_a_duplicate_is_not_a_restart(wire):
+    """Copies of batches already applied (a replay overlapping live traffic) go back too, but are
+    never newer than the last batch applied: dropped, nothing reset, the next new batch applied."""
+    pub, sub, got, lost, resets = wire
+    for i in range(4):
+        pub.publish(batch(i))
+    assert wait_for(lambda: len(got) == 4)
+    pub.seq = 2
+    pub.publish(batch(2))                      # seq 2 again, ts 2.0
+    pub.publish(batch(3))                      # seq 3 again, ts 3.0 (the last applied)
+    pub.publish(batch(4))                      # seq 4: new
+    assert wait_for(lambda: len(got) == 5)
+    time.sleep(0.2)
+    s = sub.stats()
+    assert [b.seq for b in got] == [0, 1, 2, 3, 4] and not resets and s.resets == 0 and s.gaps == 0 and not lost
+
+
 def test_late_join_replays_from_zero():
     port, replay = free_port(), free_port()
     pub = FakePublisher(port, replay, buffer_steps=10)
