@@ -268,13 +268,16 @@ class PrefixCache:
             for k in req.keys[i: int(a.length[slot]) // P].tolist():
                 node = tree.nodes.get(k)
                 if node is None:
-                    page = a.share_written(slot, i)
-                    node = tree.add(k, parent, page, self.clock)
+                    node = tree.add(k, parent, a.share_written(slot, i), self.clock, read=True)
                 else:
                     a.share_written(slot, i, node.page)
-                tree.ref((node,))
+                    tree.ref((node,))
                 req.path.append(node)
-                self._unexpect(k, coming)
+                left = coming.get(k, 0) - 1   # (_unexpect, inlined)
+                if left > 0:
+                    coming[k] = left
+                else:
+                    coming.pop(k, None)
                 parent = node
                 i += 1
             if req.kept:
