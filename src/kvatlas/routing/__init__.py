@@ -1,5 +1,5 @@
 """Routing across vLLM replicas by an exact DeepSeek-V4 prefix index built from the engines' own KV
-events. Pure Python (numpy, pyzmq, msgpack: `pip install kvatlas[routing]`); it reads engines'
+events. Pure Python (numpy, pyzmq, msgspec: `pip install kvatlas[routing]`); it reads engines'
 event streams, never their objects, and imports nothing of the cache.
 
 Public API (stable; docs/routing.md has the guide):
@@ -21,7 +21,8 @@ Modules:
 - `events`: kvatlas's event dataclasses (`BlockStored`, `BlockRemoved`, `AllBlocksCleared`,
   `EventBatch`), `MalformedEventError`, `hash_key`.
 - `vllm_events`: vLLM's wire → those (`decode_frames`, `decode_payload`, `decode_seq`,
-  `encode_batch`); all of vLLM's wire format is there.
+  `encode_batch`; a decoded `BlockStored`'s token ids are a `WireTokens`, parsed when first read);
+  all of vLLM's wire format is there.
 - `subscriber`: `Subscriber(endpoint, *, replay_endpoint=None, on_batch, replica, dp_rank, topic,
   on_lost, on_reset, hwm, replay_timeout_s, stale_after_s, idle_probe_s, bind)` with `start()`,
   `stop()`, `stats()` →
