@@ -513,9 +513,9 @@ class Sharing:
         from now on, its writer one of its readers. `cached_page` (the same content cached
         meanwhile by another request): the slot reads that page instead and its own is freed.
         Columns go in order from the first not shared. Returns the page the slot now reads."""
-        if self.full is None or col != int(self.full_shared[slot]) or (col + 1) * self.P > int(self.length[slot]) \
-                or col >= int(self.full_held[slot]) or int(self.last_write[slot]) \
-                and (col + 1) * self.P > int(self.length[slot]) - int(self.last_write[slot]):
+        # (complete and committed: its end at most the length less the last pass's drafts)
+        if self.full is None or col != self.full_shared[slot] or col >= self.full_held[slot] \
+                or (col + 1) * self.P > self.length[slot] - self.last_write[slot]:
             raise KvatlasError(f"share: column {col} of slot {slot} is not its next complete, committed page")
         own = int(self.full_table[slot, col])
         if self.full.owner[own] != slot + 1:

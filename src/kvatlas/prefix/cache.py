@@ -27,6 +27,7 @@ from .tree import Checkpoint, Tree
 
 
 REFIT_FINISHES = 64
+NEVER = np.iinfo(np.int64).max   # _fill_due of a slot with no page to share
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,9 +93,9 @@ class PrefixCache:
         # still to share, `_coming` counts per key the running requests that will write it
         self.share_as_written = bool(share_as_written)
         self._filling: dict = {}
-        # per slot, while filling: the pages its keys cover (0: not filling) and the next to share,
+        # per slot: the length at which its next page to share is complete (NEVER: not filling),
         # so a pass finds the slots with a page to share in one vector comparison, not a loop
-        self._fill_end, self._fill_next = np.zeros(n, np.int64), np.zeros(n, np.int64)
+        self._fill_due = np.full(n, NEVER, np.int64)
         self._coming: dict = {}
         allocator.on_capture = self._on_capture
         allocator.on_need_checkpoint = self._need_checkpoint
@@ -191,7 +192,7 @@ class PrefixCache:
         self._count(m, prompt_tokens)
         if self.share_as_written and len(m.keys) > j and self.alloc.full is not None:
             self._filling[slot] = req
-            self._fill_end[slot], self._fill_next[slot] = len(m.keys), j
+            self._fill_due[slot] = (j + 1) * self.P
             for k in m.keys[j:].tolist():
                 self._coming[k] = self._coming.get(k, 0) + 1
             self.alloc.on_pass_over = self._share_written
@@ -252,33 +253,42 @@ class PrefixCache:
         everyone and its writer one of their readers. A key the tree has already (the same
         content, shared meanwhile by another request) is read from the tree instead, so the
         request's later pages still hang below it. Resume points at their boundaries join as
-        the policy keeps them (_keep_intermediate)."""
-        a, P = self.alloc, self.P
-        tree, coming = self.tree, self._coming
-        done = np.minimum(a.length // P, self._fill_end)
-        for slot in np.flatnonzero(done > self._fill_next).tolist():
-            req, done_s = self._filling[slot], int(done[slot])
+        the policy keeps them (_keep_intermediate). Cost: one comparison over the slots (the
+        length at which each filling slot's next page is complete), which finds no slot in
+        most passes; then per page shared, a node, a reference and the allocator's update."""
+        a = self.alloc
+        due = self._fill_due <= a.length
+        if not due[due.argmax()]:   # (argmax: cheaper than any())
+            return
+        P, tree, coming = self.P, self.tree, self._coming
+        for slot in due.nonzero()[0].tolist():
+            req = self._filling[slot]
             i = len(req.path)
             parent = req.path[-1] if req.path else None
-            for k in req.keys[i:done_s].tolist():
+            for k in req.keys[i: int(a.length[slot]) // P].tolist():
                 node = tree.nodes.get(k)
                 if node is None:
-                    page = a.share_written(slot, i)
-                    node = tree.add(k, parent, page, self.clock)
+                    node = tree.add(k, parent, a.share_written(slot, i), self.clock, read=True)
                 else:
                     a.share_written(slot, i, node.page)
-                tree.ref((node,))
+                    tree.ref((node,))
                 req.path.append(node)
-                self._unexpect(k, coming)
+                left = coming.get(k, 0) - 1   # (_unexpect, inlined)
+                if left > 0:
+                    coming[k] = left
+                else:
+                    coming.pop(k, None)
                 parent = node
                 i += 1
-            for ck in [ck for ck in req.kept if ck.node is None and ck.boundary_tokens <= i * P]:
-                req.kept.remove(ck)   # kept before its page was shared: it joins now
-                self._place(ck, req.path, req)
-            self._fill_next[slot] = i
+            if req.kept:
+                for ck in [ck for ck in req.kept if ck.node is None and ck.boundary_tokens <= i * P]:
+                    req.kept.remove(ck)   # kept before its page was shared: it joins now
+                    self._place(ck, req.path, req)
             if i == len(req.keys):
                 del self._filling[slot]
-                self._fill_end[slot] = 0
+                self._fill_due[slot] = NEVER
+            else:
+                self._fill_due[slot] = (i + 1) * P
         if not self._filling:
             a.on_pass_over = None
 
@@ -292,7 +302,7 @@ class PrefixCache:
 
     def _stop_filling(self, slot: int) -> None:
         req = self._filling.pop(slot, None)
-        self._fill_end[slot] = 0
+        self._fill_due[slot] = NEVER
         if req is not None:
             for k in req.keys[len(req.path):].tolist():
                 self._unexpect(k, self._coming)
@@ -307,6 +317,8 @@ class PrefixCache:
         if not mine[mine.argmin()]:   # requests admitted past the cache: nothing of theirs is kept
             self._drop_many(units[~mine], swa_pages[:, ~mine])
             slots, boundaries, units, swa_pages = slots[mine], boundaries[mine], units[mine], swa_pages[:, mine]
+            if not len(slots):
+                return
         prev = self._tent_u.take(slots)
         if prev[prev.argmax()]:   # (argmax/argmin: cheaper than any()/all() on a few values)
             had = prev.astype(bool)
@@ -415,7 +427,7 @@ class PrefixCache:
         for k in new.tolist():
             self._coming[k] = self._coming.get(k, 0) + 1
         self._filling[slot] = req
-        self._fill_end[slot], self._fill_next[slot] = len(keys), len(req.path)
+        self._fill_due[slot] = (len(req.path) + 1) * self.P
         a.on_pass_over = self._share_written
         return len(keys)
 
@@ -463,7 +475,7 @@ class PrefixCache:
         for k in old.tolist():
             self._unexpect(k, self._coming)
         self._filling.pop(slot, None)
-        self._fill_end[slot] = 0
+        self._fill_due[slot] = NEVER
         if not self.share_as_written or self.alloc.full is None or len(req.keys) <= len(req.path):
             if not self._filling:
                 self.alloc.on_pass_over = None
@@ -471,7 +483,7 @@ class PrefixCache:
         for k in req.keys[len(req.path):].tolist():
             self._coming[k] = self._coming.get(k, 0) + 1
         self._filling[slot] = req
-        self._fill_end[slot], self._fill_next[slot] = len(req.keys), len(req.path)
+        self._fill_due[slot] = (len(req.path) + 1) * self.P
         self.alloc.on_pass_over = self._share_written
 
     # ---------------------------------------------------------------- finish: publish

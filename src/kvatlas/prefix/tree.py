@@ -100,15 +100,20 @@ class Tree:
                 self.idle_pages += 1
                 self._push_page(node)
 
-    def add(self, key, parent, page, now: int) -> Node:
+    def add(self, key, parent, page, now: int, read: bool = False) -> Node:
+        """read: the new node's first reader comes with it (add, then ref, in one call)."""
         node = Node(key, parent, parent.depth + 1 if parent else 1, page)
         node.last_used = now
         if parent is not None:
             parent.children += 1
         self.nodes[key] = node
         self.evicted_keys.pop(key, None)
-        self.idle_pages += 1
-        self._push_page(node)
+        self._seq += 1   # (pushed as an idle leaf, as always: the entry is skipped once it is read)
+        heapq.heappush(self._pages, (now, self._seq, node))
+        if read:
+            node.refs = 1
+        else:
+            self.idle_pages += 1
         return node
 
     def attach(self, node, ck, now: int) -> None:

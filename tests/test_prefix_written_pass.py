@@ -1,0 +1,220 @@
+"""Pages shared as they are written (issue 34, the decode step's cost): a pass finds the requests
+with a page to share in one vector comparison (each filling slot's length at which its next page
+is complete) instead of looking at every filling request, and leaves exactly what the scan left:
+tables, owners, references, the free lists and the chunks backing them, the ledger, the tree
+(nodes, references, its eviction heaps), the requests' paths and the counts behind the miss
+reasons."""
+
+import numpy as np
+import pytest
+
+from kvatlas import allocate, plan
+from kvatlas.errors import RequestStateError
+from kvatlas.prefix.cache import NEVER
+from kvatlas.vmm import StandInDriver, VmmBackend
+
+G = 64 << 10   # the stand-in's granularity: chunks small enough that frees change what is mapped
+P = 256
+
+
+def make_plan():
+    # 33 full pages: four requests of 2,048 tokens, and the cache evicts soon
+    return plan("tiny-v4", "48MiB", max_model_len=2048, max_running_requests=4, prefix_checkpoints=16,
+                chunked_prefill_tokens=P, draft_tokens=3, pp=2)
+
+
+def make_cache(policy="every-page", backend="vmm"):
+    """backend vmm: lowest-first free lists over chunks mapped as used (a free may unmap one);
+    plain: LIFO free lists, where the order pages are freed in is the order they come back."""
+    if backend == "vmm":
+        backend = VmmBackend(StandInDriver(granularity=G), chunk_bytes=G)
+    return allocate(make_plan(), backend=backend, prefix_policy=policy)
+
+
+def free_state(fl):
+    if hasattr(fl, "_stack"):
+        return fl._stack[: fl.free].tolist()
+    return fl._top, fl._holes.tolist(), [r.tolist() for r in fl._recent]
+
+
+def alloc_state(cache) -> dict:
+    a, led = cache.allocator, cache.ledger
+    chunks = getattr(cache.arena.backend, "chunks", None)
+    return {"full_table": a.full_table.tolist(), "full_shared": a.full_shared.tolist(),
+            "full_held": a.full_held.tolist(), "full_refs": a.full_refs.tolist(), "owner": a.full.owner.tolist(),
+            "free": free_state(a.full), "swa_owner": a.swa.owner.tolist(), "swa_free": free_state(a.swa),
+            "swa_refs": a.swa_refs.tolist(), "ckpt_free": free_state(a.ckpt),
+            "units": dict(led.units_used), "evictable": dict(led.units_evictable), "entries": dict(led.entries_used),
+            "chunks": None if chunks is None else (chunks._refs.tolist(), chunks._live.tolist(),
+                                                   list(chunks._retained), chunks.num_mapped)}
+
+
+def cache_state(cache) -> dict:
+    pc = cache.prefix
+    t = pc.tree
+
+    def ck(c):
+        return None if c is None else (c.boundary_tokens, c.unit, c.end, c.divergence, c.last_used,
+                                       c.node.key if c.node is not None else None)
+    nodes = {k: (n.parent.key if n.parent else 0, n.depth, n.page, n.refs, n.children, n.last_used,
+                 n.checkpoint_evicted, ck(n.checkpoint)) for k, n in t.nodes.items()}
+    return {**alloc_state(cache), "nodes": nodes, "heap": [(s, q, n.key) for s, q, n in t._pages],
+            "ckpt_heap": [(c, s, q, ck(x)) for c, s, q, x in t._ckpts], "idle": t.idle_pages,
+            "checkpoints": t.checkpoints, "marked": t.marked, "evicted_keys": list(t.evicted_keys),
+            "requests": {r: ([n.key for n in q.path], q.keys.tolist(), [ck(c) for c in q.kept])
+                         for r, q in pc.requests.items()},
+            "coming": dict(pc._coming), "filling": sorted(pc._filling), "fill_due": pc._fill_due.tolist(),
+            "hook": cache.allocator.on_pass_over is None, "stats": pc.stats.as_dict()}
+
+
+def test_requests_admitted_past_the_cache_reach_boundaries():
+    """Requests admitted on the allocator directly (past the prefix cache) capture resume points
+    at their boundaries too; an upkeep whose captures are all theirs drops them all (it used to
+    fail on the empty rest)."""
+    cache = make_cache()
+    a = cache.allocator
+    a.admit("x", 1200, 8)
+    for n in (P, P, P, P, 100):
+        a.extend("x", n)
+    a.flush()
+    assert cache.prefix.stats.checkpoints_dropped > 0 and not cache.prefix.tree.nodes
+    cache.check_integrity()
+    a.finish("x")
+    cache.check_integrity()
+
+
+# ---------------------------------------------------------------- the prefix cache's pass
+def share_by_scanning(self):
+    """The pass as it was before the vector test: every filling request looked at, its completed
+    pages shared page by page (the model the pass is held to)."""
+    a, P_ = self.alloc, self.P
+    tree = self.tree
+    for slot in sorted(self._filling):
+        req = self._filling[slot]
+        done = min(int(a.length[slot]) // P_, len(req.keys))
+        i = len(req.path)
+        if done <= i:
+            continue
+        parent = req.path[-1] if req.path else None
+        for k in req.keys[i:done].tolist():
+            node = tree.nodes.get(k)
+            if node is None:
+                node = tree.add(k, parent, a.share_written(slot, i), self.clock)
+            else:
+                a.share_written(slot, i, node.page)
+            tree.ref((node,))
+            req.path.append(node)
+            self._unexpect(k, self._coming)
+            parent = node
+            i += 1
+        for ck in [ck for ck in req.kept if ck.node is None and ck.boundary_tokens <= i * P_]:
+            req.kept.remove(ck)
+            self._place(ck, req.path, req)
+        if i == len(req.keys):
+            del self._filling[slot]
+            self._fill_due[slot] = NEVER
+        else:
+            self._fill_due[slot] = (i + 1) * P_
+    if not self._filling:
+        a.on_pass_over = None
+
+
+class Twins:
+    """The same calls on two caches, one finding the pages to share by scanning every filling
+    request; their whole state compared after each call."""
+
+    def __init__(self, policy, backend):
+        self.caches = [make_cache(policy, backend), make_cache(policy, backend)]
+        pc = self.caches[0].prefix
+        pc._share_written = share_by_scanning.__get__(pc)
+        self.shared = 0
+
+    def __call__(self, fn, where):
+        out = []
+        for c in self.caches:
+            try:
+                out.append(("ok", fn(c)))
+            except RequestStateError as e:   # (copy_contents of requests it cannot pair)
+                out.append(("refused", str(e)))
+        assert out[0] == out[1], where
+        states = [cache_state(c) for c in self.caches]
+        assert states[0] == states[1], where
+        for c in self.caches:
+            c.check_integrity()
+        self.shared = sum(len(q.path) for q in self.caches[1].prefix.requests.values())
+        return out[0]
+
+
+@pytest.mark.parametrize("seed,policy,backend", [(6, "every-page", "vmm"), (1, "kvatlas", "plain"),
+                                                 (2, "every-page", "plain"), (7, "kvatlas", "vmm")])
+def test_the_pass_shares_what_a_scan_shares(seed, policy, backend):
+    """Requests with a shared system prompt, some admitted in pairs with the very same prompt and
+    prefilling in the same passes (so one reads a page the other shared in that very pass),
+    chunked prefill grouped into passes, decode steps with rejected drafts, their sequences given
+    as they go (decode pages keyed), beam copies between requests of one length, finishes cutting
+    them short, eviction: after every call both caches hold the same state, every book
+    recounted."""
+    rng = np.random.default_rng(seed)
+    tw = Twins(policy, backend)
+    system = rng.integers(0, 50_000, 600)
+    running: dict = {}   # rid -> [sequence, prompt tokens, written]
+    next_id = copies = 0
+    most_shared = 0
+    for it in range(120):
+        if len(running) < 4 and rng.random() < 0.5:
+            prompt = np.concatenate((system, rng.integers(0, 50_000, int(rng.integers(50, 1200)))))
+            for _ in range(1 + (rng.random() < 0.4)):   # (a pair: the same prompt, other continuations)
+                seq = np.concatenate((prompt, rng.integers(0, 50_000, int(rng.integers(20, 150)))))
+                rid = f"r{next_id}"
+                next_id += 1
+                _, got = tw(lambda c: c.can_admit(len(prompt), len(seq) - len(prompt), token_ids=prompt)
+                            and c.admit(rid, len(prompt), len(seq) - len(prompt), token_ids=prompt).cached_tokens,
+                            f"{it}: admit {rid}")
+                if got is not False:
+                    running[rid] = [seq, len(prompt), int(got)]
+        prefilling = [r for r, (_, p_, w) in running.items() if w < p_]
+        decoding = [r for r, (s_, p_, w) in running.items() if p_ <= w < len(s_) - 4]
+        if prefilling and rng.random() < 0.7:   # a pass: a chunk of each request's prompt
+            n = int(rng.integers(1, P + 1))
+            chunk = {r: min(n, running[r][1] - running[r][2]) for r in prefilling}
+
+            def prefill(c):
+                with c.allocator.forward():
+                    for r, k in chunk.items():
+                        c.extend(r, k)
+            tw(prefill, f"{it}: prefill {chunk}")
+            for r, k in chunk.items():
+                running[r][2] += k
+        elif decoding:
+            tokens, accepted = int(rng.integers(1, 5)), 0
+            accepted = int(rng.integers(1, tokens + 1))
+
+            def step(c):
+                c.step(decoding, tokens)
+                for r in decoding:
+                    c.rollback(r, tokens - accepted)
+            tw(step, f"{it}: decode {decoding} {tokens}/{accepted}")
+            for r in decoding:
+                running[r][2] += accepted
+                if rng.random() < 0.5:
+                    seq, _, w = running[r]
+                    tw(lambda c: c.generated(r, seq[:w]), f"{it}: generated {r}")
+            pairs = [(s_, d) for s_ in decoding for d in decoding if s_ != d and running[s_][2] == running[d][2]]
+            if pairs and rng.random() < 0.5:
+                src, dst = pairs[int(rng.integers(len(pairs)))]
+                if tw(lambda c: c.copy_contents([src], [dst]), f"{it}: copy {src} -> {dst}")[0] == "ok":
+                    w = running[src][2]
+                    running[dst][0] = np.concatenate((running[src][0][:w], running[dst][0][w:]))
+                    running[dst][1] = running[src][1]
+                    copies += 1
+        else:
+            tw(lambda c: c.flush(), f"{it}: flush")
+        most_shared = max(most_shared, tw.shared)
+        for r in list(running):
+            seq, p_, w = running[r]
+            if w >= len(seq) - 4 or rng.random() < 0.03:   # done, or cut short
+                tw(lambda c: c.finish(r, token_ids=seq[:w]), f"{it}: finish {r}")
+                del running[r]
+    stats = tw.caches[1].prefix.stats
+    assert most_shared > 0 and stats.hit_tokens > 0   # pages were shared while their writers ran, and read
+    assert stats.evicted_pages > 0 and copies > 0
