@@ -87,7 +87,7 @@ def kvatlas_sequential(p, trace) -> dict:
     return {"hits": hits, "seconds": r["seconds"], "missed_tokens": r["missed_tokens"]}
 
 
-def kvatlas_concurrent(p, requests, tm: TimeModel, share: str = "written") -> dict:
+def kvatlas_concurrent(p, requests, tm: TimeModel, share: str = "written", hold: int | None = None) -> dict:
     cache = kvatlas.allocate(p, backend="none")
     cache.prefix.share_as_written = share == "written"
     index = {r.id: i for i, r in enumerate(requests)}
@@ -105,14 +105,18 @@ def kvatlas_concurrent(p, requests, tm: TimeModel, share: str = "written") -> di
         return finish(rid, *args, **kwargs)
 
     cache.admit, cache.finish = admit_recorded, finish_recorded
-    sim = Simulator(cache, requests, record=False, time_model=tm)
+    sim = Simulator(cache, requests, record=False, time_model=tm, **({} if hold is None else {"hold_for_writers": hold}))
     t0 = time.perf_counter()
     sim.run_offline()
     cache.check_integrity()
     s = cache.prefix.stats
     assert s.hit_tokens == hits.sum() and s.queried_tokens == s.hit_tokens + sum(s.missed().values())
+    ttft = sim.latency.summary()["all"]["ttft_s"]
     return {"hits": hits, "seconds": time.perf_counter() - t0, "missed_tokens": s.missed(),
-            "admitted_pass": admitted.tolist(), "finished_pass": finished.tolist(), "passes": sim.stats.steps, "peak_running": sim.stats.peak_running, "virtual_s": sim.clock_s}
+            "admitted_pass": admitted.tolist(), "finished_pass": finished.tolist(), "passes": sim.stats.steps,
+            "peak_running": sim.stats.peak_running, "virtual_s": sim.clock_s, "hold_for_writers": sim.hold_for_writers,
+            "held_passes": sim.stats.held_passes, "writer_points_read": s.writer_points_read,
+            "ttft_s": {k: ttft[k] for k in ("mean", "p50", "p90", "p99")}}
 
 
 # ---- vLLM ------------------------------------------------------------------------------------
@@ -230,12 +234,12 @@ class VllmReplay:
 # ---- the run ---------------------------------------------------------------------------------
 
 def run_budget(gib: int, trace, requests, retentions, modes, engines, tm, rows: list, save, windows=(0,),
-               share: str = "written") -> None:
+               share: str = "written", hold: int | None = None) -> None:
     """Every run at one budget, appended to rows; save() after each (a long run keeps what it has)."""
     p = prefix_hit.make_plan(gib, 0.25)
     for mode in modes:
         if "kvatlas" in engines:
-            r = kvatlas_sequential(p, trace) if mode == "sequential" else kvatlas_concurrent(p, requests, tm, share)
+            r = kvatlas_sequential(p, trace) if mode == "sequential" else kvatlas_concurrent(p, requests, tm, share, hold)
             r.update(engine="kvatlas", retention=None, prefix_checkpoints=p.options.prefix_checkpoints, share=share)
             rows.append(finish_row(r, gib, mode, requests))
             save()
@@ -264,6 +268,8 @@ def finish_row(r: dict, gib: int, mode: str, requests) -> dict:
              hits=hits.tolist())
     name = "kvatlas" if r["engine"] == "kvatlas" else f"vLLM {setting(r)}"
     extra = f", {r['passes']} passes" if "passes" in r else ""
+    extra += (f", TTFT mean {r['ttft_s']['mean']:.2f} s p50 {r['ttft_s']['p50']:.2f} s p90 {r['ttft_s']['p90']:.2f} s"
+              if "ttft_s" in r else "")
     extra += f", {r['preempted_lookups']} lookups after preemption" if r.get("preempted_lookups") else ""
     print(f"{gib:>4} GiB {mode:>10} {name:>26}: hit {r['hit_ratio']:7.2%} of prompt tokens, "
           f"{r['hit_ratio_blocks']:7.2%} in blocks  ({r['seconds']:.0f} s{extra})", flush=True)
@@ -392,6 +398,9 @@ def main() -> None:
                     help="vLLM 0.34 cache_aware_admission_window values, each run with every retention (0: off)")
     ap.add_argument("--kvatlas-share", default="written", choices=("written", "finish"),
                     help="kvatlas shares a request's pages as they are written (default) or at its finish")
+    ap.add_argument("--hold-for-writers", type=int, default=None,
+                    help="kvatlas's cache-aware admission: passes a waiting request may be passed over while running "
+                         "requests write the pages right past its cached prefix (default: the Simulator's)")
     ap.add_argument("--vllm-plugins", default="",
                     help="VLLM_PLUGINS for the vLLM side (default empty: vLLM as shipped, no plugin loads)")
     ap.add_argument("--limit", type=int, default=0, help="first N requests only (0: all)")
@@ -414,7 +423,7 @@ def main() -> None:
         for gib in (int(x) for x in args.budgets.split(",")):
             run_budget(gib, trace, requests, parse_retention(args.retention), args.modes.split(","),
                        args.engines.split(","), tm, rows, save, [int(x) for x in args.admission_window.split(",")],
-                       args.kvatlas_share)
+                       args.kvatlas_share, args.hold_for_writers)
     tok = blk = None
     if not args.limit:
         tok, blk = ceiling(args.trace)
