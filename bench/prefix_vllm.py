@@ -12,7 +12,10 @@ concurrency, in one run.
   stats, what `vllm:prefix_cache_hits` exports; a preempted request's lookup again is not a hit).
 - kvatlas: the plan of bench/prefix_hit.py (25% of the budget in resume points), bookkeeping only;
   pages shared as they are written (`--kvatlas-share finish` shares them at the request's finish
-  instead, as before issue 34).
+  instead, as before issue 34). `--hold-for-writers N`: the simulator's cache-aware admission
+  (a waiting request whose next pages running requests are writing is passed over for up to N
+  passes; default the Simulator's), the concurrent mode's TTFT (mean, p50, p90, on the virtual
+  clock) printed beside its hits.
 - vLLM as shipped: `VLLM_PLUGINS` is set empty before vLLM is imported, so no plugin installed in
   the venv (kvatlas's own among them) loads inside the vLLM side. vLLM 0.34's
   `cache_aware_admission_window` (`--admission-window N`, 0.34 only; its threshold left at its
@@ -43,7 +46,8 @@ Hit ratio: hit prompt tokens / prompt tokens, and in 512-token blocks (hit token
 trace's blocks) as prefix_hit.py counts it.
 
     .venv-vllm/bin/python bench/prefix_vllm.py [--budgets 16,32,64,120] [--retention 0,4096,8192,16384,None]
-        [--modes sequential,concurrent] [--engines kvatlas,vllm] [--admission-window 0,64] [--limit N] [--json FILE]
+        [--modes sequential,concurrent] [--engines kvatlas,vllm] [--admission-window 0,64] [--hold-for-writers N]
+        [--limit N] [--json FILE]
     .venv-vllm/bin/python bench/prefix_vllm.py --merge A.json B.json ...   (runs made apart, one table)
 """
 

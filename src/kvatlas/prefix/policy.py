@@ -13,7 +13,11 @@ object so the benchmark runs several side by side:
                 end or divergence point, degrading to "ends" instead of below it. No fixed
                 spacing is best at every budget (SPEC §8): the spacing follows the plan's ratio of
                 pages to resume points, and, as it runs, the workload's (`refitted`: the pages
-                the cache holds against the units its ends and divergence points leave).
+                the cache holds against the units its ends and divergence points leave). Its
+                intermediate points leave by level (`thin`): a cache that kept a fine grid while
+                small, and a coarser one as it fills, sheds the fine grid's points everywhere
+                first instead of whole regions' points, least recently used first (62.53% ->
+                64.50% of prompt tokens at 120 GiB on the Mooncake trace, bench/RESULTS.md).
 
 vLLM's two rules, named so that the best of each runs beside kvatlas's in one bench:
 - "junctions":  vLLM's retention interval 0: each request's replay boundary (its end) and the
