@@ -217,6 +217,42 @@ def test_a_follower_resumes_at_the_running_writers_latest_point():
     s.check("writer cut short")
 
 
+def test_a_point_kept_while_its_writer_reads_its_tail_never_frees_that_tail():
+    """A writer decoding one token a step passes a boundary; its point there is kept at once
+    (every-page) and joins the tree with the decode page (`generated`), while the writer's window
+    still reads the point's SWA tail. Every resume point and idle page is evicted and a fresh
+    request takes free SWA pages: no page the writer reads was freed (its tail is held for it
+    with a reference), and it reads exactly what its cold twin reads."""
+    s, _ = make_session(policy="every-page")
+    rng = np.random.default_rng(6)
+    seq, prompt = request(rng, rng.integers(0, 50_000, 400), extra=212, out=200)   # 612-token prompt
+    s.admit(seq, prompt, len(seq) - prompt)
+    w = s.running["r0"]
+    for n in (CHUNK, CHUNK, prompt - 2 * CHUNK):
+        s.extend("r0", n)
+    while w.written < 3 * P + 5:   # one token a step, past the boundary at 768
+        s.step("r0", 1, 1)
+    s.hot.flush()
+    s.cold.flush()
+    assert s.hot.generated("r0", w.seq[: w.written]) == 3
+    s.hot.flush()
+    tree = s.hot.prefix.tree
+    assert max(n.depth for n in tree.nodes.values() if n.checkpoint is not None) == 3
+    while tree.evict_checkpoint():
+        pass
+    tree.evict_pages(len(tree.nodes))
+    s.check("everything evictable evicted")
+    a = s.hot.allocator
+    slot, L = a.slot_of["r0"], int(a.length[a.slot_of["r0"]])
+    read = a.swa_table[slot, np.arange((L - (a.window - 1)) // a.Ps, (L - 1) // a.Ps + 1) % a.ring]
+    assert np.all(a.swa.owner[read] != 0), "an SWA page the writer's window reads was freed"
+    fresh, fresh_prompt = request(rng, rng.integers(0, 50_000, 600), extra=10, out=4)
+    s.admit(fresh, fresh_prompt, len(fresh) - fresh_prompt)
+    s.extend("r1", CHUNK)
+    s.step("r0", 1, 1)
+    s.check("the writer after another took free SWA pages")
+
+
 def test_eviction_thins_intermediate_points_by_level():
     """With `thin` (kvatlas's policy), intermediate points leave by level, the trailing zero bits
     of their page: the odd pages' first, then those of pages 2 and 6, then 4; the end stays

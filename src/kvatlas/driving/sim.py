@@ -135,7 +135,7 @@ _REQUEST_FIELDS = ("id", "arrival_s", "prompt_tokens", "output_tokens")
 # check_integrity's whole recounts may take this much CPU per CPU second of the passes (module doc)
 INTEGRITY_SHARE = 1.0
 # cache-aware admission (module doc): the most passes a waiting request is passed over for writers
-HOLD_FOR_WRITERS = 0
+HOLD_FOR_WRITERS = 4
 
 
 def _check_args(cache, requests, *, accept_rate, seed, writer, step_s, record, time_model, sample_s, host,

@@ -176,6 +176,7 @@ class PrefixCache:
         ck = self._tentative(slot)
         self._tent_u[slot] = self._tent_b[slot] = 0
         req = self.requests[self.alloc.rid_of[slot]]
+        self.alloc.keep_own_tail(slot, ck.boundary_tokens, ck.swa_pages)   # the writer may still read it
         self._place(ck, req.path, req)
         self.stats.writer_points_read += 1
 
@@ -401,7 +402,9 @@ class PrefixCache:
             now = self.policy.keep(self._tent_div.take(slots), boundaries // self.P)
             if now[now.argmax()]:
                 for slot in slots[now].tolist():
-                    self._keep_intermediate(slot, self._tentative(slot))
+                    ck = self._tentative(slot)
+                    self.alloc.keep_own_tail(slot, ck.boundary_tokens, ck.swa_pages)   # it may still read it
+                    self._keep_intermediate(slot, ck)
                 self._tent_u[slots[now]] = 0
 
     def _tentative(self, slot: int):
