@@ -357,7 +357,8 @@ class Sharing:
         window's bookkeeping at once: swa_lo moves past it, so retiring never meets it again. The
         request still reads it, with no reference counted, which is safe: the earliest this
         capture can be dropped is at the request's next boundary, page_tokens >= window - 1 tokens
-        on, when the tail has left its window. Otherwise (a page it shares, older pages it still
+        on, when the tail has left its window (a capture decided sooner, kept at once or read by
+        another request, puts the tail back in the window with a reference: keep_own_tail). Otherwise (a page it shares, older pages it still
         holds) the tail stays in its window with a reference for it, as shared pages do, until
         retired. (One take from the flat table with a [tail, m] index: a 2-D fancy index into
         the table costs several times more on a batch this size, and this runs every upkeep.)"""
