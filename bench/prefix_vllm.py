@@ -135,11 +135,16 @@ class VllmReplay:
         from kvatlas.integrations.vllm import offline as kv
         self.version = vllm.__version__
         self.eng = kv.build_engine(MODEL, budget, prefix_cache_retention_interval=retention, **SERVING)
-        if window:   # vLLM 0.34's cache-aware admission (read by its scheduler at every schedule())
-            config = self.eng.scheduler.scheduler_config
-            if not hasattr(config, "cache_aware_admission_window"):
+        if window:   # vLLM 0.34's cache-aware admission
+            sched = self.eng.scheduler
+            if not hasattr(sched.scheduler_config, "cache_aware_admission_window"):
                 raise SystemExit(f"--admission-window: vLLM {self.version} has no cache_aware_admission_window (0.34+)")
-            config.cache_aware_admission_window = window
+            # the scheduler copies the window from its config when it is built (as `cache_aware_window`,
+            # 0 unless prefix caching is on and the policy FCFS): set both, and check it took
+            sched.scheduler_config.cache_aware_admission_window = window
+            if not hasattr(sched, "cache_aware_window"):
+                raise SystemExit(f"--admission-window: vLLM {self.version}'s scheduler keeps no cache_aware_window")
+            sched.cache_aware_window = window
         logging.getLogger("vllm").setLevel(logging.WARNING)   # no per-request log lines
         self.requests, self.tm = requests, tm
         self.index = {r.id: i for i, r in enumerate(requests)}
