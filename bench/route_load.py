@@ -9,7 +9,8 @@ events on ZMQ) and `kvatlas route` in front, each its own process. In one run:
 2. throughput: 64 concurrent clients for `--seconds`, through the router, then the same 64 clients
    for the same time straight to the replicas (round robin): requests/s of each and their ratio;
 3. the router's resident memory (VmRSS) sampled every second during its run: first sample after
-   warm-up, last, max.
+   warm-up, last, max; and its CPU time (all threads: the HTTP loop and the event subscribers) per
+   request over the run, a figure that other jobs on the machine inflate far less than latency.
 
 Prompts are token ids (1024 tokens: one of 16 shared 768-token prefixes + a unique tail), so the
 router tokenizes nothing but predicts and scores every request against the replicas' events.
@@ -36,6 +37,13 @@ def prompts(n: int, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
     prefixes = [[rng.randrange(10, 120000) for _ in range(768)] for _ in range(16)]
     return [prefixes[i % 16] + [rng.randrange(10, 120000) for _ in range(256)] for i in range(n)]
+
+
+def cpu_s(pid: int) -> float:
+    """The process's CPU time so far (user + system, all its threads), seconds."""
+    with open(f"/proc/{pid}/stat") as fh:
+        fields = fh.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def rss_kib(pid: int) -> int:
@@ -104,10 +112,13 @@ async def load(urls: list[str], clients: int, seconds: float, pid: int | None) -
             await asyncio.sleep(1.0)
 
     t0 = time.monotonic()
+    cpu0 = cpu_s(pid) if pid else None
     tasks = [client(c) for c in range(clients)] + ([sampler()] if pid else [])
     await asyncio.gather(*tasks)
     wall = time.monotonic() - t0
     out = {"clients": clients, "seconds": wall, "requests": done[0], "errors": errors[0], "rps": done[0] / wall}
+    if pid:     # what the router spends a request, all its threads: robust to a box others load
+        out["cpu_ms_per_request"] = 1e3 * (cpu_s(pid) - cpu0) / max(done[0], 1)
     if mem:
         warm = mem[min(2, len(mem) - 1)]
         out.update(rss_first_kib=warm, rss_last_kib=mem[-1], rss_max_kib=max(mem[2:] or mem),

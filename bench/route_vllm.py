@@ -18,13 +18,14 @@ count) then say which replica served it and what it really resumed. Per policy:
 - cluster hit ratio: engines' cached tokens / prompt tokens, over the run;
 - exactness: the share of requests whose predicted device tokens (router's /metrics histogram
   `kvatlas_route_prediction_error_tokens`, and the /score answer just before) equal the engine's
-  count; and the same for the full group alone (what `main_group_prefix` scores), with its mean
-  over-prediction;
+  count — resident at routing time, and expected including the prefixes in flight there
+  (`kvatlas_route_expected_error_tokens`, /score's `expected_tokens`); and the same for the full
+  group alone (what `main_group_prefix` scores), with its mean over-prediction;
 - the router's own routing time (tokenize + predict + score; its /metrics histogram) p50/p99;
 - every request answered (HTTP 200), the router's exit status.
 
     python bench/route_vllm.py --trace TRACE.jsonl [--start 0] [--requests 120] [--replicas 4] [--memory 32GiB]
-        [--policies kvatlas,main_group_prefix,round_robin,least_loaded] [--max-tokens 16]
+        [--policies kvatlas,main_group_prefix,round_robin,least_loaded] [--max-tokens 16] [--weights N=V,...]
         [--json FILE]
 
 Run it with a Python that has vLLM 0.34 and kvatlas (PYTHONPATH=src from a checkout).
@@ -85,10 +86,10 @@ class Replica:
 
 
 class Router:
-    def __init__(self, model: str, replicas: list[Replica], policy: str) -> None:
+    def __init__(self, model: str, replicas: list[Replica], policy: str, weights: str | None = None) -> None:
         self.port = free_ports(1)[0]
         argv = [sys.executable, "-m", "kvatlas", "route", model, "--port", str(self.port), "--policy", policy,
-                "--health-interval-s", "0.5", "--stale-after-s", "10"]
+                "--health-interval-s", "0.5", "--stale-after-s", "10"] + (["--weights", weights] if weights else [])
         for r in replicas:
             argv += ["--replica", r.flag()]
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -144,6 +145,7 @@ async def replay(router_url: str, requests, max_tokens: int) -> list[dict]:
         rows.append({"i": i, "status": status, "replica": replica, "sent_s": sent, "latency_s": done - sent,
                      "prompt": len(ids), "cached": (usage.get("prompt_tokens_details") or {}).get("cached_tokens"),
                      "scored_choice": score["choice"]["replica"], "predicted": cand.get("device_tokens"),
+                     "expected": cand.get("expected_tokens"),
                      "main_group": min(cand.get("main_group_tokens", 0), len(ids) - 1) if cand else None,
                      "best_device": max(c["device_tokens"] for c in score["candidates"]),
                      "best_main_group": max(min(c.get("main_group_tokens", 0), len(ids) - 1) for c in score["candidates"]),
@@ -159,11 +161,15 @@ def summarize(policy: str, rows: list[dict], metrics_text: str, rc: int, err: st
     prompt = sum(r["prompt"] for r in ok)
     cached = sum(r["cached"] for r in ok)
     exact = sum(r["predicted"] == r["cached"] for r in ok)
+    expected_exact = sum(r["expected"] == r["cached"] for r in ok)
     main_exact = sum(r["main_group"] == r["cached"] for r in ok)
     over = [r["main_group"] - r["cached"] for r in ok if r["main_group"] is not None]
     m_exact = (metric(metrics_text, "kvatlas_route_prediction_error_tokens_bucket", le="0.0")
                - metric(metrics_text, "kvatlas_route_prediction_error_tokens_bucket", le="-1.0"))
     m_count = metric(metrics_text, "kvatlas_route_prediction_error_tokens_count")
+    e_exact = (metric(metrics_text, "kvatlas_route_expected_error_tokens_bucket", le="0.0")
+               - metric(metrics_text, "kvatlas_route_expected_error_tokens_bucket", le="-1.0"))
+    e_count = metric(metrics_text, "kvatlas_route_expected_error_tokens_count")
     per = {}
     for r in ok:
         per.setdefault(r["replica"], 0)
@@ -172,6 +178,8 @@ def summarize(policy: str, rows: list[dict], metrics_text: str, rc: int, err: st
             "prompt_tokens": prompt, "cached_tokens": cached, "hit_ratio": cached / prompt if prompt else 0.0,
             "score_exact": exact / len(ok) if ok else None,
             "metrics_exact": m_exact / m_count if m_count else None, "metrics_count": m_count,
+            "score_expected_exact": expected_exact / len(ok) if ok else None,
+            "metrics_expected_exact": e_exact / e_count if e_count else None,
             "main_group_exact": main_exact / len(ok) if ok else None,
             "main_group_overpredicted_tokens_mean": sum(over) / len(over) if over else None,
             "requests_by_replica": dict(sorted(per.items())),
@@ -182,11 +190,11 @@ def summarize(policy: str, rows: list[dict], metrics_text: str, rc: int, err: st
             "retried": metric(metrics_text, "kvatlas_route_requests_total", reason="retry")}
 
 
-def run_policy(model, replicas, policy, requests, max_tokens):
+def run_policy(model, replicas, policy, requests, max_tokens, weights=None):
     import urllib.request
     for r in replicas:
         urllib.request.urlopen(urllib.request.Request(r.url + "/_reset", data=b"{}", method="POST"), timeout=120).read()
-    router = Router(model, replicas, policy)
+    router = Router(model, replicas, policy, weights)
     try:
         deadline = time.monotonic() + 60
         while not all(x["up"] for x in get(router.url + "/state")["replicas"]):
@@ -212,6 +220,7 @@ def main() -> None:
     ap.add_argument("--model", default="deepseek-v4-flash")
     ap.add_argument("--policies", default=POLICIES)
     ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--weights", help="the routers' --weights (e.g. in_flight=4096,running=1024,waiting=8192)")
     ap.add_argument("--json")
     ap.add_argument("--rows", action="store_true", help="keep every request's row in the JSON")
     args = ap.parse_args()
@@ -231,7 +240,8 @@ def main() -> None:
             r.ready()
         out["replica_start_s"] = time.monotonic() - t
         for policy in args.policies.split(","):
-            res, rows, _ = run_policy(args.model, reps, policy, requests, args.max_tokens)
+            res, rows, _ = run_policy(args.model, reps, policy, requests, args.max_tokens, args.weights)
+            res["weights"] = args.weights
             print(json.dumps(res), flush=True)
             res["rows"] = rows if args.rows else None
             out["policies"].append(res)

@@ -1,6 +1,6 @@
 """Routing policies side by side on N vLLM engine cores (the issue-36 harness).
 
-Each replica is vLLM 0.33's real engine core (its scheduler, hybrid KV cache manager and ZMQ
+Each replica is vLLM's real engine core (0.33 or 0.34, whichever the Python running this has) (its scheduler, hybrid KV cache manager and ZMQ
 KV-event publisher with a replay socket, on loopback), built offline on the CPU by
 `kvatlas.integrations.vllm.replica.ReplicaServer`: all in this process by default (one import of
 vLLM, what a 2-core machine affords), each in a process of its own with `--processes`. Either way the
@@ -18,15 +18,20 @@ batch the replicas published (a bounded wait; what is still missing is counted a
 Per policy and N: cluster hit ratio (the engines' own `num_local_cached_tokens` per request, over
 prompt tokens), load balance (max/mean of the replicas' running requests, sampled at each arrival
 when any runs; and of requests assigned), mean TTFT (virtual), and prediction exactness: kvatlas's
-predicted device tokens for the chosen replica against what the engine then reported, under every
-policy; a miss is classified: `lag` (the index was behind vLLM's own answer at routing time),
-`in_flight` (right at routing time; the cache changed before the request was scheduled: admissions,
-evictions), `wrong`. Beside it the full group's prefix (what main_group_prefix scores) against the
+predicted device tokens for the chosen replica (resident at routing time) against what the engine
+then reported, under every policy, and the same for what it expected including the prefixes in
+flight there (the prompts sent to that replica and not finished, `kvatlas.routing.inflight`); a miss
+of the first is classified: `lag` (the index was behind vLLM's own answer at routing time),
+`in_flight_prefix` (right at routing time; the engine then resumed from the end of a prompt in
+flight there, as expected), `admission` (right at routing time; the cache changed otherwise before
+the request was scheduled: a follower admitted in the same step as its writer's last chunk, an
+eviction), `wrong`. Beside it the full group's prefix (what main_group_prefix scores) against the
 same report, and how often it promised more than came.
 
     .venv-vllm/bin/python bench/routing_cluster.py --trace TRACE.jsonl [--start 0] [--requests 100]
         [--replicas 2,4,8] [--budgets 32GiB,64GiB] [--max-tokens 16] [--processes] [--json FILE]
         [--policies kvatlas,main_group_prefix,round_robin,least_loaded,oracle]
+        [--variant kvatlas:in_flight_prefix=0,waiting=2048 ...]   (a policy with Weights changed: a sweep)
 
 The N = 2 and 4 runs use the first replicas of the N = 8 set (each emptied, `reset_prefix_cache`, and
 the index with it, before every run).
@@ -47,7 +52,7 @@ import numpy as np
 
 from kvatlas.driving.timemodel import default_time_model
 from kvatlas.driving.traces import read_trace
-from kvatlas.routing import Fleet, PrefixIndex, ReplicaLoad, groups_from_metadata, make_policy
+from kvatlas.routing import Fleet, InFlightPrefixes, PrefixIndex, ReplicaLoad, Weights, groups_from_metadata, make_policy
 
 MODEL = "deepseek-v4-flash"
 SERVING = {"max_num_seqs": 256, "max_num_batched_tokens": 8192, "async_scheduling": False,
@@ -125,7 +130,8 @@ def caught_up(fleet: Fleet, replicas, timeout_s: float = 2.0) -> bool:
         time.sleep(0.001)
 
 
-def run_policy(name: str, replicas, fleet: Fleet, index: PrefixIndex, requests, max_tokens: int) -> dict:
+def run_policy(name: str, replicas, fleet: Fleet, index: PrefixIndex, requests, max_tokens: int,
+               weights: Weights | None = None) -> dict:
     for r in replicas:
         ok, r.published = r.call("reset")
         assert ok, f"{r.name}: reset_prefix_cache refused"
@@ -136,7 +142,11 @@ def run_policy(name: str, replicas, fleet: Fleet, index: PrefixIndex, requests, 
         index.mark_stale(r.name, 0, None)
     by_name = {r.name: r for r in replicas}
     oracle = (lambda rep, tokens: by_name[rep].call("hit", tokens)) if name == "oracle" else None
-    policy = make_policy(name, index=index, oracle=oracle)
+    now = [0.0]                       # the virtual clock, for the prefixes in flight (their timeout)
+    # the prompts sent and not finished, under every policy (the exactness accounting's "expected
+    # incl. in flight"); kvatlas and oracle score from the same object
+    in_flight_prefixes = InFlightPrefixes(index.rule.align_tokens, clock=lambda: now[0])
+    policy = make_policy(name, index=index, oracle=oracle, weights=weights, in_flight=in_flight_prefixes)
     tm = default_time_model()
     free_at = {r.name: 0.0 for r in replicas}
     work = {r.name: False for r in replicas}
@@ -150,7 +160,7 @@ def run_policy(name: str, replicas, fleet: Fleet, index: PrefixIndex, requests, 
         t_step, step_name = min(busy) if busy else (float("inf"), None)
         t_arr = requests[i].arrival_s if i < len(requests) else float("inf")
         if t_arr <= t_step:
-            clock = t_arr
+            clock = now[0] = t_arr
             req = requests[i]
             i += 1
             tokens = req.token_ids().tolist()
@@ -162,11 +172,13 @@ def run_policy(name: str, replicas, fleet: Fleet, index: PrefixIndex, requests, 
                 balance.append(max(running) / (sum(running) / len(running)))
             keys = index.keys(tokens)
             preds = index.predict(keys)
-            chosen = policy.choose(tokens, loads)[0].replica
+            chosen = policy.choose(tokens if name == "oracle" else keys, loads)[0].replica
             truth = by_name[chosen].call("hit", tokens)
             p = preds[chosen]
+            pending = in_flight_prefixes.expected(keys, [chosen]).get(chosen, (0, 0))[0]
+            in_flight_prefixes.add(chosen, req.id, keys)
             rec[req.id] = {"prompt": len(tokens), "kvatlas": p.device_tokens, "main": min(p.main_group_tokens, len(tokens)),
-                           "truth_at_routing": truth, "cached": None}
+                           "expected": max(p.device_tokens, pending), "truth_at_routing": truth, "cached": None}
             where[req.id], arrival[req.id] = chosen, clock
             assigned[chosen] += 1
             in_flight[chosen] += 1
@@ -174,7 +186,7 @@ def run_policy(name: str, replicas, fleet: Fleet, index: PrefixIndex, requests, 
             work[chosen] = True
             free_at[chosen] = max(free_at[chosen], clock)
         else:
-            clock = t_step
+            clock = now[0] = t_step
             r = by_name[step_name]
             out = r.call("step")
             r.published = out["published"]
@@ -185,8 +197,12 @@ def run_policy(name: str, replicas, fleet: Fleet, index: PrefixIndex, requests, 
                 first[rid] = free_at[step_name]
             for rid in out["finished"]:
                 in_flight[where[rid]] -= 1
+                in_flight_prefixes.finish(rid)
             work[step_name] = out["running"] + out["waiting"] > 0
-    return summarize(name, rec, first, arrival, balance, assigned, lag_waits, time.perf_counter() - wall)
+    out = summarize(name, rec, first, arrival, balance, assigned, lag_waits, time.perf_counter() - wall)
+    out["rows"] = {rid: {**r, "replica": where[rid], "arrival_s": arrival[rid], "first_s": first.get(rid)}
+                   for rid, r in rec.items()}
+    return out
 
 
 def summarize(name, rec, first, arrival, balance, assigned, lag_waits, wall_s) -> dict:
@@ -198,15 +214,20 @@ def summarize(name, rec, first, arrival, balance, assigned, lag_waits, wall_s) -
            "balance_assigned": max(assigned.values()) / (sum(assigned.values()) / len(assigned)),
            "ttft_mean_s": float(np.mean([first[k] - arrival[k] for k in first])) if first else None,
            "lag_waits": lag_waits, "wall_s": wall_s}
-    for who in ("kvatlas", "main"):
+    for who in ("kvatlas", "main", "expected"):
         out[f"{who}_exact"] = sum(r[who] == r["cached"] for r in rows) / len(rows)
-    # kvatlas's misses, by cause: `lag` its index differed from vLLM's own answer at routing time
-    # and that answer held (events not yet applied); `in_flight` right at routing time, the cache
-    # changed before the request was scheduled; `wrong` neither
+    # kvatlas's misses (resident now against what the engine then reported), by cause: `lag` its
+    # index differed from vLLM's own answer at routing time and that answer held (events not yet
+    # applied); right at routing time but the cache changed before the request was scheduled, either
+    # `in_flight_prefix` (the engine resumed from the end of a prompt in flight there, as "expected
+    # incl. in flight" said) or `admission` (anything else that changed it: a follower admitted in
+    # the same step as its writer's last chunk, an eviction); `wrong` neither
     miss = [r for r in rows if r["kvatlas"] != r["cached"]]
+    right_then = [r for r in miss if r["kvatlas"] == r["truth_at_routing"]]
     out["kvatlas_miss"] = {
         "lag": sum(r["kvatlas"] != r["truth_at_routing"] == r["cached"] for r in miss),
-        "in_flight": sum(r["kvatlas"] == r["truth_at_routing"] for r in miss),
+        "in_flight_prefix": sum(r["expected"] == r["cached"] for r in right_then),
+        "admission": sum(r["expected"] != r["cached"] for r in right_then),
         "wrong": sum(r["kvatlas"] != r["truth_at_routing"] != r["cached"] for r in miss)}
     out["main_over"] = sum(r["main"] > r["cached"] for r in rows)      # main group promised more than came
     return out
@@ -214,8 +235,9 @@ def summarize(name, rec, first, arrival, balance, assigned, lag_waits, wall_s) -
 
 def table(results: list[dict]) -> str:
     lines = ["| budget | N | policy | hit ratio | vs oracle | vs main_group | max/mean running | max/mean assigned "
-             "| TTFT mean s | kvatlas exact | misses lag/in-flight/wrong | main_group exact (over-promised) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| TTFT mean s | kvatlas exact (resident now) | exact incl. in flight | misses lag/in-flight prefix/admission/wrong "
+             "| main_group exact (over-promised) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         peers = {x["policy"]: x for x in results if x["budget"] == r["budget"] and x["n"] == r["n"]}
         ratio = lambda other: (f"{r['hit_tokens'] / peers[other]['hit_tokens']:.3f}"
@@ -223,9 +245,44 @@ def table(results: list[dict]) -> str:
         m = r["kvatlas_miss"]
         lines.append(f"| {r['budget']} | {r['n']} | {r['policy']} | {r['hit_ratio']:.4f} | {ratio('oracle')} | "
                      f"{ratio('main_group_prefix')} | {r['balance_running']:.2f} | {r['balance_assigned']:.2f} | "
-                     f"{r['ttft_mean_s']:.2f} | {r['kvatlas_exact']:.3f} | {m['lag']}/{m['in_flight']}/{m['wrong']} | "
+                     f"{r['ttft_mean_s']:.2f} | {r['kvatlas_exact']:.3f} | {r['expected_exact']:.3f} | "
+                     f"{m['lag']}/{m['in_flight_prefix']}/{m['admission']}/{m['wrong']} | "
                      f"{r['main_exact']:.3f} ({r['main_over']}) |")
     return "\n".join(lines)
+
+
+def start_fleet(replicas, attempts: int = 10):
+    """A fresh index and fleet bound to the replicas' event endpoints. The previous N's fleet bound
+    the same ports a moment ago: a bind refused while the old socket is let go is tried again."""
+    for attempt in range(attempts):
+        index = PrefixIndex(MODEL)
+        fleet = Fleet(index)
+        for r in replicas:
+            fleet.add(r.name, r.endpoint, replay_endpoint=r.replay, idle_probe_s=0.02, bind=True,
+                      groups=groups_from_metadata(index.rule, r.metadata))
+        fleet.start()
+        time.sleep(0.5)
+        refused = [s.stats().stale_reason for s in fleet.subscribers()
+                   if (s.stats().stale_reason or "").startswith("cannot bind")]
+        if not refused:
+            return index, fleet
+        fleet.stop()
+        print(f"fleet: {refused[0]}; trying again", file=sys.stderr)
+        time.sleep(1.0 + attempt)
+    raise SystemExit(f"could not bind the replicas' event endpoints: {refused}")
+
+
+def parse_variant(text: str) -> tuple[str, Weights]:
+    """"kvatlas:in_flight_prefix=0.5,waiting=2048" → ("kvatlas", Weights(in_flight_prefix=0.5, waiting=2048))."""
+    name, _, pairs = text.partition(":")
+    fields = {f.name for f in dataclasses.fields(Weights)}
+    values = {}
+    for pair in filter(None, pairs.split(",")):
+        key, _, value = pair.partition("=")
+        if key not in fields:
+            raise SystemExit(f"--variant {text}: {key!r} is not a Weights field (one of {', '.join(sorted(fields))})")
+        values[key] = float(value)
+    return name, Weights(**values)
 
 
 def main() -> None:
@@ -238,8 +295,15 @@ def main() -> None:
     ap.add_argument("--budgets", default="32GiB,64GiB")
     ap.add_argument("--policies", default=POLICIES)
     ap.add_argument("--max-tokens", type=int, default=16, help="cap on each request's output tokens (CPU time)")
+    ap.add_argument("--variant", action="append", default=[], metavar="POLICY:NAME=VALUE,...",
+                    help="also run POLICY with these Weights changed (repeat for a sweep), e.g. "
+                         "kvatlas:in_flight_prefix=0,waiting=2048")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--rows", action="store_true", help="keep every request's row in the JSON")
     args = ap.parse_args()
+    runs = [(name, name, None) for name in args.policies.split(",") if name]
+    for v in args.variant:
+        runs.append((v, *parse_variant(v)))
     requests, bad = read_trace(str(args.trace))
     assert not bad
     requests = requests[args.start:args.start + args.requests]
@@ -255,19 +319,16 @@ def main() -> None:
                 r.ready()
             print(f"{budget}: {len(replicas)} replicas built in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
             for n in ns:
-                index = PrefixIndex(MODEL)
-                fleet = Fleet(index)
-                for r in replicas[:n]:
-                    fleet.add(r.name, r.endpoint, replay_endpoint=r.replay, idle_probe_s=0.02, bind=True,
-                              groups=groups_from_metadata(index.rule, r.metadata))
-                fleet.start()
-                time.sleep(0.5)
+                index, fleet = start_fleet(replicas[:n])
                 try:
-                    for name in args.policies.split(","):
-                        res = run_policy(name, replicas[:n], fleet, index, requests, args.max_tokens)
-                        res.update(budget=budget, n=n)
+                    for label, name, weights in runs:
+                        res = run_policy(name, replicas[:n], fleet, index, requests, args.max_tokens, weights)
+                        res.update(budget=budget, n=n, policy=label, weights=dataclasses.asdict(weights or Weights()))
                         results.append(res)
-                        print(json.dumps(res), file=sys.stderr, flush=True)
+                        rows = res.pop("rows")
+                        if args.rows:
+                            res["rows"] = rows
+                        print(json.dumps({k: v for k, v in res.items() if k != "rows"}), file=sys.stderr, flush=True)
                 finally:
                     fleet.stop()
         finally:

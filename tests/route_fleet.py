@@ -205,7 +205,7 @@ def route_registry():
     m.requests.labels("a", "retry").inc()
     m.failures.labels("b", "refused").inc()
     m.unserved.inc(0)
-    for predicted, cached in ((512, 512), (0, 256), (1024, 1024)):
-        m.observe_usage("a", predicted, cached, 1500)
+    for predicted, cached, expected in ((512, 512, 512), (0, 256, 256), (1024, 1024, 1024)):
+        m.observe_usage("a", predicted, cached, 1500, expected)
     m.routing.observe(0.0004)
     return m.registry

@@ -110,9 +110,13 @@ def test_metrics_count_usage_against_predictions():
     ranks = [{"replica": "a", "dp_rank": 0, "lag_s": 0.5, "batches": 9, "gaps": 2, "replays": 1, "malformed": 3,
               "stale": True}]
     m = RouteMetrics(lambda: ([s], ranks))
-    m.observe_usage("a", 512, 768, 1000)
+    m.observe_usage("a", 512, 768, 1000, 768)  # resident 512 at routing time, 768 once the prefix in flight is done
     m.observe_usage("a", None, 256, 300)       # no prediction made (stale events): counted, no error sample
     text = generate_latest(m.registry).decode()
+    assert metric(text, "kvatlas_route_expected_cached_tokens_total", replica="a") == 768
+    assert metric(text, "kvatlas_route_expected_error_tokens_count", replica="a") == 1
+    assert metric(text, "kvatlas_route_expected_error_tokens_bucket", replica="a", le="-1.0") == 0
+    assert metric(text, "kvatlas_route_expected_error_tokens_bucket", replica="a", le="0.0") == 1
     assert metric(text, "kvatlas_route_engine_cached_tokens_total", replica="a") == 1024
     assert metric(text, "kvatlas_route_predicted_cached_tokens_total", replica="a") == 512
     assert metric(text, "kvatlas_route_prompt_tokens_total", replica="a") == 1300
@@ -138,3 +142,34 @@ def test_requests_nobody_holds_go_round_every_replica_and_score_takes_no_turn(po
         assert scored == chosen                      # /score answers what the next request gets
         sent.append(chosen)
     assert sent == ["r0", "r1", "r2", "r3"] * 2
+
+
+def test_score_shows_resident_and_in_flight_and_the_router_forgets_what_ended():
+    from kvatlas.routing.choose import Chooser
+    specs = [parse_replica(f"http://127.0.0.1:{4000 + i},name=r{i}", i) for i in range(2)]
+    chooser = Chooser("deepseek-v4-flash", specs, "kvatlas")
+    states = [ReplicaState(spec=s) for s in specs]
+    writer = list(range(100, 9100))                            # 9,000 tokens: its aligned end 8,960
+    prompt = chooser.prompt(writer)
+    first = chooser.rank(prompt, states)[0].replica
+    handle = chooser.sent(first, prompt)
+    doc = chooser.score(writer + [5] * 500, states)
+    rows = {r["replica"]: r for r in doc["candidates"]}
+    assert doc["choice"] == {"replica": first, "dp_rank": None, "reason": "prefix"}
+    assert (rows[first]["device_tokens"], rows[first]["in_flight_tokens"], rows[first]["expected_tokens"]) == (0, 8960, 8960)
+    other = ({"r0", "r1"} - {first}).pop()
+    assert (rows[other]["in_flight_tokens"], rows[other]["expected_tokens"]) == (0, 0)
+    chooser.done(handle)
+    rows = {r["replica"]: r for r in chooser.score(writer + [5] * 500, states)["candidates"]}
+    assert rows[first]["in_flight_tokens"] == 0 and len(chooser.policy.in_flight) == 0
+
+
+def test_weights_flag_sets_the_named_weights_and_refuses_others():
+    from kvatlas.cli.route import parse_weights
+    from kvatlas.routing import Weights
+    assert parse_weights(None) is None
+    assert parse_weights("waiting=2048, fork_prefix=0") == Weights(waiting=2048.0, fork_prefix=0.0)
+    for text, words in (("bogus=1", "NAME one of"), ("waiting", "NAME=VALUE"), ("waiting=x", "not a number"),
+                        ("waiting=-1", "weights.waiting")):
+        with pytest.raises(ConfigError, match=words):
+            parse_weights(text)

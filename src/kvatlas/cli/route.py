@@ -24,6 +24,9 @@ def add_parser(p) -> None:
                    help="a replica: its OpenAI server and KV event endpoint, http://HOST:PORT=tcp://HOST:PORT "
                    "[,replay=tcp://HOST:PORT][,dp=N][,name=NAME]; once per replica")
     p.add_argument("--policy", choices=POLICIES, default="kvatlas", help="how to choose (default kvatlas)")
+    p.add_argument("--weights", metavar="NAME=VALUE,...", help="cost weights in prefill tokens, the rest keep their "
+                   "defaults: prefill_token, cpu_token, storage_token, in_flight_prefix, fork_prefix, in_flight, "
+                   "running, waiting (e.g. waiting=2048,fork_prefix=0)")
     p.add_argument("--tokenizer", metavar="DIR", help="local directory with the model's tokenizer, for text prompts "
                    "and chat (default: MODEL when it is one)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: loopback only)")
@@ -42,6 +45,26 @@ def add_parser(p) -> None:
                    help="on SIGINT/SIGTERM, seconds requests in flight get to finish (default 5)")
 
 
+def parse_weights(text: str | None):
+    """--weights "waiting=2048,fork_prefix=0" → routing.Weights (None: the defaults)."""
+    import dataclasses
+    from ..routing.policy import Weights
+    if text is None:
+        return None
+    names = [f.name for f in dataclasses.fields(Weights)]
+    values = {}
+    for pair in text.split(","):
+        name, sep, value = pair.strip().partition("=")
+        if not sep or name not in names:
+            raise ConfigError("--weights", f"{pair.strip()!r} is not NAME=VALUE with NAME one of {', '.join(names)}",
+                              "e.g. --weights waiting=2048,fork_prefix=0")
+        try:
+            values[name] = float(value)
+        except ValueError:
+            raise ConfigError("--weights", f"{name}={value!r} is not a number", f"e.g. {name}=0.5") from None
+    return Weights(**values)
+
+
 def build_router(args):
     """The Router for parsed arguments (also used by tests and the bench, without the socket)."""
     from ..routing.choose import Chooser
@@ -53,7 +76,8 @@ def build_router(args):
     if tok_path is None and has_tokenizer_files(args.model):
         tok_path = args.model
     tokenizer = PromptTokenizer(tok_path)
-    chooser = Chooser(args.model, specs, args.policy, stale_after_s=args.stale_after_s)
+    chooser = Chooser(args.model, specs, args.policy, stale_after_s=args.stale_after_s,
+                      weights=parse_weights(args.weights))
     return Router(model=_served_name(args.model), specs=specs, chooser=chooser, tokenizer=tokenizer,
                   policy=args.policy, first_byte_timeout_s=args.first_byte_timeout_s,
                   connect_timeout_s=args.connect_timeout_s, health_interval_s=args.health_interval_s,
@@ -64,6 +88,9 @@ def _served_name(model: str) -> str:
     return os.path.basename(os.path.normpath(model)) if os.sep in model else model
 
 
+ROUTE_SWITCH_INTERVAL_S = 0.0005
+
+
 def run(args) -> int:
     from ..observing import server as obs
     warning = obs.check_host(args.host)
@@ -71,6 +98,16 @@ def run(args) -> int:
         print(f"kvatlas route: warning: {warning}", file=sys.stderr, flush=True)
     router = build_router(args)
     logging.basicConfig(level=logging.WARNING, format="kvatlas route: %(message)s")
+    # The subscribers apply event batches on their threads; a request waiting on the GIL meanwhile
+    # gets it back within this interval (Python's default, 5 ms, would be the router's p99 by itself)
+    sys.setswitchinterval(ROUTE_SWITCH_INTERVAL_S)
+    if os.environ.get("KVATLAS_ROUTE_LOOP", "uvloop") == "uvloop":
+        try:
+            import uvloop      # the routing extra installs it (not on Windows): less loop overhead a request
+        except ImportError:
+            pass
+        else:
+            return uvloop.run(_serve(router, args))
     return asyncio.run(_serve(router, args))
 
 

@@ -1,5 +1,5 @@
 """Routing across vLLM replicas by an exact DeepSeek-V4 prefix index built from the engines' own KV
-events. Pure Python (numpy, pyzmq, msgpack: `pip install kvatlas[routing]`); it reads engines'
+events. Pure Python (numpy, pyzmq, msgspec: `pip install kvatlas[routing]`); it reads engines'
 event streams, never their objects, and imports nothing of the cache.
 
 Public API (stable; docs/routing.md has the guide):
@@ -21,7 +21,8 @@ Modules:
 - `events`: kvatlas's event dataclasses (`BlockStored`, `BlockRemoved`, `AllBlocksCleared`,
   `EventBatch`), `MalformedEventError`, `hash_key`.
 - `vllm_events`: vLLM's wire → those (`decode_frames`, `decode_payload`, `decode_seq`,
-  `encode_batch`); all of vLLM's wire format is there.
+  `encode_batch`; a decoded `BlockStored`'s token ids are a `WireTokens`, parsed when first read);
+  all of vLLM's wire format is there.
 - `subscriber`: `Subscriber(endpoint, *, replay_endpoint=None, on_batch, replica, dp_rank, topic,
   on_lost, on_reset, hwm, replay_timeout_s, stale_after_s, idle_probe_s, bind)` with `start()`,
   `stop()`, `stats()` →
@@ -34,9 +35,14 @@ Modules:
   device_tokens, cpu_tokens, storage_tokens, recompute_tokens, main_group_tokens, stale)},
   `keys(token_ids)` (digest once, predict many), `mark_stale`, `clear`, `add_engine`,
   `remove_engine`, `engines()`, `state()`.
-- `policy`: `make_policy(name, index=, weights=, oracle=)` for name in `POLICIES` (kvatlas,
-  main_group_prefix, round_robin, least_loaded, oracle); `Policy.choose(token_ids, loads)` →
-  [`Choice`(replica, cost, predicted_tokens, prediction)] best first; `ReplicaLoad`, `Weights`.
+- `policy`: `make_policy(name, index=, weights=, oracle=, in_flight=)` for name in `POLICIES`
+  (kvatlas, main_group_prefix, round_robin, least_loaded, oracle); `Policy.choose(token_ids | keys,
+  loads)` → [`Choice`(replica, cost, predicted_tokens, prediction, in_flight_tokens)] best first;
+  `Policy.routed(replica, request, prompt)` / `Policy.finished(request)` keep its prefixes in flight;
+  `ReplicaLoad`, `Weights`.
+- `inflight`: `InFlightPrefixes(align_tokens, ttl_s=, max_entries=, clock=)`: per replica the
+  aligned ends of prompts sent there and not finished; `add`, `finish`, `stored`, `expire`,
+  `expected(keys, replicas)` → {replica: (tokens, end digest)}, `state()`.
 - `fleet`: `Fleet(index)`: `add(replica, endpoint, replay_endpoint=, dp_size=, groups=)`,
   `start()`, `stop()`, `remove(replica)`, `subscribers()`, `state()`.
 """
@@ -44,11 +50,12 @@ Modules:
 from .events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, MalformedEventError
 from .fleet import Fleet
 from .index import Prediction, PrefixIndex, PromptKeys
+from .inflight import InFlightPrefixes
 from .policy import POLICIES, Choice, Policy, ReplicaLoad, Weights, make_policy
 from .rule import GroupSpec, HitRule, groups_from_metadata
 from .subscriber import Subscriber, SubscriberStats, rank_endpoint
 
 __all__ = ["AllBlocksCleared", "BlockRemoved", "BlockStored", "Choice", "EventBatch", "Fleet", "GroupSpec",
-           "HitRule", "MalformedEventError", "POLICIES", "Policy", "Prediction", "PrefixIndex", "PromptKeys",
+           "HitRule", "InFlightPrefixes", "MalformedEventError", "POLICIES", "Policy", "Prediction", "PrefixIndex", "PromptKeys",
            "ReplicaLoad", "Subscriber", "SubscriberStats", "Weights", "groups_from_metadata", "make_policy",
            "rank_endpoint"]

@@ -13,7 +13,9 @@ of subscribers and policy (`index.py`, `fleet.py`, `policy.py`), with what a liv
 - ties (no replica holds any of a prompt, equal loads) go round the replicas in turn;
 - the DP rank: a request goes to the rank whose cache holds the most of it (vLLM's
   `X-data-parallel-rank`); with no hit anywhere vLLM's own balancing picks the rank;
-- per replica, the first answer that must have published with no event seen since, for the rule above.
+- per replica, the first answer that must have published with no event seen since, for the rule above;
+- the prefixes in flight (kvatlas's policy, `inflight.py`): the router tells the policy each prompt
+  it sends (`sent`) and each request that ends, answered or failed (`done`).
 
 Everything here runs on the router's event loop; the subscribers run on their own threads and the
 index locks per engine, so nothing on the request path waits on the network.
@@ -39,8 +41,9 @@ class Candidate:
     replica: str
     dp_rank: int | None             # the rank to pin to (None: let the replica choose)
     reason: str                     # prefix, load, policy
-    predicted_tokens: int | None    # what the router counts as resumable there (None: nothing predicted)
+    predicted_tokens: int | None    # what the router counts as resumable there now (None: nothing predicted)
     cost: float
+    in_flight_tokens: int = 0       # beyond that, what prefixes in flight there add once computed
 
 
 class Chooser:
@@ -62,6 +65,7 @@ class Chooser:
         self.unconfirmed_s: dict[tuple[str, int], float] = {}
         self._turn = itertools.count()
         self._refreshed_s = float("-inf")
+        self._sent = itertools.count()
 
     async def start(self) -> None:
         self.fleet.start()
@@ -118,6 +122,23 @@ class Chooser:
         if last is None or last < now - CONFIRM_SLACK_S:
             self.unconfirmed_s.setdefault(key, now)
 
+    # --- prefixes in flight ------------------------------------------------------------------------
+    def prompt(self, token_ids):
+        """What `rank` and `sent` take: the prompt's digests when the policy keeps prefixes in
+        flight (computed once), else the token ids."""
+        keys = self.policy.keys(token_ids)
+        return token_ids if keys is None else keys
+
+    def sent(self, replica: str, prompt) -> int:
+        """A request with this prompt (`prompt(...)`) goes to `replica`; the handle for `done`."""
+        handle = next(self._sent)
+        self.policy.routed(replica, handle, prompt)
+        return handle
+
+    def done(self, handle: int) -> None:
+        """That request ended (answered, failed, or the client went away)."""
+        self.policy.finished(handle)
+
     # --- ranking ---------------------------------------------------------------------------------
     def rank(self, token_ids, states, *, advance: bool = True) -> list[Candidate]:
         """The replicas best first. `advance=False` (POST /score) answers as the next request would be
@@ -148,12 +169,12 @@ class Chooser:
             if self.policy_name in ("round_robin", "least_loaded"):
                 reason = "policy"
             else:
-                reason = "prefix" if c.predicted_tokens > 0 else "load"
+                reason = "prefix" if c.predicted_tokens > 0 or c.in_flight_tokens > 0 else "load"
             pin = p.rank if p is not None and not p.stale and p.device_tokens > 0 else None
             if self.specs[c.replica].dp_size == 1:
                 pin = 0 if pin is not None else None
             out.append(Candidate(replica=c.replica, dp_rank=pin, reason=reason, predicted_tokens=predicted,
-                                 cost=c.cost))
+                                 cost=c.cost, in_flight_tokens=c.in_flight_tokens))
         self._last_choices = choices
         return out
 
@@ -165,9 +186,12 @@ class Chooser:
         for c in cands:
             p = by_name[c.replica].prediction
             s = st[c.replica]
+            device = p.device_tokens if p is not None and not p.stale else 0
             rows.append({"replica": c.replica, "dp_rank": p.rank if p is not None else None, "up": s.up,
                          "stale": p is None or p.stale,
-                         "device_tokens": p.device_tokens if p else 0, "cpu_tokens": p.cpu_tokens if p else 0,
+                         "device_tokens": p.device_tokens if p else 0,
+                         "in_flight_tokens": c.in_flight_tokens, "expected_tokens": device + c.in_flight_tokens,
+                         "cpu_tokens": p.cpu_tokens if p else 0,
                          "storage_tokens": p.storage_tokens if p else 0,
                          "recompute_tokens": p.recompute_tokens if p else len(token_ids),
                          "main_group_tokens": p.main_group_tokens if p else 0,

@@ -11,6 +11,7 @@ The hash says where a prefix ends, not which group holds it: a block is always n
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 from ..errors import KvatlasError
 
@@ -53,7 +54,7 @@ class BlockStored:
 
     block_hashes: tuple[int, ...]
     parent_hash: int | None          # the block before the range (None: the range starts at token 0)
-    token_ids: list[int]             # read-only
+    token_ids: Sequence[int]         # read-only: a list, an unsigned numpy array, or vllm_events.WireTokens
     block_tokens: int
     group: int | None                # None: an engine with one group
     medium: str = "GPU"

@@ -10,14 +10,17 @@ them apart. Several copies of one (group, hash) may be cached at once: each is c
 
 Matching a prompt without the engine's hash. The full group's blocks are placed on the prompt by
 the router's own digest (`digest.py`): a `BlockStored` of the full group carries its tokens and its
-parent, so the digest of each block's prefix follows from the parent's (or from token 0), and the
-index keeps digest → hash for each one. A sliding group keeps only the tail blocks that can serve a
+parent, so the digest of each block's prefix follows from the parent's (or from token 0). The key
+of a block is one int, (its block count from token 0 << 64) | the digest there: the full group's
+table keeps hash → key, and `by_key` key → hash, both naming the same int object (two dict entries
+and two ints a block: the index's memory is mostly these). A sliding group keeps only the tail blocks that can serve a
 hit: runs of `tail_blocks` blocks ending at a 256-aligned boundary, whose last block shares its hash
 with the full group's block there (the anchor). The index keeps, for each anchor, the hash of the
 block at each offset before it; hash values are content-determined, so the offset map is shared by
 every group and never needs the tokens. A run split over two steps is joined through the second
 event's parent. What cannot be placed (a parent never seen, LoRA or salted prefixes) is counted in
-`unplaced_blocks` and never predicted as a hit.
+`unplaced_blocks` and never predicted as a hit. A sliding group's table keeps hash → copies; the
+full group's keeps one copy per entry, further copies of one (medium, group, hash) counted in `dups`.
 
 The prediction for a prompt of n tokens: the full group's run of resident blocks from token 0
 (`main_group_tokens`, what a main-group router scores), then the largest 256-aligned b ≤ min(that,
@@ -27,6 +30,7 @@ Per medium: GPU alone (`device_tokens`), then GPU+CPU and GPU+CPU+STORAGE for wh
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -39,7 +43,8 @@ from .rule import FULL, SLIDING, GroupSpec, HitRule
 
 _M64 = (1 << 64) - 1
 _GOLD = 0x9E3779B97F4A7C15
-_UNPLACED = -1
+_UNPLACED = -1                  # a full-group block whose prefix is not known (no key)
+_PARTIAL = -2                   # a full-group entry shorter than its block (vLLM's partial entries)
 _MEDIA_SETS = (("GPU",), ("GPU", "CPU"), ("GPU", "CPU", "STORAGE"))
 
 
@@ -97,9 +102,13 @@ class _Engine:
         self._reset()
 
     def _reset(self) -> None:
+        # medium → group → table: a sliding group's hash → copies; a full group's hash → its key
+        # ((block count << 64) | digest), _UNPLACED or _PARTIAL, one copy (more in `dups`)
         self.res: dict[str, dict[int, dict[int, int]]] = {m: {} for m in MEDIA}
-        self.place: dict[int, int] = {}      # full-group hash → (block count << 64) | digest, or _UNPLACED
-        self.by_key: dict[int, int] = {}     # digest → full-group hash
+        self.dups: dict[tuple[str, int, int], int] = {}   # (medium, full group, hash) → copies beyond one
+        self.by_key: dict[int, int] = {}     # key → full-group hash
+        self._full_tables: list[dict] | None = None       # every full group's table on every medium
+        self._shape_cache = None
         self.back: dict[int, int] = {}       # (anchor hash, offset) → hash of the block that far before it
         self.pending: OrderedDict = OrderedDict()   # (group, last hash) → run awaiting its anchor
 
@@ -114,17 +123,32 @@ class _Engine:
         spec = self.groups.get(index)
         if spec is None:
             spec = self.groups[index] = self.rule.group_of(index, block, kind, window)
+            self._full_tables = self._shape_cache = None
             if index not in self.fixed_groups:
                 self.learned.add(index)
         elif spec.block_tokens != block:
             if spec.kind == FULL and spec.block_tokens % block == 0:
                 return spec
             if index in self.learned and block == self.rule.full_block_tokens:
+                was = spec
                 spec = self.groups[index] = self.rule.group_of(index, block, kind, window)
+                self._full_tables = self._shape_cache = None
+                if spec.kind == FULL and was.kind != FULL:
+                    self._entries_were_partial(index)
                 return spec
             raise ConfigError(f"group {index}", f"published {block}-token blocks, learned as {spec.block_tokens}",
                               "the engine's group layout changed: restart the router's subscription")
         return spec
+
+    def _entries_were_partial(self, group: int) -> None:
+        """A group first seen through smaller entries, now known as the full group: what it holds
+        were partial entries (hash → copies until now)."""
+        for m in MEDIA:
+            table = self.res[m].get(group)
+            for h, copies in list((table or {}).items()):
+                table[h] = _PARTIAL
+                if copies > 1:
+                    self.dups[(m, group, h)] = copies - 1
 
     def full_groups(self) -> list[int]:
         return [g.index for g in self.groups.values() if g.kind == FULL]
@@ -146,6 +170,8 @@ class _Engine:
                 spec = self.group(e.group, e.block_tokens, e.kind, e.sliding_window_tokens)
                 if spec.kind == FULL and spec.block_tokens == e.block_tokens:
                     batch_anchors.update(e.block_hashes)
+                    if hasattr(e.token_ids, "tokens_array"):
+                        e.token_ids.tokens_array()   # decoded now: a malformed one fails the batch before any change
         for e in batch.events:
             if isinstance(e, BlockStored):
                 self._stored(e, batch_anchors)
@@ -157,45 +183,81 @@ class _Engine:
         self.counters["batches"] += 1
         self.last_batch_ts = batch.ts
 
-    def _count(self, medium: str, group: int, hashes) -> dict:
-        table = self.res[medium].setdefault(group, {})
-        for h in hashes:
-            table[h] = table.get(h, 0) + 1
-        self.counters["stored_blocks"] += len(hashes)
+    def _table(self, medium: str, group: int) -> dict:
+        table = self.res[medium].get(group)
+        if table is None:
+            table = self.res[medium][group] = {}
+            self._full_tables = self._shape_cache = None
         return table
+
+    def full_tables(self) -> list[dict]:
+        if self._full_tables is None:
+            full = set(self.full_groups())
+            self._full_tables = [t for m in MEDIA for g, t in self.res[m].items() if g in full]
+        return self._full_tables
+
+    def _place_of(self, h: int) -> int | None:
+        """A full-group block's key (or _UNPLACED) on any medium; None where no full table holds it
+        as a whole block."""
+        found = None
+        for t in self.full_tables():
+            v = t.get(h)
+            if v is not None and v != _PARTIAL:
+                if v >= 0:
+                    return v
+                found = v
+        return found
 
     def _stored(self, e: BlockStored, batch_anchors: set) -> None:
         spec = self.group(e.group, e.block_tokens, e.kind, e.sliding_window_tokens)
-        self._count(e.medium, spec.index, e.block_hashes)
+        table = self._table(e.medium, spec.index)
+        hashes = e.block_hashes
+        self.counters["stored_blocks"] += len(hashes)
         keyed = e.lora_name is None and not (e.extra_keys and any(k is not None for k in e.extra_keys))
-        if spec.kind == FULL and spec.block_tokens != e.block_tokens:
-            return                                   # a partial entry: never part of an aligned hit
-        if spec.kind == FULL:
-            self._place_full(e, keyed)
-        elif keyed:
-            self._place_run(e, spec, batch_anchors)
-        else:
-            self.counters["unplaced_blocks"] += len(e.block_hashes)
-
-    def _place_full(self, e: BlockStored, keyed: bool) -> None:
-        block, hashes = e.block_tokens, e.block_hashes
-        start = 0 if e.parent_hash is None else self.place.get(e.parent_hash, _UNPLACED)
-        if not keyed or start == _UNPLACED or len(e.token_ids) != len(hashes) * block:
-            self.counters["unplaced_blocks"] += len(hashes)
+        if spec.kind != FULL:
             for h in hashes:
-                self.place.setdefault(h, _UNPLACED)
+                table[h] = table.get(h, 0) + 1
+            if keyed:
+                self._place_run(e, spec, batch_anchors)
+            else:
+                self.counters["unplaced_blocks"] += len(hashes)
             return
+        if spec.block_tokens != e.block_tokens:     # a partial entry: never part of an aligned hit
+            self._put(table, e.medium, spec.index, hashes, [_PARTIAL] * len(hashes))
+            return
+        self._put(table, e.medium, spec.index, hashes, self._keys_full(e, keyed))
+
+    def _put(self, table: dict, medium: str, group: int, hashes, values) -> None:
+        by_key = self.by_key
+        for h, v in zip(hashes, values):
+            old = table.get(h)
+            if old is not None:
+                self.dups[(medium, group, h)] = self.dups.get((medium, group, h), 0) + 1
+                if old >= 0 or v < 0 or old == _PARTIAL:
+                    continue
+            table[h] = v
+            if v >= 0:
+                by_key[v] = h
+
+    def _keys_full(self, e: BlockStored, keyed: bool) -> list[int]:
+        """Each stored block's key, or _UNPLACED (its existing key, if another medium placed it)."""
+        block, hashes = e.block_tokens, e.block_hashes
+        start = 0 if e.parent_hash is None else self._place_of(e.parent_hash)
+        if not keyed or start is None or start == _UNPLACED or len(e.token_ids) != len(hashes) * block:
+            self.counters["unplaced_blocks"] += len(hashes)
+            out = []
+            for h in hashes:
+                v = self._place_of(h)
+                out.append(_UNPLACED if v is None else v)
+            return out
         first = start >> 64
-        keys = self.digester.boundary_keys(e.token_ids, block, first * block, start & _M64)
-        for j, (h, k) in enumerate(zip(hashes, keys)):
-            self.place[h] = ((first + j + 1) << 64) | k
-            self.by_key[k] = h
+        return self.digester.block_keys(e.token_ids, block, first, start & _M64)
 
     def _place_run(self, e: BlockStored, spec: GroupSpec, batch_anchors: set) -> None:
         before = spec.tail_blocks - 1
         run = list(self.pending.pop((spec.index, e.parent_hash), ())) if e.parent_hash is not None else []
         for h in e.block_hashes:
-            if h in self.place or h in batch_anchors:
+            if h in batch_anchors or self._place_of(h) is not None:
                 if len(run) > before:
                     self.counters["unplaced_blocks"] += len(run) - before
                 for j in range(1, min(len(run), before) + 1):
@@ -217,20 +279,30 @@ class _Engine:
     def _removed(self, e: BlockRemoved) -> None:
         spec = self.groups.get(0 if e.group is None else e.group)
         table = self.res[e.medium].get(spec.index) if spec is not None else None
+        full = spec is not None and spec.kind == FULL
         for h in e.block_hashes:
-            count = table.get(h, 0) if table is not None else 0
-            if count == 0:
+            value = table.get(h) if table is not None else None
+            if value is None:
                 self.counters["unknown_removals"] += 1
                 continue
             self.counters["removed_blocks"] += 1
-            if count > 1:
-                table[h] = count - 1
+            if not full:
+                if value > 1:
+                    table[h] = value - 1
+                else:
+                    del table[h]
+                continue
+            dup = (e.medium, spec.index, h)
+            extra = self.dups.get(dup)
+            if extra:
+                if extra > 1:
+                    self.dups[dup] = extra - 1
+                else:
+                    del self.dups[dup]
                 continue
             del table[h]
-            if spec.kind == FULL and not any(h in self.res[m].get(g, ()) for m in MEDIA for g in self.full_groups()):
-                packed = self.place.pop(h, _UNPLACED)
-                if packed != _UNPLACED and self.by_key.get(packed & _M64) == h:
-                    del self.by_key[packed & _M64]
+            if value >= 0 and self.by_key.get(value) == h and self._place_of(h) is None:
+                del self.by_key[value]
 
     def _sliding_blocks(self) -> int:
         return sum(len(t) for m in MEDIA for g, t in self.res[m].items() if self.groups[g].kind == SLIDING)
@@ -245,15 +317,19 @@ class _Engine:
 
     # ---- prediction ------------------------------------------------------------------------------
 
+    def _shape(self) -> tuple[list[int], list[GroupSpec], bool]:
+        """(full groups, sliding groups, no hit possible yet): what predict needs of the groups."""
+        if self._shape_cache is None:
+            self._shape_cache = (self.full_groups(), self.sliding_groups(), self.missing_kinds())
+        return self._shape_cache
+
     def predict(self, prompt: PromptKeys) -> tuple[int, int, int, int]:
         """(device, +cpu, +storage resumable tokens, main-group tokens) for one prompt."""
         align = self.rule.align_tokens
         cap = max(prompt.prompt_tokens - 1, 0) // align
-        full = self.full_groups()
+        full, sliding, impossible = self._shape()
         if not full or prompt.block_tokens != align:
             return 0, 0, 0, 0
-        sliding = self.sliding_groups()
-        impossible = self.missing_kinds()
         out, main = [], 0
         for n, media in enumerate(_MEDIA_SETS):
             if n and not any(self.res[m] for m in media[1:]):
@@ -276,13 +352,10 @@ class _Engine:
             return run
         by_key = self.by_key
         if len(tables) == 1 and len(tables[0]) == 1:          # one full group on one medium: the common case
-            table = tables[0][0]
-            for k in keys:
-                h = by_key.get(k)
-                if h is None or h not in table:
-                    break
-                run.append(h)
-            return run
+            # in C (map), not a Python loop: the prompt's blocks up to the first the table lacks
+            hashes = list(map(by_key.get, keys))
+            held = list(map(tables[0][0].__contains__, hashes))   # (None, for a key not placed: False)
+            return hashes[:held.index(False)] if False in held else hashes
         for k in keys:
             h = by_key.get(k)
             if h is None or not all(any(h in t for t in ts) for ts in tables):
@@ -305,14 +378,12 @@ class _Engine:
             groups.append((g, tables))
         groups.sort(key=lambda gt: sum(len(t) for t in gt[1]))     # the sparsest group rules most boundaries out
         first, first_tables = groups[0]
-        single = first_tables[0] if len(first_tables) == 1 else None
-        for b in range(top, 0, -1):
+        if len(first_tables) == 1:     # the boundaries where the sparsest group has its anchor, found in C
+            candidates = list(itertools.compress(range(1, top + 1), map(first_tables[0].__contains__, hashes[:top])))
+        else:
+            candidates = [b for b in range(1, top + 1) if any(hashes[b - 1] in t for t in first_tables)]
+        for b in reversed(candidates):
             anchor = hashes[b - 1]
-            if single is not None:
-                if anchor not in single:
-                    continue
-            elif not any(anchor in t for t in first_tables):
-                continue
             if all(self._tail(g, tables, anchor, b * align) for g, tables in groups):
                 return b * align
         return 0
@@ -390,7 +461,7 @@ class PrefixIndex:
         align = self.rule.align_tokens
         from .digest import as_tokens
         tokens = as_tokens(token_ids)
-        return PromptKeys(len(tokens), self.digester.boundary_keys(tokens, align), align)
+        return PromptKeys(len(tokens), self.digester.block_keys(tokens, align), align)
 
     def predict(self, token_ids, replicas: Iterable[str] | None = None) -> dict[str, Prediction]:
         """{replica: Prediction} for a prompt (its token ids, or `keys(token_ids)`), the best DP rank

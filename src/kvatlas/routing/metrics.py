@@ -3,7 +3,9 @@ process, as the tests run them, never collide).
 
 Counted as requests go: requests by replica and reason, failures by replica and kind, requests no
 replica could serve, predicted and engine-reported cached tokens (vLLM's
-`usage.prompt_tokens_details.cached_tokens`) and their difference as a histogram, routing time.
+`usage.prompt_tokens_details.cached_tokens`) and their difference as a histogram — the prediction
+both as resident at routing time and as expected once the prefixes in flight there are computed —,
+routing time.
 Read at each scrape (a Collector over the router's live objects): replicas up, requests in flight,
 and per replica and DP rank the event stream's lag, batches, gaps, replays, malformed batches and
 whether it is stale.
@@ -31,6 +33,9 @@ HELP = {
     "kvatlas_route_engine_cached_tokens": "Prompt tokens the engine reported cached (usage.prompt_tokens_details.cached_tokens)",
     "kvatlas_route_prompt_tokens": "Prompt tokens of requests whose engine reported its cached tokens",
     "kvatlas_route_prediction_error_tokens": "Engine-reported minus predicted cached tokens, per request",
+    "kvatlas_route_expected_cached_tokens": "Prompt tokens the router expected the chosen replica to resume: "
+                                            "resident at routing time plus prefixes in flight there",
+    "kvatlas_route_expected_error_tokens": "Engine-reported minus expected (incl. prefixes in flight) cached tokens, per request",
     "kvatlas_route_routing_seconds": "Time to choose a replica: tokenizing, predicting and scoring",
     "kvatlas_route_replica_up": "1 while the replica takes requests, 0 while it is taken out",
     "kvatlas_route_in_flight_requests": "Requests the router has open to the replica",
@@ -60,17 +65,26 @@ class RouteMetrics:
         self.prompt = Counter("kvatlas_route_prompt_tokens", HELP["kvatlas_route_prompt_tokens"], ["replica"], registry=r)
         self.error = Histogram("kvatlas_route_prediction_error_tokens", HELP["kvatlas_route_prediction_error_tokens"],
                                ["replica"], buckets=ERROR_BUCKETS, registry=r)
+        self.expected = Counter("kvatlas_route_expected_cached_tokens", HELP["kvatlas_route_expected_cached_tokens"],
+                                ["replica"], registry=r)
+        self.expected_error = Histogram("kvatlas_route_expected_error_tokens", HELP["kvatlas_route_expected_error_tokens"],
+                                        ["replica"], buckets=ERROR_BUCKETS, registry=r)
         self.routing = Histogram("kvatlas_route_routing_seconds", HELP["kvatlas_route_routing_seconds"],
                                  buckets=ROUTING_BUCKETS, registry=r)
         r.register(_Live(live))
 
-    def observe_usage(self, replica: str, predicted: int | None, cached: int, prompt: int) -> None:
-        """One answer's engine-reported cached tokens against the prediction made for it."""
+    def observe_usage(self, replica: str, predicted: int | None, cached: int, prompt: int,
+                      expected: int | None = None) -> None:
+        """One answer's engine-reported cached tokens against the prediction made for it: resident
+        at routing time (`predicted`) and including the prefixes in flight there (`expected`)."""
         self.engine.labels(replica).inc(cached)
         self.prompt.labels(replica).inc(prompt)
         if predicted is not None:
             self.predicted.labels(replica).inc(predicted)
             self.error.labels(replica).observe(cached - predicted)
+        if expected is not None:
+            self.expected.labels(replica).inc(expected)
+            self.expected_error.labels(replica).observe(cached - expected)
 
 
 class _Live:

@@ -134,7 +134,8 @@ class Router:
         raw, body = await self._body(request)
         t0 = time.perf_counter()
         ids = await self._token_ids(body, chat)
-        candidates = self.chooser.rank(ids, self.states)
+        prompt = self.chooser.prompt(ids)       # digested once: ranked, then kept as in flight where sent
+        candidates = self.chooser.rank(prompt, self.states)
         self.metrics.routing.observe(time.perf_counter() - t0)
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
         errors = []
@@ -145,7 +146,7 @@ class Router:
             if attempt:
                 self.retried += 1
             try:
-                resp = await self._forward(request, state, cand, path, raw, headers, len(ids))
+                resp = await self._forward(request, state, cand, path, raw, headers, len(ids), prompt)
                 self.served += 1
                 return resp
             except _Failed as f:
@@ -158,12 +159,13 @@ class Router:
         raise ClientError("no replica could serve the request: " + ("; ".join(errors) or "none is configured"),
                           status=503, kind="service_unavailable")
 
-    async def _forward(self, request, state: ReplicaState, cand, path, raw, headers, prompt_tokens):
+    async def _forward(self, request, state: ReplicaState, cand, path, raw, headers, prompt_tokens, prompt):
         hdrs = dict(headers)
         if cand.dp_rank is not None and state.spec.dp_size > 1:
             hdrs["X-data-parallel-rank"] = str(cand.dp_rank)
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout_s)
         state.in_flight += 1
+        handle = self.chooser.sent(state.spec.name, prompt)
         try:
             try:
                 ctx = self.session.post(state.spec.url + path, data=raw, headers=hdrs, timeout=timeout)
@@ -183,6 +185,7 @@ class Router:
                 await ctx.__aexit__(None, None, None)
         finally:
             state.in_flight -= 1
+            self.chooser.done(handle)
 
     async def _relay(self, request, upstream, state, cand, prompt_tokens) -> web.StreamResponse:
         out_headers = {k: v for k, v in upstream.headers.items() if k.lower() not in HOP_HEADERS}
@@ -231,7 +234,8 @@ class Router:
         except (ValueError, AttributeError, UnicodeDecodeError):
             return
         if isinstance(cached, int) and isinstance(prompt, int):
-            self.metrics.observe_usage(state.spec.name, cand.predicted_tokens, cached, prompt)
+            expected = None if cand.predicted_tokens is None else cand.predicted_tokens + cand.in_flight_tokens
+            self.metrics.observe_usage(state.spec.name, cand.predicted_tokens, cached, prompt, expected)
             self.chooser.answered(state.spec.name, cand.dp_rank, prompt, cached)
 
     # --- the other endpoints ---------------------------------------------------------------------

@@ -218,7 +218,14 @@ class Subscriber:
         self._apply(batch)
 
     def _apply(self, batch: EventBatch, replayed: bool = False) -> None:
-        self.on_batch(batch)
+        try:
+            self.on_batch(batch)
+        except MalformedEventError as exc:      # token ids decoded only when applied: dropped whole
+            with self._lock:
+                self._counts["malformed"] += 1
+                self._last_seq = batch.seq
+            self._lost(f"malformed batch dropped ({exc})")
+            return
         with self._lock:
             self._last_seq = batch.seq
             self._counts["batches"] += 1

@@ -14,8 +14,12 @@ Errors the client caused are `ClientError`s: an HTTP status, the OpenAI error ty
 from __future__ import annotations
 
 import os
+from array import array
+
+import numpy as np
 
 from ..errors import ConfigError, KvatlasError
+from .digest import U32_CODE
 
 MAX_TOKEN_ID = 2**31 - 1
 
@@ -106,8 +110,13 @@ def token_ids(value, field: str) -> list[int]:
     """A list of token ids, checked (bools and negative or huge ids refused)."""
     if not isinstance(value, list) or not value:
         raise ClientError(f"{field}: give a non-empty string or a non-empty list of token ids", param=field)
-    if set(map(type, value)) == {int} and min(value) >= 0 and max(value) <= MAX_TOKEN_ID:
-        return value              # the common case, in C: a third of the time of the loop below
+    try:        # the common case, in C: ints in [0, 2**32) (a float, a string, a negative one raise)
+        ids = np.frombuffer(array(U32_CODE, value), dtype=np.uint32)
+    except (TypeError, OverflowError):
+        ids = None
+    if ids is not None and int(ids.max()) <= MAX_TOKEN_ID \
+            and not any(type(value[i]) is bool for i in np.flatnonzero(ids <= 1).tolist()):
+        return value
     for t in value:
         if type(t) is not int or not 0 <= t <= MAX_TOKEN_ID:
             raise ClientError(f"{field}: {t!r} is not a token id; give integers in [0, {MAX_TOKEN_ID}]", param=field)
