@@ -12,7 +12,10 @@ concurrency, in one run.
   stats, what `vllm:prefix_cache_hits` exports; a preempted request's lookup again is not a hit).
 - kvatlas: the plan of bench/prefix_hit.py (25% of the budget in resume points), bookkeeping only;
   pages shared as they are written (`--kvatlas-share finish` shares them at the request's finish
-  instead, as before issue 34).
+  instead, as before issue 34). `--hold-for-writers N`: the simulator's cache-aware admission
+  (a waiting request whose next pages running requests are writing is passed over for up to N
+  passes; default the Simulator's), the concurrent mode's TTFT (mean, p50, p90, on the virtual
+  clock) printed beside its hits.
 - vLLM as shipped: `VLLM_PLUGINS` is set empty before vLLM is imported, so no plugin installed in
   the venv (kvatlas's own among them) loads inside the vLLM side. vLLM 0.34's
   `cache_aware_admission_window` (`--admission-window N`, 0.34 only; its threshold left at its
@@ -43,7 +46,8 @@ Hit ratio: hit prompt tokens / prompt tokens, and in 512-token blocks (hit token
 trace's blocks) as prefix_hit.py counts it.
 
     .venv-vllm/bin/python bench/prefix_vllm.py [--budgets 16,32,64,120] [--retention 0,4096,8192,16384,None]
-        [--modes sequential,concurrent] [--engines kvatlas,vllm] [--admission-window 0,64] [--limit N] [--json FILE]
+        [--modes sequential,concurrent] [--engines kvatlas,vllm] [--admission-window 0,64] [--hold-for-writers N]
+        [--limit N] [--json FILE]
     .venv-vllm/bin/python bench/prefix_vllm.py --merge A.json B.json ...   (runs made apart, one table)
 """
 
@@ -87,7 +91,7 @@ def kvatlas_sequential(p, trace) -> dict:
     return {"hits": hits, "seconds": r["seconds"], "missed_tokens": r["missed_tokens"]}
 
 
-def kvatlas_concurrent(p, requests, tm: TimeModel, share: str = "written") -> dict:
+def kvatlas_concurrent(p, requests, tm: TimeModel, share: str = "written", hold: int | None = None) -> dict:
     cache = kvatlas.allocate(p, backend="none")
     cache.prefix.share_as_written = share == "written"
     index = {r.id: i for i, r in enumerate(requests)}
@@ -105,14 +109,18 @@ def kvatlas_concurrent(p, requests, tm: TimeModel, share: str = "written") -> di
         return finish(rid, *args, **kwargs)
 
     cache.admit, cache.finish = admit_recorded, finish_recorded
-    sim = Simulator(cache, requests, record=False, time_model=tm)
+    sim = Simulator(cache, requests, record=False, time_model=tm, **({} if hold is None else {"hold_for_writers": hold}))
     t0 = time.perf_counter()
     sim.run_offline()
     cache.check_integrity()
     s = cache.prefix.stats
     assert s.hit_tokens == hits.sum() and s.queried_tokens == s.hit_tokens + sum(s.missed().values())
+    ttft = sim.latency.summary()["all"]["ttft_s"]
     return {"hits": hits, "seconds": time.perf_counter() - t0, "missed_tokens": s.missed(),
-            "admitted_pass": admitted.tolist(), "finished_pass": finished.tolist(), "passes": sim.stats.steps, "peak_running": sim.stats.peak_running, "virtual_s": sim.clock_s}
+            "admitted_pass": admitted.tolist(), "finished_pass": finished.tolist(), "passes": sim.stats.steps,
+            "peak_running": sim.stats.peak_running, "virtual_s": sim.clock_s, "hold_for_writers": sim.hold_for_writers,
+            "held_passes": sim.stats.held_passes, "writer_points_read": s.writer_points_read,
+            "ttft_s": {k: ttft[k] for k in ("mean", "p50", "p90", "p99")}}
 
 
 # ---- vLLM ------------------------------------------------------------------------------------
@@ -235,12 +243,12 @@ class VllmReplay:
 # ---- the run ---------------------------------------------------------------------------------
 
 def run_budget(gib: int, trace, requests, retentions, modes, engines, tm, rows: list, save, windows=(0,),
-               share: str = "written") -> None:
+               share: str = "written", hold: int | None = None) -> None:
     """Every run at one budget, appended to rows; save() after each (a long run keeps what it has)."""
     p = prefix_hit.make_plan(gib, 0.25)
     for mode in modes:
         if "kvatlas" in engines:
-            r = kvatlas_sequential(p, trace) if mode == "sequential" else kvatlas_concurrent(p, requests, tm, share)
+            r = kvatlas_sequential(p, trace) if mode == "sequential" else kvatlas_concurrent(p, requests, tm, share, hold)
             r.update(engine="kvatlas", retention=None, prefix_checkpoints=p.options.prefix_checkpoints, share=share)
             rows.append(finish_row(r, gib, mode, requests))
             save()
@@ -269,6 +277,8 @@ def finish_row(r: dict, gib: int, mode: str, requests) -> dict:
              hits=hits.tolist())
     name = "kvatlas" if r["engine"] == "kvatlas" else f"vLLM {setting(r)}"
     extra = f", {r['passes']} passes" if "passes" in r else ""
+    extra += (f", TTFT mean {r['ttft_s']['mean']:.2f} s p50 {r['ttft_s']['p50']:.2f} s p90 {r['ttft_s']['p90']:.2f} s"
+              if "ttft_s" in r else "")
     extra += f", {r['preempted_lookups']} lookups after preemption" if r.get("preempted_lookups") else ""
     print(f"{gib:>4} GiB {mode:>10} {name:>26}: hit {r['hit_ratio']:7.2%} of prompt tokens, "
           f"{r['hit_ratio_blocks']:7.2%} in blocks  ({r['seconds']:.0f} s{extra})", flush=True)
@@ -397,6 +407,9 @@ def main() -> None:
                     help="vLLM 0.34 cache_aware_admission_window values, each run with every retention (0: off)")
     ap.add_argument("--kvatlas-share", default="written", choices=("written", "finish"),
                     help="kvatlas shares a request's pages as they are written (default) or at its finish")
+    ap.add_argument("--hold-for-writers", type=int, default=None,
+                    help="kvatlas's cache-aware admission: passes a waiting request may be passed over while running "
+                         "requests write the pages right past its cached prefix (default: the Simulator's)")
     ap.add_argument("--vllm-plugins", default="",
                     help="VLLM_PLUGINS for the vLLM side (default empty: vLLM as shipped, no plugin loads)")
     ap.add_argument("--limit", type=int, default=0, help="first N requests only (0: all)")
@@ -419,7 +432,7 @@ def main() -> None:
         for gib in (int(x) for x in args.budgets.split(",")):
             run_budget(gib, trace, requests, parse_retention(args.retention), args.modes.split(","),
                        args.engines.split(","), tm, rows, save, [int(x) for x in args.admission_window.split(",")],
-                       args.kvatlas_share)
+                       args.kvatlas_share, args.hold_for_writers)
     tok = blk = None
     if not args.limit:
         tok, blk = ceiling(args.trace)

@@ -12,7 +12,11 @@ Pages are shared as they are written (issue 34): followers admitted with the hea
 running request has written so far (in prefill or decode, its decode pages given by `generated`)
 read its pages while it goes on writing, drafting and rolling back, is cut short, has everything
 evictable evicted (and, with the host tier, offloaded and brought back): still exactly what their
-cold twins read. hypothesis is steered (`target`) toward runs with more such readers.
+cold twins read. hypothesis is steered (`target`) toward runs with more such readers. A
+follower may resume at the latest resume point of a writer still running (captured, not yet
+kept or dropped: it is kept then), and requests that wait for a writer (`wait_for_writer`, a
+scheduler's cache-aware admission) make the writer keep its point where their prompts leave its
+pages, before they are admitted: every such point is checked like any other.
 
 Before the issue 23 fix, two requests resumed from one point that retired a shared SWA page in
 the same pass counted it evictable twice: this machine found it in a few dozen steps."""
@@ -67,6 +71,7 @@ class Concurrency(RuleBasedStateMachine):
         self.running: dict = {}
         self.hit_pages: dict = {}   # per running request, the pages its admission hit
         self.read_running = 0       # admissions that read a page whose writer was still running
+        self.waiting: list = []     # requests waiting for a writer (wait_for_writer)
         self.n = 0
         self.hits = 0
         self.steps = 0   # rules run so far: the rare rules (flush, cut short, evict all) key on it
@@ -172,6 +177,27 @@ class Concurrency(RuleBasedStateMachine):
         writer = data.draw(st.sampled_from(sorted(rid for rid, r in self.running.items() if r.written >= 256)))
         w = self.running[writer]
         head = w.seq[: data.draw(st.integers(256, w.written))]
+        self.admit("head", extra, out, seed, head=head)
+
+    @precondition(lambda self: len(self.waiting) < 4 and any(r.written < r.prompt for r in self.running.values()))
+    @rule(data=st.data(), extra=st.integers(1, 300), out=st.integers(1, 64), seed=st.integers(0, 2**31))
+    def wait_for_writer(self, data, extra, out, seed):
+        """A request whose prompt begins with more of a running request's prompt than it has
+        written waits (a scheduler's cache-aware admission): asking which of its next pages
+        running requests still write makes the writers keep their resume point where its prompt
+        leaves theirs (admitted later by admit_waiting)."""
+        writer = data.draw(st.sampled_from(sorted(rid for rid, r in self.running.items() if r.written < r.prompt)))
+        w = self.running[writer]
+        head = w.seq[: data.draw(st.integers(w.written + 1, w.prompt))]
+        prompt = np.concatenate((head, np.random.default_rng(seed).integers(0, VOCAB, extra)))[: MAX_LEN - out]
+        coming = self.hot.prefix.writing_next(len(prompt), token_ids=prompt)
+        assert 0 <= coming <= (len(prompt) - 1) // 256
+        self.waiting.append((head, extra, out, seed))
+
+    @precondition(lambda self: bool(self.waiting) and len(self.running) < REQUESTS)
+    @rule()
+    def admit_waiting(self):
+        head, extra, out, seed = self.waiting.pop(0)
         self.admit("head", extra, out, seed, head=head)
 
     @precondition(lambda self: any(r.decoding for r in self.running.values()))
@@ -291,6 +317,7 @@ class Concurrency(RuleBasedStateMachine):
 
     def teardown(self):
         target(float(self.read_running), label="admissions reading a running writer's pages")
+        target(float(self.hot.prefix.stats.writer_points_read), label="admissions resuming at a running writer's point")
 
 
 class HostConcurrency(Concurrency):

@@ -181,10 +181,112 @@ def test_decode_pages_are_shared_as_they_fill():
     s.check("follower after the writer left")
 
 
-def run_trace(tmp_path, share: bool):
+def test_a_follower_resumes_at_the_running_writers_latest_point():
+    """kvatlas's policy keeps no intermediate point here (its spacing is wider than the prompt), so
+    past its hit the writer holds one resume point, the one it reached last, not yet kept or
+    dropped: a follower admitted while it runs resumes there (the point is kept from then on),
+    reads what its cold twin reads, and so does a second one at the writer's next point; the
+    writer then rolls drafts back and finishes while they read its pages."""
+    s, _ = make_session(policy="kvatlas")
+    assert s.hot.prefix.policy.spacing_pages > SYSTEM // P
+    rng = np.random.default_rng(4)
+    system = rng.integers(0, 50_000, SYSTEM)
+    seq, prompt = request(rng, system)
+    s.admit(seq, prompt, len(seq) - prompt)
+    stats = s.hot.prefix.stats
+    for chunk, want in ((3, 3 * P), (2, 5 * P)):
+        for _ in range(chunk):
+            s.extend("r0", CHUNK)
+            s.hot.flush()
+            s.cold.flush()
+        f_seq, f_prompt = request(rng, system, extra=70, out=4)
+        s.admit(f_seq, f_prompt, len(f_seq) - f_prompt)
+        rid = f"r{s.next_id - 1}"
+        assert int(s.hot.allocator.length[s.hot.allocator.slot_of[rid]]) == want
+        assert s.hot.prefix.tree.nodes[int(s.hot.prefix.requests[rid].keys[want // P - 1])].checkpoint is not None
+        s.check(f"follower at {want}")
+        s.extend(rid, CHUNK)
+        s.check(f"follower at {want} writes")
+    assert stats.writer_points_read == 2
+    while s.running["r0"].written < prompt:
+        s.extend("r0", min(CHUNK, prompt - s.running["r0"].written))
+    for tokens, accepted in ((4, 2), (4, 1), (3, 3)):
+        s.step("r0", tokens, accepted)
+    s.check("writer's drafts")
+    s.finish("r0")
+    s.check("writer cut short")
+
+
+def test_a_point_kept_while_its_writer_reads_its_tail_never_frees_that_tail():
+    """A writer decoding one token a step passes a boundary; its point there is kept at once
+    (every-page) and joins the tree with the decode page (`generated`), while the writer's window
+    still reads the point's SWA tail. Every resume point and idle page is evicted and a fresh
+    request takes free SWA pages: no page the writer reads was freed (its tail is held for it
+    with a reference), and it reads exactly what its cold twin reads."""
+    s, _ = make_session(policy="every-page")
+    rng = np.random.default_rng(6)
+    seq, prompt = request(rng, rng.integers(0, 50_000, 400), extra=212, out=200)   # 612-token prompt
+    s.admit(seq, prompt, len(seq) - prompt)
+    w = s.running["r0"]
+    for n in (CHUNK, CHUNK, prompt - 2 * CHUNK):
+        s.extend("r0", n)
+    while w.written < 3 * P + 5:   # one token a step, past the boundary at 768
+        s.step("r0", 1, 1)
+    s.hot.flush()
+    s.cold.flush()
+    assert s.hot.generated("r0", w.seq[: w.written]) == 3
+    s.hot.flush()
+    tree = s.hot.prefix.tree
+    assert max(n.depth for n in tree.nodes.values() if n.checkpoint is not None) == 3
+    while tree.evict_checkpoint():
+        pass
+    tree.evict_pages(len(tree.nodes))
+    s.check("everything evictable evicted")
+    a = s.hot.allocator
+    slot, L = a.slot_of["r0"], int(a.length[a.slot_of["r0"]])
+    read = a.swa_table[slot, np.arange((L - (a.window - 1)) // a.Ps, (L - 1) // a.Ps + 1) % a.ring]
+    assert np.all(a.swa.owner[read] != 0), "an SWA page the writer's window reads was freed"
+    fresh, fresh_prompt = request(rng, rng.integers(0, 50_000, 600), extra=10, out=4)
+    s.admit(fresh, fresh_prompt, len(fresh) - fresh_prompt)
+    s.extend("r1", CHUNK)
+    s.step("r0", 1, 1)
+    s.check("the writer after another took free SWA pages")
+
+
+def test_eviction_thins_intermediate_points_by_level():
+    """With `thin` (kvatlas's policy), intermediate points leave by level, the trailing zero bits
+    of their page: the odd pages' first, then those of pages 2 and 6, then 4; the end stays
+    last. A cache whose spacing grew keeps an even grid, not its newest regions only."""
+    from kvatlas.prefix.policy import MARKED, Policy
+    every = Policy("every-page-thinned", keep_intermediate=True, protect_marked=True, spacing_pages=1, thin=True)
+    assert [every.eviction_class(end=False, divergence=False, page=p) for p in range(1, 9)] == [0, 1, 0, 2, 0, 1, 0, 3]
+    assert every.eviction_class(end=True, divergence=False, page=3) == MARKED
+    p = plan("tiny-v4", "48MiB", max_model_len=4096, max_running_requests=2, prefix_checkpoints=16,
+             chunked_prefill_tokens=CHUNK, pp=2)
+    cache = allocate(p, prefix_policy=every)
+    ids = np.random.default_rng(2).integers(0, 50_000, 8 * P + 1)
+    cache.admit("a", len(ids), 1, token_ids=ids)
+    for _ in range(9):
+        cache.extend("a", min(CHUNK, len(ids) - int(cache.allocator.length[0])))
+    cache.flush()
+    cache.finish("a")
+    tree = cache.prefix.tree
+
+    def pages():
+        return sorted(n.depth for n in tree.nodes.values() if n.checkpoint is not None)
+    assert pages() == [1, 2, 3, 4, 5, 6, 7, 8]
+    for left in ([2, 4, 6, 8], [4, 8], [8]):
+        while len(pages()) > len(left):
+            assert tree.evict_checkpoint()
+        assert pages() == left
+        cache.check_integrity()
+
+
+def run_trace(tmp_path, share: bool, hold: int = 0):
     """A long shared system prompt (40 blocks of 512 tokens, several chunks of prefill) and 15
     followers arriving 2 ms apart while its first request is still in prefill, replayed by the
-    simulator (bookkeeping backend, every book recounted after every pass)."""
+    simulator (bookkeeping backend, every book recounted after every pass); `hold`: passes the
+    simulator may hold a follower for its writer (cache-aware admission)."""
     import json
 
     from kvatlas.cli import _parse
@@ -197,26 +299,53 @@ def run_trace(tmp_path, share: bool):
     trace.write_text("".join(json.dumps(x) + "\n" for x in lines))
     _, args = _parse(["simulate", "deepseek-v4-flash", "--memory", "32GiB", "--backend", "none",
                       "--prefix-checkpoints", "200", "--workload", str(trace), "--no-plot", "--check-integrity",
-                      "--out", str(tmp_path / ("on" if share else "off"))])
+                      "--hold-for-writers", str(hold), "--out", str(tmp_path / f"{share}{hold}")])
     cache, sim, _ = build(args, plan_from_args)
     cache.prefix.share_as_written = share
+    hits = []
+    admit = cache.admit
+    cache.admit = lambda rid, *a, **k: hits.append(admit(rid, *a, **k)) or hits[-1]
     sim.run_offline()
     assert sim.stats.finished == 16
-    return cache.prefix.stats
+    return cache.prefix.stats, [h.cached_tokens for h in hits], sim
 
 
 def test_a_shared_system_prompt_in_prefill_is_hit_by_the_followers_on_a_trace(tmp_path):
     """The followers arrive while the first request prefills its 20,480-token system prompt (8,192
-    tokens a pass). Shared as written: the second, admitted after two passes, finds the first
-    chunk's pages cached but its only resume point still the writer's tentative one (the plan's
-    spacing is 512 pages: no intermediate point is kept yet), so it hits nothing; the third and
-    fourth, admitted while the first two still prefill, resume at 8,192 (the divergence point the
-    second marked), and the pages the writers had not yet written are named `not_written_yet`;
-    the other twelve hit the whole system prompt. Shared at finish, all sixteen are admitted
-    before the first finishes and hit nothing."""
-    on, off = run_trace(tmp_path, True), run_trace(tmp_path, False)
-    prompt = 41 * 512
+    tokens a pass). Shared as written: the second, admitted after the first pass, resumes at
+    8,192 tokens, the writer's latest resume point (the plan's spacing is 512 pages: no
+    intermediate point is kept), read while the writer runs; the pages the writer had not yet
+    written are named `not_written_yet`, and where its prompt leaves them (20,480: the junction)
+    the writer keeps its point, so the other fourteen, admitted once the writer is past it, hit
+    the whole system prompt. Shared at finish, all sixteen are admitted before the first
+    finishes and hit nothing."""
+    (on, on_hits, _), (off, off_hits, _) = run_trace(tmp_path, True), run_trace(tmp_path, False)
+    prompt, system = 41 * 512, 40 * 512
     assert on.queried_tokens == off.queried_tokens == 16 * prompt
-    assert on.hit_tokens == 2 * 8192 + 12 * 40 * 512
-    assert on.missed()["not_written_yet"] > 0
-    assert off.hit_tokens == 0 and off.missed()["no_cached_prefix"] == 16 * prompt
+    assert on_hits == [0, 8192] + [system] * 14
+    assert on.writer_points_read == 1
+    assert on.missed()["not_written_yet"] == system - 8192
+    assert off_hits == [0] * 16 and off.missed()["no_cached_prefix"] == 16 * prompt
+
+
+def test_held_admission_hits_more_and_starts_sooner(tmp_path):
+    """Cache-aware admission on the same trace: a follower whose next pages the first request is
+    still writing is passed over (up to 4 passes) instead of computing them itself; admitted
+    once they are written, every follower hits the whole system prompt (the junction kept for
+    it by the writer), and with less to prefill the followers' first tokens come sooner on the
+    simulator's clock, not later."""
+    (held, held_hits, sim), (now, _, sim_now) = run_trace(tmp_path, True, hold=4), run_trace(tmp_path, True)
+    assert held_hits == [0] + [40 * 512] * 15
+    assert held.hit_tokens > now.hit_tokens and held.missed()["not_written_yet"] == 0
+    assert sim.stats.held_passes > 0 and sim_now.stats.held_passes == 0
+    ttft, ttft_now = sim.latency.summary()["all"]["ttft_s"], sim_now.latency.summary()["all"]["ttft_s"]
+    assert ttft["mean"] < ttft_now["mean"] and ttft["p90"] < ttft_now["p90"]
+
+
+def test_hold_for_writers_is_checked():
+    from kvatlas.driving.sim import Simulator
+    from kvatlas.errors import ConfigError
+    cache = allocate(plan("tiny-v4", "48MiB", max_model_len=4096, max_running_requests=6, prefix_checkpoints=16,
+                          pp=2), backend="none")
+    with pytest.raises(ConfigError, match="hold_for_writers"):
+        Simulator(cache, [], hold_for_writers=-1)

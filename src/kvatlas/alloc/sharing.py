@@ -357,7 +357,8 @@ class Sharing:
         window's bookkeeping at once: swa_lo moves past it, so retiring never meets it again. The
         request still reads it, with no reference counted, which is safe: the earliest this
         capture can be dropped is at the request's next boundary, page_tokens >= window - 1 tokens
-        on, when the tail has left its window. Otherwise (a page it shares, older pages it still
+        on, when the tail has left its window (a capture decided sooner, kept at once or read by
+        another request, puts the tail back in the window with a reference: keep_own_tail). Otherwise (a page it shares, older pages it still
         holds) the tail stays in its window with a reference for it, as shared pages do, until
         retired. (One take from the flat table with a [tail, m] index: a 2-D fancy index into
         the table costs several times more on a batch this size, and this runs every upkeep.)"""
@@ -387,6 +388,27 @@ class Sharing:
         else:
             np.add.at(self.swa_refs, each, stay + 1)
         return pages
+
+    def keep_own_tail(self, slot: int, boundary: int, pages) -> None:
+        """A capture of `slot` at `boundary` is decided while its request may still read its
+        tail (kept at once, or read by another request, before the request reaches its next
+        boundary). If the tail left the window's bookkeeping when captured (_pin_tails' common
+        case, whose safety rests on no decision coming before that next boundary), it rejoins
+        the window with a reference for the request, as a shared prefix's pages are held: no
+        eviction or drop of the point can then free a page the request still reads, and
+        retiring lets go of them. Nothing to do once its window is past the tail."""
+        T = len(self._tail_cols)
+        if not T or not self._tails_distinct:   # (not distinct: the tail never left the window)
+            return
+        lo = int(boundary) // self.Ps - T
+        if int(self.swa_lo[slot]) != lo + T or (int(self.length[slot]) - (self.window - 1)) // self.Ps >= lo + T:
+            return
+        pages = np.asarray(pages, np.int64)
+        if not np.array_equal(self.swa_table[slot, (lo + np.arange(T)) % self.ring], pages):
+            return
+        self.swa_lo[slot] = lo
+        self.swa_refs[pages] += 1
+        self._windowed_cached += T
 
     def unpin_checkpoint(self, pages) -> None:
         """A capture the cache keeps: drop its pin; pages read by no request become evictable."""

@@ -10,6 +10,7 @@ import sys
 from dataclasses import dataclass
 
 from ..checks import MAX_COUNT, real, require_torch
+from ..driving.sim import HOLD_FOR_WRITERS
 from ..driving.workload import MAX_DURATION_S, MAX_RATE_PER_S
 from ..errors import BudgetError, ConfigError
 from ..observing.table import render
@@ -66,6 +67,10 @@ def add_run_args(p) -> None:
                    "pass and recount every book (allocator, ledger, prefix cache, host tier) after the first, the "
                    "last and as many passes between as the same CPU time again allows (at most about 2x the run's "
                    "CPU); a broken one stops the run as a bug (exit 1)")
+    g.add_argument("--hold-for-writers", type=count(0, 1 << 20), default=HOLD_FOR_WRITERS, metavar="N",
+                   help="cache-aware admission: a waiting request may be passed over for up to N passes while "
+                        "running requests write the pages right past its cached prefix, the requests behind it "
+                        f"admitted meanwhile (default {HOLD_FOR_WRITERS}; 0: first come, first served)")
     g.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
     g.add_argument("--backend", default="plain", help="arena backend: plain (default), vmm (CUDA), or none: "
                    "allocator and ledger only, no pool tensors (any plan size; no KV writes)")
@@ -236,7 +241,7 @@ def build(args, plan_from_args, *, lock=None, record=True, prepared: Prepared | 
     writer = KVWriter(cache, layers=layers, seed=args.seed) if layers != 0 else None
     sim = Simulator(cache, requests, accept_rate=args.accept_rate, seed=args.seed, writer=writer, lock=lock,
                     record=record, time_model=pr.time_model, sample_s=sample_s(args, requests), host=host,
-                    check_integrity=args.check_integrity)
+                    check_integrity=args.check_integrity, hold_for_writers=args.hold_for_writers)
     return cache, sim, writer
 
 

@@ -7,7 +7,11 @@ Each `step(now_s)` is one forward pass, the way an engine's scheduler loop makes
    the pass's token budget, after the decode batch and the prompts already prefilling, has room.
    A request waiting in the queue holds no memory; one admitted early would hold its reserved
    pages through passes that cannot reach it, evicting the prefix cache to get them. A request
-   longer than max_model_len can never run and is rejected, not retried;
+   longer than max_model_len can never run and is rejected, not retried. Cache-aware admission
+   (`hold_for_writers=N`): a waiting request whose next pages past its cached prefix running
+   requests are still writing (pages shared as written) is passed over, for N passes at most,
+   the requests behind it admitted meanwhile: admitted a few passes later it hits those pages
+   instead of computing them again. It keeps its place at the head of the queue;
 3. one forward pass (`allocator.forward()`): decode first — every decoding request writes
    1 + draft tokens (capped by what it still has to generate) — then chunked prefill with what
    is left of the `chunked_prefill_tokens` budget, which bounds ALL new tokens of the pass
@@ -100,6 +104,7 @@ class SimStats:
     drafts_accepted: int = 0
     drafts_rejected: int = 0
     blocked_steps: int = 0          # passes where the head of the queue could not be admitted
+    held_passes: int = 0            # times a waiting request was passed over for a writer (hold_for_writers)
     peak_running: int = 0
     peak_occupied_bytes: int = 0
     rejected_ids: list = field(default_factory=list)
@@ -129,6 +134,8 @@ def _split_sessions(requests) -> tuple[list, dict]:
 _REQUEST_FIELDS = ("id", "arrival_s", "prompt_tokens", "output_tokens")
 # check_integrity's whole recounts may take this much CPU per CPU second of the passes (module doc)
 INTEGRITY_SHARE = 1.0
+# cache-aware admission (module doc): the most passes a waiting request is passed over for writers
+HOLD_FOR_WRITERS = 4
 
 
 def _check_args(cache, requests, *, accept_rate, seed, writer, step_s, record, time_model, sample_s, host,
@@ -171,13 +178,18 @@ class Simulator:
     def __init__(self, cache, requests, *, accept_rate: float = 0.7, seed: int = 0, writer=None, lock=None,
                  step_s: float = 0.02, record: bool = True, time_model: TimeModel | None = None,
                  sample_s: float = 0.0, host=None, check_integrity: bool = False,
-                 integrity_share: float | None = INTEGRITY_SHARE) -> None:
+                 integrity_share: float | None = INTEGRITY_SHARE, hold_for_writers: int = HOLD_FOR_WRITERS) -> None:
         requests = _check_args(cache, requests, accept_rate=accept_rate, seed=seed, writer=writer, step_s=step_s,
                                record=record, time_model=time_model, sample_s=sample_s, host=host,
                                check_integrity=check_integrity)
         if integrity_share is not None:
             real("integrity_share", integrity_share, 0.0, 1e6, open_low=True)
+        whole("hold_for_writers", hold_for_writers, 0, 1 << 20)
         self.cache = cache
+        # cache-aware admission (module doc): passes a waiting request may be passed over while
+        # running requests write the pages right past its cached prefix (0: first come, first served)
+        self.hold_for_writers = hold_for_writers if cache.prefix is not None else 0
+        self._held: dict = {}     # request id -> passes it was passed over so far
         # debug mode: counters compared after every pass, every book recounted paced by CPU (module doc)
         self.check_integrity = check_integrity
         self.integrity_share = integrity_share
@@ -197,7 +209,7 @@ class Simulator:
         # scan of all running requests (256 of them, thousands of passes)
         self.running: dict[str, _Live] = {}
         self._prefilling: dict[str, _Live] = {}
-        self._keys_of = None       # (the waiting request at the head, its PromptKeys)
+        self._keys: dict = {}      # waiting request id -> its PromptKeys, hashed once however long it waits
         self._decoding: dict[str, _Live] = {}
         self._finishing: list = []
         self.draft_tokens = cache.plan.options.draft_tokens
@@ -341,15 +353,33 @@ class Simulator:
         return room
 
     def _prompt_keys(self, r):
-        """The head of the queue's page keys, hashed once however many passes it waits."""
+        """A waiting request's page keys, hashed once however many passes it waits."""
         if self.cache.prefix is None:
             return None
-        if self._keys_of is None or self._keys_of[0] is not r:
+        if r.id not in self._keys:
             ids = r.token_ids()   # (None: a request without content, never hits)
-            self._keys_of = (r, None if ids is None else self.cache.prefix.prompt_keys(ids, r.prompt_tokens))
-        return self._keys_of[1]
+            self._keys[r.id] = None if ids is None else self.cache.prefix.prompt_keys(ids, r.prompt_tokens)
+        return self._keys[r.id]
+
+    def _hold(self, r, keys) -> bool:
+        """Pass the request over this pass: running requests are writing the pages right past
+        its cached prefix, and it has been passed over fewer than hold_for_writers passes."""
+        held = self._held.get(r.id, 0)
+        if held >= self.hold_for_writers or keys is None \
+                or not self.cache.prefix.writing_next(r.prompt_tokens, page_keys=keys):
+            return False
+        self._held[r.id] = held + 1
+        self.stats.held_passes += 1
+        return True
 
     def _admit(self, now_s: float, room: int) -> None:
+        held: list = []
+        try:
+            self._admit_from_queue(now_s, room, held)
+        finally:   # the requests passed over keep their places at the head of the queue
+            self.waiting.extendleft(reversed(held))
+
+    def _admit_from_queue(self, now_s: float, room: int, held: list) -> None:
         while self.waiting and room > 0:
             r = self.waiting[0]
             if r.prompt_tokens + r.output_tokens > self.max_len:
@@ -360,6 +390,9 @@ class Simulator:
                 self._release_followers(r.id, now_s)
                 continue
             keys = self._prompt_keys(r)
+            if self.hold_for_writers and self._hold(r, keys):
+                held.append(self.waiting.popleft())
+                continue
             if self.host is not None and len(self.running) < self.max_running:   # not before it has a slot:
                 self.host_clock.prefetch(self.host, r, keys, now_s)   # restored pages would be evicted again
             if not self.cache.can_admit(r.prompt_tokens, r.output_tokens, page_keys=keys):
@@ -367,7 +400,8 @@ class Simulator:
                 self.limits.blocked(self.cache, len(self.running), self.max_running)
                 return
             self.waiting.popleft()
-            self._keys_of = None
+            self._keys.pop(r.id, None)
+            self._held.pop(r.id, None)
             adm = self.cache.admit(r.id, r.prompt_tokens, r.output_tokens, page_keys=keys)
             live = _Live(r, prefilled=adm.cached_tokens,   # the cached prompt is not computed again
                          ready_s=self.host_clock.admitted(r.id, now_s) if self.host is not None else 0.0)

@@ -64,6 +64,7 @@ class _Match:
     keys: np.ndarray
     path: list
     resume_pages: int
+    writer: int | None = None   # the slot whose latest resume point the match resumes at
 
 
 class PrefixCache:
@@ -97,6 +98,7 @@ class PrefixCache:
         # so a pass finds the slots with a page to share in one vector comparison, not a loop
         self._fill_due = np.full(n, NEVER, np.int64)
         self._coming: dict = {}
+        self._wanted: dict = {}   # slot -> boundaries a later request will leave its pages at (_junction)
         allocator.on_capture = self._on_capture
         allocator.on_need_checkpoint = self._need_checkpoint
         allocator.on_slot_end = self._slot_end
@@ -137,16 +139,78 @@ class PrefixCache:
     def _match(self, prompt_tokens, token_ids, keys) -> _Match:
         keys = self._keys(prompt_tokens, token_ids, keys)
         path = self.tree.match(keys)
-        j = min(len(path), (prompt_tokens - 1) // self.P)   # at least one prompt token left to compute
+        cap = min(len(path), (prompt_tokens - 1) // self.P)   # at least one prompt token left to compute
+        j = cap
         while j and path[j - 1].checkpoint is None:
             j -= 1
-        return _Match(keys, path, j)
+        writer = None
+        if j < cap and self.share_as_written:
+            writer, t = self._writer_point(path, j, cap)
+            j = max(j, t)
+        return _Match(keys, path, j, writer)
+
+    def _writer_point(self, path, j: int, cap: int) -> tuple[int | None, int]:
+        """A running request's latest resume point (captured, not yet kept or dropped by the
+        policy) on the matched pages past j, up to cap: (its slot, its depth in pages), the
+        deepest one; (None, 0) when there is none. Its page is shared already (it is on the
+        writer's path), its rows complete (captured once the pass that reached it was over), so
+        a reader may resume there exactly as from a kept point: admit keeps it once the
+        admission succeeds (_take_writer_point)."""
+        if not any(node.refs for node in path[j:cap]):   # a writer reads every page of its path
+            return None, 0
+        at = {}
+        for slot in np.flatnonzero(self._tent_u).tolist():
+            req = self.requests.get(self.alloc.rid_of[slot])
+            i = int(self._tent_b[slot]) // self.P
+            if req is not None and 0 < i <= len(req.path) and not req.holds_other(i * self.P):
+                at[id(req.path[i - 1])] = slot
+        if at:
+            for i in range(cap, j, -1):
+                slot = at.get(id(path[i - 1]))
+                if slot is not None:
+                    return slot, i
+        return None, 0
+
+    def _take_writer_point(self, slot: int) -> None:
+        """A reader resumes at the slot's latest resume point: the policy keeps it now (read
+        before its writer moved on, it has shown its worth), on the tree like any kept point."""
+        ck = self._tentative(slot)
+        self._tent_u[slot] = self._tent_b[slot] = 0
+        req = self.requests[self.alloc.rid_of[slot]]
+        self.alloc.keep_own_tail(slot, ck.boundary_tokens, ck.swa_pages)   # the writer may still read it
+        self._place(ck, req.path, req)
+        self.stats.writer_points_read += 1
 
     def _room(self, m: _Match, total_tokens: int) -> tuple[int, int]:
         """(pages the admission needs, pages it can have: free now + evictable but not its own hit)."""
         need = cdiv(total_tokens, self.P) - m.resume_pages if self.alloc.full is not None else 0
         mine = sum(1 for node in m.path[: m.resume_pages] if node.refs == 0)
         return need, self.alloc.free_full_pages() + self.tree.idle_pages - mine
+
+    def writing_next(self, prompt_tokens, *, token_ids=None, page_keys=None) -> int:
+        """Pages of this prompt right past what the cache holds that running requests are still
+        to write (pages shared as written): what a request admitted now would compute itself and
+        could hit a few passes later. A scheduler may hold it meanwhile (the simulator's
+        `hold_for_writers`); the writers are asked to keep their resume point where the prompt
+        leaves their pages, so that it resumes there."""
+        keys = self._keys(prompt_tokens, token_ids, page_keys)
+        if not self._coming:
+            return 0
+        cap = (prompt_tokens - 1) // self.P
+        matched = min(len(self.tree.match(keys[:cap])), cap)
+        return self._junction(keys[:cap], matched) - matched
+
+    def _junction(self, keys, matched: int) -> int:
+        """Pages of `keys` past which no running request writes them: `matched` (pages the tree
+        holds) when none is writing the next one. The writers still short of that boundary keep
+        their resume point there (a divergence point to come, `_wanted`)."""
+        end = matched + self._coming_run(keys, matched)
+        if end > matched:
+            a, k, b = self.alloc, int(keys[end - 1]), end * self.P
+            for slot, req in self._filling.items():
+                if len(req.keys) >= end and int(req.keys[end - 1]) == k and a.length[slot] < b:
+                    self._wanted.setdefault(slot, set()).add(b)
+        return end
 
     def can_admit(self, prompt_tokens, max_new_tokens=0, *, token_ids=None, page_keys=None) -> bool:
         """Counts what eviction would free: never False while eviction could make room."""
@@ -177,17 +241,23 @@ class PrefixCache:
             short = self.alloc._admission_shortfall(total, j)
             if short is not None and short.pool == "full_pages" and need <= room:
                 self.tree.evict_pages(need - self.alloc.free_full_pages())
-            adm = self.alloc.admit(request_id, prompt_tokens, max_new_tokens, shared=self._shared(hit))
+            adm = self.alloc.admit(request_id, prompt_tokens, max_new_tokens, shared=self._shared(hit, m.writer))
         except (KvatlasError, PoolExhaustedError):
             self.tree.unref(hit, self.clock)
             raise
+        if m.writer is not None:   # admitted: the writer's point it resumes at is kept from now on
+            self._take_writer_point(m.writer)
         self.clock += 1
         ck = hit[-1].checkpoint if hit else None
         if ck is not None:
             self.tree.touch_checkpoint(ck, self.clock)
         slot = adm.request_slot
         self._mine[slot] = True
-        self._divergence[slot] = len(m.path) * self.P if len(m.path) > j else -1
+        # where its prompt leaves the cached path, or, past pages running requests are still to
+        # write (share as written), where it leaves theirs: both reach that junction, and the first
+        # there keeps its point for the rest
+        junction = self._junction(m.keys, len(m.path))
+        self._divergence[slot] = junction * self.P if junction > j else -1
         req = self.requests[request_id] = _Request(m.keys, list(hit), prompt_tokens, tail)
         self._count(m, prompt_tokens)
         if self.share_as_written and len(m.keys) > j and self.alloc.full is not None:
@@ -210,10 +280,10 @@ class PrefixCache:
             else:
                 s.device_hit_tokens += P
 
-    def _shared(self, hit) -> SharedPrefix | None:
+    def _shared(self, hit, writer=None) -> SharedPrefix | None:
         if not hit:
             return None
-        ck = hit[-1].checkpoint
+        ck = hit[-1].checkpoint if writer is None else self._tentative(writer)
         pages = np.fromiter((n.page for n in hit), np.int64, len(hit))
         return SharedPrefix(len(hit) * self.P, pages, ck.swa_pages, ck.unit)
 
@@ -301,6 +371,7 @@ class PrefixCache:
             coming.pop(k, None)
 
     def _stop_filling(self, slot: int) -> None:
+        self._wanted.pop(slot, None)
         req = self._filling.pop(slot, None)
         self._fill_due[slot] = NEVER
         if req is not None:
@@ -333,11 +404,19 @@ class PrefixCache:
         for j, row in enumerate(self._tent_pages):   # row by row: 1-D stores cost a fraction of 2-D
             row[slots] = swa_pages[j]
         self._tent_div[slots] = boundaries == self._divergence.take(slots)
+        if self._wanted:   # junctions a later request revealed ahead of the writer (_junction)
+            for i, slot in enumerate(slots.tolist()):
+                want = self._wanted.get(slot)
+                if want and int(boundaries[i]) in want:
+                    want.discard(int(boundaries[i]))
+                    self._tent_div[slot] = True
         if self.share_as_written:   # what the policy keeps anyway is kept now: readers may resume there
             now = self.policy.keep(self._tent_div.take(slots), boundaries // self.P)
             if now[now.argmax()]:
                 for slot in slots[now].tolist():
-                    self._keep_intermediate(slot, self._tentative(slot))
+                    ck = self._tentative(slot)
+                    self.alloc.keep_own_tail(slot, ck.boundary_tokens, ck.swa_pages)   # it may still read it
+                    self._keep_intermediate(slot, ck)
                 self._tent_u[slots[now]] = 0
 
     def _tentative(self, slot: int):
@@ -472,6 +551,7 @@ class PrefixCache:
     def _refill(self, slot: int, req, old) -> None:
         """After copy_contents: the pages the request has yet to share are those of its new keys
         past the ones it shared already (which copy_contents requires to be the src's too)."""
+        self._wanted.pop(slot, None)   # junctions of its old content
         for k in old.tolist():
             self._unexpect(k, self._coming)
         self._filling.pop(slot, None)

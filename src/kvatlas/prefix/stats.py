@@ -33,6 +33,7 @@ class PrefixStats:
     evicted_checkpoints: int = 0
     checkpoints_saved: int = 0       # resume points captured and kept by the policy
     checkpoints_dropped: int = 0     # captured, not kept (policy) or a duplicate
+    writer_points_read: int = 0      # admissions that resumed at a running writer's latest point
 
     def missed(self) -> dict[str, int]:
         return {r: getattr(self, f"missed_{r}") for r in MISS_REASONS}

@@ -144,7 +144,7 @@ class Tree:
 
     def _push_ckpt(self, ck) -> None:
         self._seq += 1
-        cls = self.policy.eviction_class(end=ck.end, divergence=ck.divergence)
+        cls = self.policy.eviction_class(end=ck.end, divergence=ck.divergence, page=ck.boundary_tokens // self.alloc.P)
         heapq.heappush(self._ckpts, (cls, ck.last_used, self._seq, ck))
 
     # ---------------------------------------------------------------- eviction
