@@ -91,7 +91,8 @@ def kvatlas_sequential(p, trace) -> dict:
     return {"hits": hits, "seconds": r["seconds"], "missed_tokens": r["missed_tokens"]}
 
 
-def kvatlas_concurrent(p, requests, tm: TimeModel, share: str = "written", hold: int | None = None) -> dict:
+def kvatlas_concurrent(p, requests, tm: TimeModel, share: str = "written", hold: int | None = None,
+                       window: int | None = None) -> dict:
     cache = kvatlas.allocate(p, backend="none")
     cache.prefix.share_as_written = share == "written"
     index = {r.id: i for i, r in enumerate(requests)}
@@ -109,7 +110,8 @@ def kvatlas_concurrent(p, requests, tm: TimeModel, share: str = "written", hold:
         return finish(rid, *args, **kwargs)
 
     cache.admit, cache.finish = admit_recorded, finish_recorded
-    sim = Simulator(cache, requests, record=False, time_model=tm, **({} if hold is None else {"hold_for_writers": hold}))
+    sim = Simulator(cache, requests, record=False, time_model=tm, **({} if hold is None else {"hold_for_writers": hold}),
+                    **({} if window is None else {"admission_window": window}))
     t0 = time.perf_counter()
     sim.run_offline()
     cache.check_integrity()
@@ -119,7 +121,8 @@ def kvatlas_concurrent(p, requests, tm: TimeModel, share: str = "written", hold:
     return {"hits": hits, "seconds": time.perf_counter() - t0, "missed_tokens": s.missed(),
             "admitted_pass": admitted.tolist(), "finished_pass": finished.tolist(), "passes": sim.stats.steps,
             "peak_running": sim.stats.peak_running, "virtual_s": sim.clock_s, "hold_for_writers": sim.hold_for_writers,
-            "held_passes": sim.stats.held_passes, "writer_points_read": s.writer_points_read,
+            "held_passes": sim.stats.held_passes, "admission_window": sim.admission_window,
+            "reordered_passes": sim.stats.reordered_passes, "writer_points_read": s.writer_points_read,
             "ttft_s": {k: ttft[k] for k in ("mean", "p50", "p90", "p99")}}
 
 
@@ -243,12 +246,12 @@ class VllmReplay:
 # ---- the run ---------------------------------------------------------------------------------
 
 def run_budget(gib: int, trace, requests, retentions, modes, engines, tm, rows: list, save, windows=(0,),
-               share: str = "written", hold: int | None = None) -> None:
+               share: str = "written", hold: int | None = None, kv_window: int | None = None) -> None:
     """Every run at one budget, appended to rows; save() after each (a long run keeps what it has)."""
     p = prefix_hit.make_plan(gib, 0.25)
     for mode in modes:
         if "kvatlas" in engines:
-            r = kvatlas_sequential(p, trace) if mode == "sequential" else kvatlas_concurrent(p, requests, tm, share, hold)
+            r = kvatlas_sequential(p, trace) if mode == "sequential" else kvatlas_concurrent(p, requests, tm, share, hold, kv_window)
             r.update(engine="kvatlas", retention=None, prefix_checkpoints=p.options.prefix_checkpoints, share=share)
             rows.append(finish_row(r, gib, mode, requests))
             save()
@@ -410,6 +413,9 @@ def main() -> None:
     ap.add_argument("--hold-for-writers", type=int, default=None,
                     help="kvatlas's cache-aware admission: passes a waiting request may be passed over while running "
                          "requests write the pages right past its cached prefix (default: the Simulator's)")
+    ap.add_argument("--kvatlas-admission-window", type=int, default=None,
+                    help="kvatlas's prefix-first admission: waiting requests at the head of the queue ordered by "
+                         "cached prefix, as vLLM 0.34's cache_aware_admission_window (default: the Simulator's)")
     ap.add_argument("--vllm-plugins", default="",
                     help="VLLM_PLUGINS for the vLLM side (default empty: vLLM as shipped, no plugin loads)")
     ap.add_argument("--limit", type=int, default=0, help="first N requests only (0: all)")
@@ -432,7 +438,7 @@ def main() -> None:
         for gib in (int(x) for x in args.budgets.split(",")):
             run_budget(gib, trace, requests, parse_retention(args.retention), args.modes.split(","),
                        args.engines.split(","), tm, rows, save, [int(x) for x in args.admission_window.split(",")],
-                       args.kvatlas_share, args.hold_for_writers)
+                       args.kvatlas_share, args.hold_for_writers, args.kvatlas_admission_window)
     tok = blk = None
     if not args.limit:
         tok, blk = ceiling(args.trace)

@@ -10,7 +10,7 @@ import sys
 from dataclasses import dataclass
 
 from ..checks import MAX_COUNT, real, require_torch
-from ..driving.sim import HOLD_FOR_WRITERS
+from ..driving.sim import ADMISSION_WINDOW, HOLD_FOR_WRITERS
 from ..driving.workload import MAX_DURATION_S, MAX_RATE_PER_S
 from ..errors import BudgetError, ConfigError
 from ..observing.table import render
@@ -71,6 +71,10 @@ def add_run_args(p) -> None:
                    help="cache-aware admission: a waiting request may be passed over for up to N passes while "
                         "running requests write the pages right past its cached prefix, the requests behind it "
                         f"admitted meanwhile (default {HOLD_FOR_WRITERS}; 0: first come, first served)")
+    g.add_argument("--admission-window", type=count(0, 1 << 20), default=ADMISSION_WINDOW, metavar="W",
+                   help="prefix-first admission: before each pass's admissions the first W waiting requests are "
+                        "ordered by how many pages of their prompt the prefix cache holds, deepest first, as vLLM "
+                        f"0.34's cache_aware_admission_window (default {ADMISSION_WINDOW}; 0: arrival order)")
     g.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
     g.add_argument("--backend", default="plain", help="arena backend: plain (default), vmm (CUDA), or none: "
                    "allocator and ledger only, no pool tensors (any plan size; no KV writes)")
@@ -241,7 +245,8 @@ def build(args, plan_from_args, *, lock=None, record=True, prepared: Prepared | 
     writer = KVWriter(cache, layers=layers, seed=args.seed) if layers != 0 else None
     sim = Simulator(cache, requests, accept_rate=args.accept_rate, seed=args.seed, writer=writer, lock=lock,
                     record=record, time_model=pr.time_model, sample_s=sample_s(args, requests), host=host,
-                    check_integrity=args.check_integrity, hold_for_writers=args.hold_for_writers)
+                    check_integrity=args.check_integrity, hold_for_writers=args.hold_for_writers,
+                    admission_window=args.admission_window)
     return cache, sim, writer
 
 

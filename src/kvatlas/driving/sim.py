@@ -11,7 +11,11 @@ Each `step(now_s)` is one forward pass, the way an engine's scheduler loop makes
    (`hold_for_writers=N`): a waiting request whose next pages past its cached prefix running
    requests are still writing (pages shared as written) is passed over, for N passes at most,
    the requests behind it admitted meanwhile: admitted a few passes later it hits those pages
-   instead of computing them again. It keeps its place at the head of the queue;
+   instead of computing them again. It keeps its place at the head of the queue. Prefix-first
+   admission (`admission_window=W`, as vLLM 0.34's `cache_aware_admission_window`): before each
+   pass's admissions, the first W waiting requests are ordered by the pages of their prompt the
+   prefix cache holds, deepest first (arrival order breaking ties), so a request whose prefix is
+   resident starts before a cold one's pages evict it;
 3. one forward pass (`allocator.forward()`): decode first — every decoding request writes
    1 + draft tokens (capped by what it still has to generate) — then chunked prefill with what
    is left of the `chunked_prefill_tokens` budget, which bounds ALL new tokens of the pass
@@ -105,6 +109,7 @@ class SimStats:
     drafts_rejected: int = 0
     blocked_steps: int = 0          # passes where the head of the queue could not be admitted
     held_passes: int = 0            # times a waiting request was passed over for a writer (hold_for_writers)
+    reordered_passes: int = 0       # passes whose waiting head prefix-first admission reordered (admission_window)
     peak_running: int = 0
     peak_occupied_bytes: int = 0
     rejected_ids: list = field(default_factory=list)
@@ -136,6 +141,8 @@ _REQUEST_FIELDS = ("id", "arrival_s", "prompt_tokens", "output_tokens")
 INTEGRITY_SHARE = 1.0
 # cache-aware admission (module doc): the most passes a waiting request is passed over for writers
 HOLD_FOR_WRITERS = 4
+# prefix-first admission (module doc): waiting requests at the head of the queue ordered by cached prefix
+ADMISSION_WINDOW = 0
 
 
 def _check_args(cache, requests, *, accept_rate, seed, writer, step_s, record, time_model, sample_s, host,
@@ -178,18 +185,22 @@ class Simulator:
     def __init__(self, cache, requests, *, accept_rate: float = 0.7, seed: int = 0, writer=None, lock=None,
                  step_s: float = 0.02, record: bool = True, time_model: TimeModel | None = None,
                  sample_s: float = 0.0, host=None, check_integrity: bool = False,
-                 integrity_share: float | None = INTEGRITY_SHARE, hold_for_writers: int = HOLD_FOR_WRITERS) -> None:
+                 integrity_share: float | None = INTEGRITY_SHARE, hold_for_writers: int = HOLD_FOR_WRITERS,
+                 admission_window: int = ADMISSION_WINDOW) -> None:
         requests = _check_args(cache, requests, accept_rate=accept_rate, seed=seed, writer=writer, step_s=step_s,
                                record=record, time_model=time_model, sample_s=sample_s, host=host,
                                check_integrity=check_integrity)
         if integrity_share is not None:
             real("integrity_share", integrity_share, 0.0, 1e6, open_low=True)
         whole("hold_for_writers", hold_for_writers, 0, 1 << 20)
+        whole("admission_window", admission_window, 0, 1 << 20)
         self.cache = cache
         # cache-aware admission (module doc): passes a waiting request may be passed over while
         # running requests write the pages right past its cached prefix (0: first come, first served)
         self.hold_for_writers = hold_for_writers if cache.prefix is not None else 0
         self._held: dict = {}     # request id -> passes it was passed over so far
+        # prefix-first admission (module doc): how many waiting requests are ordered by cached prefix
+        self.admission_window = admission_window if cache.prefix is not None else 0
         # debug mode: counters compared after every pass, every book recounted paced by CPU (module doc)
         self.check_integrity = check_integrity
         self.integrity_share = integrity_share
@@ -372,7 +383,22 @@ class Simulator:
         self.stats.held_passes += 1
         return True
 
+    def _prefix_first(self) -> None:
+        """Prefix-first admission (module doc): the first admission_window waiting requests,
+        deepest cached prefix first, arrival order breaking ties."""
+        head = [self.waiting.popleft() for _ in range(min(self.admission_window, len(self.waiting)))]
+        depth = []
+        for i, r in enumerate(head):
+            keys = self._prompt_keys(r)
+            depth.append((0 if keys is None else -self.cache.prefix.cached_pages(r.prompt_tokens, page_keys=keys), i))
+        depth.sort()
+        if any(i != j for j, (_, i) in enumerate(depth)):
+            self.stats.reordered_passes += 1
+        self.waiting.extendleft(head[i] for _, i in reversed(depth))
+
     def _admit(self, now_s: float, room: int) -> None:
+        if self.admission_window and len(self.waiting) > 1:
+            self._prefix_first()
         held: list = []
         try:
             self._admit_from_queue(now_s, room, held)

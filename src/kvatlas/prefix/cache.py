@@ -187,6 +187,13 @@ class PrefixCache:
         mine = sum(1 for node in m.path[: m.resume_pages] if node.refs == 0)
         return need, self.alloc.free_full_pages() + self.tree.idle_pages - mine
 
+    def cached_pages(self, prompt_tokens, *, token_ids=None, page_keys=None) -> int:
+        """Leading pages of this prompt the tree holds now (at most those a hit may cover: a token
+        is left to compute): what a scheduler that admits resident prefixes first orders by."""
+        keys = self._keys(prompt_tokens, token_ids, page_keys)
+        cap = (prompt_tokens - 1) // self.P
+        return min(len(self.tree.match(keys[:cap])), cap)
+
     def writing_next(self, prompt_tokens, *, token_ids=None, page_keys=None) -> int:
         """Pages of this prompt right past what the cache holds that running requests are still
         to write (pages shared as written): what a request admitted now would compute itself and
