@@ -19,10 +19,10 @@ concurrency, in one run.
 - vLLM as shipped: `VLLM_PLUGINS` is set empty before vLLM is imported, so no plugin installed in
   the venv (kvatlas's own among them) loads inside the vLLM side. vLLM 0.34's
   `cache_aware_admission_window` (`--admission-window N`, 0.34 only; its threshold left at its
-  default) runs as further settings beside the retention intervals. The offline builder
-  (`kvatlas.integrations.vllm.offline.build_engine`) supports 0.33 only so far: under 0.34 it
-  stops at its version check (0.34 moved the model runner's spec loop and changed
-  `ModelRunnerOutput`), so 0.34 runs wait for the builder's port.
+  default) runs as further settings beside the retention intervals; kvatlas's own prefix-first
+  admission (`--kvatlas-admission-window W`, `Simulator(admission_window=W)`) is the same rule on
+  its side, so each window is compared like for like. The offline builder
+  (`kvatlas.integrations.vllm.offline.build_engine`) builds 0.33 and 0.34 engine cores.
 - The bound: the most any prefix cache can hit on the trace (unbounded memory, one request at a
   time, whole 512-token blocks, a token left to compute), printed beside every budget, with
   kvatlas's share of it.
@@ -46,7 +46,7 @@ Hit ratio: hit prompt tokens / prompt tokens, and in 512-token blocks (hit token
 trace's blocks) as prefix_hit.py counts it.
 
     .venv-vllm/bin/python bench/prefix_vllm.py [--budgets 16,32,64,120] [--retention 0,4096,8192,16384,None]
-        [--modes sequential,concurrent] [--engines kvatlas,vllm] [--admission-window 0,64] [--hold-for-writers N]
+        [--modes sequential,concurrent] [--engines kvatlas,vllm] [--admission-window 0,64] [--kvatlas-admission-window W] [--hold-for-writers N]
         [--limit N] [--json FILE]
     .venv-vllm/bin/python bench/prefix_vllm.py --merge A.json B.json ...   (runs made apart, one table)
 """
