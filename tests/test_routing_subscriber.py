@@ -97,6 +97,18 @@ def test_publisher_restart_seen_when_its_first_batch_is_lost(wire):
     assert [(b.seq, b.ts) for b in got[5:]] == [(0, 20.0), (1, 21.0)] and s.replayed_batches == 1
 
 
+def test_a_restart_after_one_batch_is_seen(wire):
+    """The old engine published only seq 0; the new one's seq 0 (newer) is a restart, not a copy."""
+    pub, sub, got, lost, resets = wire
+    pub.publish(batch(0))
+    assert wait_for(lambda: len(got) == 1)
+    pub.seq = 0
+    pub.buffer.clear()
+    pub.publish(batch(5))
+    assert wait_for(lambda: len(got) == 2)
+    assert resets == [1] and sub.stats().resets == 1 and [(b.seq, b.ts) for b in got] == [(0, 0.0), (0, 5.0)]
+
+
 def test_a_duplicate_is_not_a_restart(wire):
     """Copies of batches already applied (a replay overlapping live traffic) go back too, but are
     never newer than the last batch applied: dropped, nothing reset, the next new batch applied."""

@@ -206,8 +206,8 @@ class Subscriber:
         # before this socket reconnected), so a later one going back is a restart too when it is
         # newer than the last batch applied: a duplicate (a replay overlapping live traffic) is a
         # copy of a batch already applied, never newer than it.
-        if self._last_seq is not None and self._last_seq > 0 and (
-                batch.seq == 0 or batch.seq < expected and self._last_batch_ts is not None
+        if self._last_seq is not None and (
+                batch.seq == 0 and self._last_seq > 0 or batch.seq < expected and self._last_batch_ts is not None
                 and batch.ts > self._last_batch_ts):
             with self._lock:
                 self._counts["resets"] += 1
