@@ -190,9 +190,11 @@ class PrefixCache:
     def cached_pages(self, prompt_tokens, *, token_ids=None, page_keys=None) -> int:
         """Leading pages of this prompt the tree holds now (at most those a hit may cover: a token
         is left to compute): what a scheduler that admits resident prefixes first orders by."""
-        keys = self._keys(prompt_tokens, token_ids, page_keys)
-        cap = (prompt_tokens - 1) // self.P
-        return min(len(self.tree.match(keys[:cap])), cap)
+        return len(self.tree.match(self._hit_keys(prompt_tokens, token_ids, page_keys)))
+
+    def _hit_keys(self, prompt_tokens, token_ids, page_keys):
+        """The prompt's keys of the pages a hit may cover (a token is left to compute)."""
+        return self._keys(prompt_tokens, token_ids, page_keys)[:(prompt_tokens - 1) // self.P]
 
     def writing_next(self, prompt_tokens, *, token_ids=None, page_keys=None) -> int:
         """Pages of this prompt right past what the cache holds that running requests are still
@@ -200,12 +202,11 @@ class PrefixCache:
         could hit a few passes later. A scheduler may hold it meanwhile (the simulator's
         `hold_for_writers`); the writers are asked to keep their resume point where the prompt
         leaves their pages, so that it resumes there."""
-        keys = self._keys(prompt_tokens, token_ids, page_keys)
+        keys = self._hit_keys(prompt_tokens, token_ids, page_keys)
         if not self._coming:
             return 0
-        cap = (prompt_tokens - 1) // self.P
-        matched = min(len(self.tree.match(keys[:cap])), cap)
-        return self._junction(keys[:cap], matched) - matched
+        matched = len(self.tree.match(keys))
+        return self._junction(keys, matched) - matched
 
     def _junction(self, keys, matched: int) -> int:
         """Pages of `keys` past which no running request writes them: `matched` (pages the tree
@@ -350,11 +351,7 @@ class PrefixCache:
                     a.share_written(slot, i, node.page)
                     tree.ref((node,))
                 req.path.append(node)
-                left = coming.get(k, 0) - 1   # (_unexpect, inlined)
-                if left > 0:
-                    coming[k] = left
-                else:
-                    coming.pop(k, None)
+                self._unexpect(k, coming)
                 parent = node
                 i += 1
             if req.kept:

@@ -108,8 +108,7 @@ class Tree:
             parent.children += 1
         self.nodes[key] = node
         self.evicted_keys.pop(key, None)
-        self._seq += 1   # (pushed as an idle leaf, as always: the entry is skipped once it is read)
-        heapq.heappush(self._pages, (now, self._seq, node))
+        self._push_page(node)   # an idle leaf, as always: its entry is skipped once it is read
         if read:
             node.refs = 1
         else:
