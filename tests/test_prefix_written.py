@@ -401,3 +401,25 @@ def test_admission_window_is_checked():
                           pp=2), backend="none")
     with pytest.raises(ConfigError, match="admission_window"):
         Simulator(cache, [], admission_window=-1)
+
+
+def test_prefix_first_keeps_no_keys_of_requests_it_rejects(tmp_path):
+    """A prompt longer than max_model_len waiting in the window is hashed for the ordering, then
+    rejected: its keys go with it (the simulator holds keys only of requests still waiting)."""
+    import json
+
+    from kvatlas.cli import _parse
+    from kvatlas.cli.common import plan_from_args
+    from kvatlas.cli.drive import build
+    trace = tmp_path / "too_long.jsonl"
+    lines = [{"timestamp": 0, "input_length": 4 * 512, "output_length": 4, "hash_ids": [0, 1, 2, 3]},
+             {"timestamp": 0, "input_length": 12 * 512, "output_length": 4, "hash_ids": list(range(10, 22))},
+             {"timestamp": 0, "input_length": 5 * 512, "output_length": 4, "hash_ids": [0, 1, 2, 3, 9]}]
+    trace.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    _, args = _parse(["simulate", "deepseek-v4-flash", "--memory", "32GiB", "--backend", "none",
+                      "--max-running-requests", "1", "--max-model-len", "4096", "--prefix-checkpoints", "200",
+                      "--workload", str(trace), "--no-plot", "--admission-window", "4", "--out", str(tmp_path / "o")])
+    cache, sim, _ = build(args, plan_from_args)
+    sim.run_offline()
+    assert sim.stats.rejected_too_long == 1 and sim.stats.finished == 2
+    assert sim._keys == {}

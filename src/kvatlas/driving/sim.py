@@ -414,6 +414,7 @@ class Simulator:
                 self.stats.rejected_ids.append(r.id)
                 self.latency.rejected(r)
                 self._release_followers(r.id, now_s)
+                self._keys.pop(r.id, None)   # (hashed by prefix-first admission while it waited)
                 continue
             keys = self._prompt_keys(r)
             if self.hold_for_writers and self._hold(r, keys):
