@@ -34,7 +34,7 @@ import itertools
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Iterable, Mapping
+from typing import Iterable
 
 from ..errors import ConfigError
 from .digest import Digester
@@ -46,6 +46,10 @@ _GOLD = 0x9E3779B97F4A7C15
 _UNPLACED = -1                  # a full-group block whose prefix is not known (no key)
 _PARTIAL = -2                   # a full-group entry shorter than its block (vLLM's partial entries)
 _MEDIA_SETS = (("GPU",), ("GPU", "CPU"), ("GPU", "CPU", "STORAGE"))
+
+
+def _first(item):
+    return item[0]
 
 
 def _offset_key(anchor: int, offset_tokens: int) -> int:
@@ -375,17 +379,37 @@ class _Engine:
             tables = [t for t in (self.res[m].get(g.index) for m in media) if t]
             if not tables:
                 return 0
-            groups.append((g, tables))
-        groups.sort(key=lambda gt: sum(len(t) for t in gt[1]))     # the sparsest group rules most boundaries out
-        first, first_tables = groups[0]
+            groups.append((len(tables[0]) if len(tables) == 1 else sum(map(len, tables)), g, tables))
+        groups.sort(key=_first)     # the sparsest group rules most boundaries out
+        first_tables = groups[0][2]
         if len(first_tables) == 1:     # the boundaries where the sparsest group has its anchor, found in C
             candidates = list(itertools.compress(range(1, top + 1), map(first_tables[0].__contains__, hashes[:top])))
         else:
             candidates = [b for b in range(1, top + 1) if any(hashes[b - 1] in t for t in first_tables)]
+        if not candidates:
+            return 0
+        back = self.back
         for b in reversed(candidates):
             anchor = hashes[b - 1]
-            if all(self._tail(g, tables, anchor, b * align) for g, tables in groups):
-                return b * align
+            end = b * align
+            mixed = (anchor * _GOLD) & _M64        # _offset_key(anchor, ·), its anchor part once
+            for _, spec, tables in groups:
+                if len(tables) == 1:               # one medium (the device): no generator per lookup
+                    table = tables[0]
+                    if anchor not in table:
+                        break
+                    block = spec.block_tokens
+                    for j in range(1, min(spec.tail_blocks, -(-end // block))):
+                        h = back.get(mixed ^ (j * block))
+                        if h is None or h not in table:
+                            break
+                    else:
+                        continue
+                    break
+                if not self._tail(spec, tables, anchor, end):
+                    break
+            else:
+                return end
         return 0
 
     def _tail(self, spec: GroupSpec, tables, anchor: int, end_tokens: int) -> bool:

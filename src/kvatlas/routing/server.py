@@ -33,6 +33,12 @@ from .metrics import RouteMetrics
 from .replicas import HealthChecker, ReplicaState
 from .tokenize import ClientError, PromptTokenizer
 
+try:        # 2-3x faster than json on a prompt of token ids; what it refuses (NaN, 1e400) json.loads decides
+    from msgspec import MsgspecError as _FastJSONError
+    from msgspec.json import decode as _fast_json
+except ImportError:         # msgspec comes with the routing extra; json alone gives the same answers
+    _fast_json, _FastJSONError = json.loads, ValueError
+
 log = logging.getLogger("kvatlas.route")
 
 STATE_SCHEMA = "kvatlas.route_state"
@@ -111,7 +117,10 @@ class Router:
     async def _body(self, request: web.Request) -> tuple[bytes, dict]:
         raw = await request.read()
         try:
-            body = json.loads(raw)
+            try:
+                body = _fast_json(raw)
+            except _FastJSONError:
+                body = json.loads(raw)
         except (ValueError, UnicodeDecodeError):
             raise ClientError("the body is not JSON: send a JSON object (Content-Type: application/json)") from None
         if not isinstance(body, dict):
@@ -169,7 +178,7 @@ class Router:
         try:
             try:
                 ctx = self.session.post(state.spec.url + path, data=raw, headers=hdrs, timeout=timeout)
-                upstream = await asyncio.wait_for(ctx.__aenter__(), self.first_byte_timeout_s)
+                upstream = await _first_byte(ctx.__aenter__(), self.first_byte_timeout_s)
             except asyncio.TimeoutError:
                 raise _Failed("timeout", f"no answer within {self.first_byte_timeout_s:g} s") from None
             except aiohttp.ClientConnectorError as e:
@@ -198,7 +207,8 @@ class Router:
                 raise _Failed("broken_stream", f"{type(e).__name__}: {e}") from None
             if upstream.status == 200:
                 state.answered()
-                self._usage(data, state, cand)
+                # after the answer is on its way: the accounting is no part of the client's wait
+                asyncio.get_running_loop().call_soon(self._usage, data, state, cand)
             return web.Response(body=data, status=upstream.status, headers=out_headers)
         resp = web.StreamResponse(status=upstream.status, headers=out_headers)
         tail = b""
@@ -292,6 +302,15 @@ class Router:
 
     async def metrics_endpoint(self, request):
         return web.Response(body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+if hasattr(asyncio, "timeout"):          # Python 3.11+: a deadline on this task, no task of its own
+    async def _first_byte(coro, seconds: float):
+        async with asyncio.timeout(seconds):
+            return await coro
+else:                                    # 3.10: wait_for runs the coroutine as a task of its own
+    async def _first_byte(coro, seconds: float):
+        return await asyncio.wait_for(coro, seconds)
 
 
 def _last_usage_chunk(tail: bytes) -> bytes | None:
