@@ -131,7 +131,7 @@ def caught_up(fleet: Fleet, replicas, timeout_s: float = 2.0) -> bool:
 
 
 def run_policy(name: str, replicas, fleet: Fleet, index: PrefixIndex, requests, max_tokens: int,
-               weights: Weights | None = None) -> dict:
+               weights: Weights | None = None, hold_s: float = 0.0) -> dict:
     for r in replicas:
         ok, r.published = r.call("reset")
         assert ok, f"{r.name}: reset_prefix_cache refused"
@@ -147,18 +147,56 @@ def run_policy(name: str, replicas, fleet: Fleet, index: PrefixIndex, requests, 
     # incl. in flight"); kvatlas and oracle score from the same object
     in_flight_prefixes = InFlightPrefixes(index.rule.align_tokens, clock=lambda: now[0])
     policy = make_policy(name, index=index, oracle=oracle, weights=weights, in_flight=in_flight_prefixes)
+    holds = hold_s > 0 and name in ("kvatlas", "oracle")     # the policies that count prefixes in flight
     tm = default_time_model()
     free_at = {r.name: 0.0 for r in replicas}
     work = {r.name: False for r in replicas}
     in_flight = {r.name: 0 for r in replicas}
     rec, where, arrival, first = {}, {}, {}, {}
+    held: dict = {}                   # request → (request, tokens, keys, the in-flight end it waits for)
     balance, assigned, lag_waits = [], {r.name: 0 for r in replicas}, 0
     i, clock = 0, 0.0
     wall = time.perf_counter()
-    while i < len(requests) or any(work.values()):
+
+    def dispatch(req, tokens, keys, chosen: str) -> None:
+        """Send to the engine now; the prediction the exactness counts is made here."""
+        p = index.predict(keys, [chosen])[chosen]
+        truth = by_name[chosen].call("hit", tokens)
+        pending = in_flight_prefixes.expected(keys, [chosen], exclude=held.keys() | {req.id}).get(chosen, (0, 0))[0]
+        rec[req.id] = {"prompt": len(tokens), "kvatlas": p.device_tokens, "main": min(p.main_group_tokens, len(tokens)),
+                       "expected": max(p.device_tokens, pending), "truth_at_routing": truth, "cached": None,
+                       "held_s": clock - arrival[req.id]}
+        by_name[chosen].call("add", req.id, tokens, max(1, min(req.output_tokens, max_tokens)))
+        work[chosen] = True
+        free_at[chosen] = max(free_at[chosen], clock)
+
+    def waits(rid, keys, chosen: str) -> bool:
+        """Whether a prompt sent to `chosen` (and not held) shares more of this one than is resident there."""
+        pending = in_flight_prefixes.expected(keys, [chosen], exclude=held.keys() | {rid}).get(chosen)
+        return pending is not None and pending[0] > index.predict(keys, [chosen])[chosen].device_tokens
+
+    def release(replica: str | None = None) -> None:
+        """Held requests (of `replica`, or all) that wait for nothing now or waited `hold_s`, in
+        arrival order: one released first is a writer the next may wait for."""
+        if not held:
+            return
+        caught_up(fleet, replicas)
+        for rid, (req, tokens, keys) in list(held.items()):
+            chosen = where[rid]
+            if replica is not None and chosen != replica and clock - arrival[rid] < hold_s:
+                continue
+            if clock - arrival[rid] >= hold_s or not waits(rid, keys, chosen):
+                del held[rid]
+                dispatch(req, tokens, keys, chosen)
+
+    while i < len(requests) or any(work.values()) or held:
         busy = [(free_at[n], n) for n, w in work.items() if w]
         t_step, step_name = min(busy) if busy else (float("inf"), None)
         t_arr = requests[i].arrival_s if i < len(requests) else float("inf")
+        if t_arr == t_step == float("inf"):     # nothing runs: whatever is held goes
+            clock = now[0] = max(clock, min(arrival[rid] for rid in held) + hold_s)
+            release()
+            continue
         if t_arr <= t_step:
             clock = now[0] = t_arr
             req = requests[i]
@@ -166,25 +204,23 @@ def run_policy(name: str, replicas, fleet: Fleet, index: PrefixIndex, requests, 
             tokens = req.token_ids().tolist()
             if not caught_up(fleet, replicas):
                 lag_waits += 1
+            release()
             loads = {r.name: ReplicaLoad(in_flight=in_flight[r.name], **r.status) for r in replicas}
             running = [r.status["running"] for r in replicas]
             if sum(running):
                 balance.append(max(running) / (sum(running) / len(running)))
             keys = index.keys(tokens)
-            preds = index.predict(keys)
-            chosen = policy.choose(tokens if name == "oracle" else keys, loads)[0].replica
-            truth = by_name[chosen].call("hit", tokens)
-            p = preds[chosen]
-            pending = in_flight_prefixes.expected(keys, [chosen]).get(chosen, (0, 0))[0]
+            choice = policy.choose(tokens if name == "oracle" else keys, loads)[0]
+            chosen = choice.replica
+            hold = holds and choice.in_flight_tokens > 0 and waits(req.id, keys, chosen)
             in_flight_prefixes.add(chosen, req.id, keys)
-            rec[req.id] = {"prompt": len(tokens), "kvatlas": p.device_tokens, "main": min(p.main_group_tokens, len(tokens)),
-                           "expected": max(p.device_tokens, pending), "truth_at_routing": truth, "cached": None}
             where[req.id], arrival[req.id] = chosen, clock
             assigned[chosen] += 1
             in_flight[chosen] += 1
-            by_name[chosen].call("add", req.id, tokens, max(1, min(req.output_tokens, max_tokens)))
-            work[chosen] = True
-            free_at[chosen] = max(free_at[chosen], clock)
+            if hold:
+                held[req.id] = (req, tokens, keys)
+            else:
+                dispatch(req, tokens, keys, chosen)
         else:
             clock = now[0] = t_step
             r = by_name[step_name]
@@ -199,6 +235,8 @@ def run_policy(name: str, replicas, fleet: Fleet, index: PrefixIndex, requests, 
                 in_flight[where[rid]] -= 1
                 in_flight_prefixes.finish(rid)
             work[step_name] = out["running"] + out["waiting"] > 0
+            if held:
+                release(step_name)
     out = summarize(name, rec, first, arrival, balance, assigned, lag_waits, time.perf_counter() - wall)
     out["rows"] = {rid: {**r, "replica": where[rid], "arrival_s": arrival[rid], "first_s": first.get(rid)}
                    for rid, r in rec.items()}
@@ -213,7 +251,9 @@ def summarize(name, rec, first, arrival, balance, assigned, lag_waits, wall_s) -
            "hit_ratio": cached / prompt, "balance_running": float(np.mean(balance)) if balance else 1.0,
            "balance_assigned": max(assigned.values()) / (sum(assigned.values()) / len(assigned)),
            "ttft_mean_s": float(np.mean([first[k] - arrival[k] for k in first])) if first else None,
-           "lag_waits": lag_waits, "wall_s": wall_s}
+           "lag_waits": lag_waits, "wall_s": wall_s,
+           "held": sum(r.get("held_s", 0) > 0 for r in rows),
+           "held_mean_s": float(np.mean([r["held_s"] for r in rows if r.get("held_s", 0) > 0] or [0.0]))}
     for who in ("kvatlas", "main", "expected"):
         out[f"{who}_exact"] = sum(r[who] == r["cached"] for r in rows) / len(rows)
     # kvatlas's misses (resident now against what the engine then reported), by cause: `lag` its
@@ -298,6 +338,10 @@ def main() -> None:
     ap.add_argument("--variant", action="append", default=[], metavar="POLICY:NAME=VALUE,...",
                     help="also run POLICY with these Weights changed (repeat for a sweep), e.g. "
                          "kvatlas:in_flight_prefix=0,waiting=2048")
+    ap.add_argument("--hold-s", type=float, default=0.0,
+                    help="kvatlas and oracle hold a request whose chosen replica is still computing a prefix it "
+                         "extends (a prefix in flight) until that prefix is shown resident or its writer ends, at "
+                         "most this many seconds (virtual); 0: send at once")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--rows", action="store_true", help="keep every request's row in the JSON")
     args = ap.parse_args()
@@ -322,7 +366,7 @@ def main() -> None:
                 index, fleet = start_fleet(replicas[:n])
                 try:
                     for label, name, weights in runs:
-                        res = run_policy(name, replicas[:n], fleet, index, requests, args.max_tokens, weights)
+                        res = run_policy(name, replicas[:n], fleet, index, requests, args.max_tokens, weights, args.hold_s)
                         res.update(budget=budget, n=n, policy=label, weights=dataclasses.asdict(weights or Weights()))
                         results.append(res)
                         rows = res.pop("rows")

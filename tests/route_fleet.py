@@ -208,4 +208,6 @@ def route_registry():
     for predicted, cached, expected in ((512, 512, 512), (0, 256, 256), (1024, 1024, 1024)):
         m.observe_usage("a", predicted, cached, 1500, expected)
     m.routing.observe(0.0004)
+    m.held.labels("a").inc(2)
+    m.hold.observe(0.8)
     return m.registry

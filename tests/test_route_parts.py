@@ -173,3 +173,79 @@ def test_weights_flag_sets_the_named_weights_and_refuses_others():
                         ("waiting=-1", "weights.waiting")):
         with pytest.raises(ConfigError, match=words):
             parse_weights(text)
+
+
+def _two_replicas_kvatlas():
+    from kvatlas.routing import groups_from_metadata
+    from kvatlas.routing.choose import Chooser
+    from test_routing_inflight import METADATA
+    specs = [parse_replica(f"http://127.0.0.1:{4000 + i},name=r{i}", i) for i in range(2)]
+    chooser = Chooser("deepseek-v4-flash", specs, "kvatlas")
+    for s in specs:
+        chooser.index.add_engine(s.name, 0, groups_from_metadata(chooser.index.rule, METADATA))
+    return chooser, [ReplicaState(spec=s) for s in specs]
+
+
+def test_a_follower_waits_for_its_writer_until_the_events_show_the_prefix_or_the_writer_ends():
+    from test_routing_inflight import computed
+    chooser, states = _two_replicas_kvatlas()
+    writer = list(range(100, 9100))                             # aligned end 8,960
+    w = chooser.prompt(writer)
+    first = chooser.rank(w, states)[0].replica
+    wh = chooser.sent(first, w)
+    follower = chooser.prompt(writer[:6000] + [5] * 500)        # shares 5,888 tokens of it: a fork
+    cand = chooser.rank(follower, states)[0]
+    assert (cand.replica, cand.predicted_tokens, cand.in_flight_tokens) == (first, 0, 5888)
+    fh = chooser.sent(first, follower)
+    assert chooser.waits(first, follower, fh)
+    # another request held meanwhile is no writer: a follower of the follower waits for the writer only
+    chooser.held.add(fh)
+    third = chooser.prompt(writer[:6000] + [5] * 600)
+    assert chooser.waits(first, third, -1)
+    assert chooser.policy.in_flight.expected(third, [first], exclude=chooser.held | {-1})[first][0] == 5888
+    chooser.held.discard(fh)
+    # the writer computed and published: nothing to wait for, and the prediction is the index's
+    chooser.index.apply(first, 0, computed(writer[:5888]))      # the engine holds the shared 5,888 (and its tails)
+    assert not chooser.waits(first, follower, fh)
+    assert chooser.refreshed(cand, follower, fh).predicted_tokens == 5888
+    # or the writer ended (its events lost): nothing to wait for either
+    chooser2, states2 = _two_replicas_kvatlas()
+    h = chooser2.sent("r1", chooser2.prompt(writer))
+    f2 = chooser2.prompt(writer + [3] * 100)
+    assert chooser2.waits("r1", f2, -1)
+    chooser2.done(h)
+    assert not chooser2.waits("r1", f2, -1)
+    # a stale replica is never waited on
+    h = chooser2.sent("r1", chooser2.prompt(writer))
+    chooser2.index.mark_stale("r1", 0, "events lost")
+    assert not chooser2.waits("r1", f2, -1)
+
+
+def test_hold_ends_when_the_events_arrive_and_is_bounded():
+    import asyncio
+    from test_routing_inflight import computed
+    chooser, _ = _two_replicas_kvatlas()
+    writer = list(range(100, 9100))
+    chooser.sent("r0", chooser.prompt(writer))
+    follower = chooser.prompt(writer + [5] * 500)
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        loop.call_later(0.05, chooser.index.apply, "r0", 0, computed(writer))
+        waited = await chooser.hold("r0", follower, 10_001, 5.0)
+        assert 0.04 <= waited < 1.0 and not chooser.held
+        # nothing to wait for: sent at once
+        assert await chooser.hold("r0", follower, 10_002, 5.0) == 0.0
+        # a writer that never publishes: the bound
+        chooser.sent("r1", chooser.prompt(writer))
+        waited = await chooser.hold("r1", follower, 10_003, 0.2)
+        assert 0.2 <= waited < 1.0 and chooser.held_total == 2 and not chooser.held
+    asyncio.run(scenario())
+
+
+def test_hold_flag_is_checked(capsys):
+    from kvatlas.cli import main
+    for bad in ("-1", "nan", "x", "4000"):
+        assert main(["route", "deepseek-v4-flash", "--replica", "http://127.0.0.1:1", "--hold-s", bad]) == 2
+        err = capsys.readouterr().err
+        assert "--hold-s" in err and "[0, 3600]" in err, err

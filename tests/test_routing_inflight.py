@@ -1,5 +1,5 @@
 """Prefixes in flight (routing.inflight) and the kvatlas policy's term for them: a follower goes to
-the replica computing the prompt it extends, and the entry goes when the request finishes, when the
+the replica computing a prompt it shares whole blocks with, and the entry goes when the request finishes, when the
 events show the prefix stored, or when it times out. A stateful property test checks the tracker
 against a plain model after every step of random interleavings."""
 
@@ -100,23 +100,28 @@ def test_the_entry_expires():
     assert len(tracker) == 0 and tracker.counters["expired"] == 1
 
 
-def test_what_counts_is_the_writers_end_at_most_n_minus_1():
+def test_what_counts_is_the_deepest_boundary_shared_with_a_writer_at_most_n_minus_1():
     index = make_index("a")
     policy = make_policy("kvatlas", index=index)
     policy.routed("a", "writer", WRITER)
     keys = index.keys
-    # a fork before the writer's end: vLLM keeps the sliding tails where a prompt ends, so nothing
-    assert policy.in_flight.expected(keys(WRITER[:8000] + [3] * 5000)) == {}
+    # a fork before the writer's end: the boundary before the fork (vLLM keeps the tails the window
+    # has passed cached until their blocks are taken), 8,000 rounded down to 256
+    assert policy.in_flight.expected(keys(WRITER[:8000] + [3] * 5000))["a"][0] == 7_936
+    # a fork inside the first block: nothing
+    assert policy.in_flight.expected(keys(WRITER[:200] + [3] * 5000)) == {}
     # the writer itself again (12,000 tokens): its end 11,776 ≤ n − 1
     assert policy.in_flight.expected(keys(WRITER))["a"][0] == 11_776
-    # a writer whose length is a multiple of 256: the same prompt again is capped at n − 1
-    policy.routed("a", "aligned", WRITER[:11_776])
-    assert policy.in_flight.expected(keys(WRITER[:11_776])) == {}
+    # a prompt of 256·k tokens is capped at n − 1: one block short of its end
+    assert policy.in_flight.expected(keys(WRITER[:11_776]))["a"][0] == 11_520
     assert policy.in_flight.expected(keys(WRITER[:11_777]))["a"][0] == 11_776
-    # the longest end a prompt extends wins; shorter prompts in flight are prefixes of it
+    # the deepest shared boundary wins, whichever writer it is in
     policy.routed("a", "short", WRITER[:3000])
     assert policy.in_flight.expected(keys(FOLLOWER))["a"][0] == 11_776
-    assert policy.in_flight.expected(keys(WRITER[:5000]))["a"][0] == 2_816
+    assert policy.in_flight.expected(keys(WRITER[:5000]))["a"][0] == 4_864
+    # requests excluded (held by a router: they compute nothing yet) are no writers
+    assert policy.in_flight.expected(keys(WRITER[:5000]), exclude={"writer"})["a"][0] == 2_816
+    assert policy.in_flight.expected(keys(WRITER[:5000]), exclude={"writer", "short"}) == {}
 
 
 def test_other_policies_keep_no_prefixes_in_flight_and_bad_settings_are_named():
@@ -218,9 +223,13 @@ class InFlightMachine(RuleBasedStateMachine):
                 cap = (len(probe) - 1) // 256 * 256
                 want = {}
                 for replica, tokens, _ in self.model.values():
-                    end = len(tokens) // 256 * 256
-                    if end <= cap and tuple(probe[:end]) == tokens[:end]:
-                        want[replica] = max(want.get(replica, 0), end)
+                    shared = 0      # the longest common prefix, within the writer's whole blocks and the cap
+                    for x, y in zip(probe[:min(cap, len(tokens) // 256 * 256)], tokens):
+                        if x != y:
+                            break
+                        shared += 1
+                    if shared >= 256:
+                        want[replica] = max(want.get(replica, 0), shared // 256 * 256)
                 got = {r: tokens for r, (tokens, _) in self.t.expected(self.index.keys(probe)).items()}
                 assert got == want, (doc, length, fork)
 

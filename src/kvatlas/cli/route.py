@@ -27,6 +27,10 @@ def add_parser(p) -> None:
     p.add_argument("--weights", metavar="NAME=VALUE,...", help="cost weights in prefill tokens, the rest keep their "
                    "defaults: prefill_token, cpu_token, storage_token, in_flight_prefix, fork_prefix, in_flight, "
                    "running, waiting (e.g. waiting=2048,fork_prefix=0)")
+    p.add_argument("--hold-s", type=number(0.0, 3600.0), default=60.0,
+                   help="kvatlas policy: a request whose chosen replica is still computing a prompt it shares more of "
+                   "than is resident there waits until the replica's events show that prefix (or the prompt ends), "
+                   "at most this long, then goes with an exact prediction (default 60; 0 sends at once)")
     p.add_argument("--tokenizer", metavar="DIR", help="local directory with the model's tokenizer, for text prompts "
                    "and chat (default: MODEL when it is one)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: loopback only)")
@@ -81,7 +85,7 @@ def build_router(args):
     return Router(model=_served_name(args.model), specs=specs, chooser=chooser, tokenizer=tokenizer,
                   policy=args.policy, first_byte_timeout_s=args.first_byte_timeout_s,
                   connect_timeout_s=args.connect_timeout_s, health_interval_s=args.health_interval_s,
-                  health_timeout_s=min(args.health_interval_s, 5.0))
+                  health_timeout_s=min(args.health_interval_s, 5.0), hold_s=args.hold_s)
 
 
 def _served_name(model: str) -> str:

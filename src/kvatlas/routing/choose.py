@@ -15,7 +15,13 @@ of subscribers and policy (`index.py`, `fleet.py`, `policy.py`), with what a liv
   `X-data-parallel-rank`); with no hit anywhere vLLM's own balancing picks the rank;
 - per replica, the first answer that must have published with no event seen since, for the rule above;
 - the prefixes in flight (kvatlas's policy, `inflight.py`): the router tells the policy each prompt
-  it sends (`sent`) and each request that ends, answered or failed (`done`).
+  it sends (`sent`) and each request that ends, answered or failed (`done`);
+- holding a follower (`hold`, `kvatlas route --hold-s`): a request whose chosen replica is computing
+  a prompt it shares more of than is resident there waits, before it is sent, until the index shows
+  that prefix resident (the writer computed it and published), the writer ends, or `hold_s` passes —
+  then the prediction made as it is sent is what the engine reports, and the engine computes the
+  shared prefix once instead of twice. Held requests count as in flight for routing (a later
+  follower goes to the same replica) but not as writers (they have computed nothing).
 
 Everything here runs on the router's event loop; the subscribers run on their own threads and the
 index locks per engine, so nothing on the request path waits on the network.
@@ -23,6 +29,7 @@ index locks per engine, so nothing on the request path waits on the network.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import itertools
 import time
@@ -34,6 +41,7 @@ from .policy import ReplicaLoad, make_policy
 ROUTER_STALE = "router: "          # the prefix of every stale reason the router sets itself
 CONFIRM_SLACK_S = 1.0              # an event this long before an answer confirms it (publish, then answer)
 REFRESH_EVERY_S = 0.05             # the request path re-reads the stale flags at most this often (they move in seconds)
+HOLD_POLL_S = 0.005                # a held request looks again this often (predicting only once its replica's events moved)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -66,6 +74,9 @@ class Chooser:
         self._turn = itertools.count()
         self._refreshed_s = float("-inf")
         self._sent = itertools.count()
+        self.held: set[int] = set()          # handles of the requests held now
+        self.held_total = 0
+        self._finished = 0                   # requests done: a writer ending is news to a held request
 
     async def start(self) -> None:
         self.fleet.start()
@@ -138,6 +149,54 @@ class Chooser:
     def done(self, handle: int) -> None:
         """That request ended (answered, failed, or the client went away)."""
         self.policy.finished(handle)
+        self._finished += 1
+
+    # --- holding a follower for its writer --------------------------------------------------------
+    def waits(self, replica: str, prompt, handle: int) -> bool:
+        """Whether a request sent (and not held) to `replica` shares more of `prompt` than the index
+        shows resident there. A stale replica is never waited on: its progress cannot be seen."""
+        in_flight = self.policy.in_flight
+        if in_flight is None or not hasattr(prompt, "keys"):
+            return False
+        pending = in_flight.expected(prompt, [replica], exclude=self.held | {handle}).get(replica)
+        if pending is None:
+            return False
+        p = self.index.predict(prompt, [replica]).get(replica)
+        return p is not None and not p.stale and pending[0] > p.device_tokens
+
+    async def hold(self, replica: str, prompt, handle: int, hold_s: float) -> float:
+        """Wait while `waits` (at most `hold_s`); the seconds waited (0: sent at once)."""
+        if hold_s <= 0 or not self.waits(replica, prompt, handle):
+            return 0.0
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        self.held.add(handle)
+        self.held_total += 1
+        try:
+            seen = None
+            while loop.time() - t0 < hold_s:
+                await asyncio.sleep(HOLD_POLL_S)
+                now = (self.index.version(replica), self._finished, len(self.held))
+                if now != seen:
+                    seen = now
+                    if not self.waits(replica, prompt, handle):
+                        break
+        finally:
+            self.held.discard(handle)
+        return loop.time() - t0
+
+    def refreshed(self, cand: Candidate, prompt, handle: int) -> Candidate:
+        """`cand` predicted again as it is sent (after a hold)."""
+        p = self.index.predict(prompt, [cand.replica]).get(cand.replica)
+        if p is None or p.stale:
+            return cand
+        pending = (self.policy.in_flight.expected(prompt, [cand.replica], exclude=self.held | {handle})
+                   .get(cand.replica, (0, 0))[0] if self.policy.in_flight is not None else 0)
+        pin = p.rank if p.device_tokens > 0 else None
+        if self.specs[cand.replica].dp_size == 1:
+            pin = 0 if pin is not None else None
+        return dataclasses.replace(cand, predicted_tokens=p.device_tokens, dp_rank=pin,
+                                   in_flight_tokens=max(0, pending - p.device_tokens))
 
     # --- ranking ---------------------------------------------------------------------------------
     def rank(self, token_ids, states, *, advance: bool = True) -> list[Candidate]:

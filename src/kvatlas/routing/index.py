@@ -481,6 +481,12 @@ class PrefixIndex:
         """Flag (reason) or unflag (None) an engine whose events the index may have missed."""
         self._engine(replica, rank).stale_reason = reason
 
+    def version(self, replica: str) -> int:
+        """Changes whenever a batch of the replica's events is applied (any rank) or it is cleared:
+        what a waiter polls before predicting again."""
+        return sum(eng.counters["batches"] + eng.counters["clears"] for (r, _), eng in list(self._engines.items())
+                   if r == replica)
+
     def keys(self, token_ids) -> PromptKeys:
         align = self.rule.align_tokens
         from .digest import as_tokens

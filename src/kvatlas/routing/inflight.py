@@ -2,24 +2,28 @@
 and what a later request could resume from there once they are computed.
 
 The index (`index.py`) knows what a replica holds *now*, from its events. A prompt routed a moment
-ago is not there yet: it waits in the replica's queue or is being prefilled, and under vLLM's
-DeepSeek-V4 rule its prefix becomes resumable only once it has been computed to its end — the
-sliding groups' tails (SWA, compressor states) are kept where a prompt's computation ends, so the
-boundary a follower can resume from is the prompt's end rounded down to the full group's block
-(256 tokens), not any 256-aligned point of a shared prefix. A request that extends a prompt in
-flight on a replica (a session's next turn, the same document with a new question) resumes there
-from that boundary if the replica computes the writer first.
+ago is not there yet: it waits in the replica's queue or is being prefilled. A follower that shares
+whole blocks with it can resume there once the replica has computed them: from the prompt's end
+rounded down to 256 tokens (vLLM keeps DeepSeek-V4's sliding tails where a computation ends), and
+often from the boundary where it forks from the prompt. Measured on vLLM 0.34's engine cores over
+the Mooncake trace (bench/routing_cluster.py, 200 requests, 2 replicas): all 15 requests the router
+then predicted nothing for and that resumed from a prefix resumed at the boundary where they forked
+from a prompt in flight on their replica, none at that prompt's end. It is not certain: a fork
+point only one prompt has been computed through may hold no tails
+(tests/vllm_plugin/test_routing_replica.py).
 
-So, per replica, the digest (`digest.py`: the same digest the index places blocks by) of each
-in-flight prompt's aligned end. For a new prompt, `expected` walks its boundary digests once and
-gives, per replica, the largest in-flight end it extends (at most n − 1 tokens, as vLLM caps a hit).
-The policy counts what that adds beyond the exact resident prefix, weighted (`Weights.in_flight_prefix`:
-it is an expectation — a follower admitted in the same engine step as the writer's last chunk gets
-less).
+So, per replica, the digest (`digest.py`: the same digest the index places blocks by) of every
+whole-block boundary of each in-flight prompt. For a new prompt, `expected` walks its boundary
+digests once, deepest first, and gives per replica the deepest boundary it shares with a prompt in
+flight there (at most n − 1 tokens, as vLLM caps a hit). The policy counts what that adds beyond
+the exact resident prefix, weighted (`Weights.in_flight_prefix`): an expectation. A router that
+holds the follower until the index shows that boundary resident, or the writer ends (`kvatlas
+route --hold-s`, `Chooser.hold`), sends it when its prediction is exact; `exclude` leaves out the
+requests held (they have computed nothing) and the prompt's own entry.
 
-An entry goes when the request completes (`finish`), when the index shows the prefix resident on
-that replica (`stored`: from then on the index says it exactly), after `ttl_s` (a request whose end
-the router never saw), or, oldest first, beyond `max_entries`.
+An entry goes when the request completes (`finish`), when the index shows its end resident on that
+replica (`stored`: from then on the index says it exactly), after `ttl_s` (a request whose end the
+router never saw), or, oldest first, beyond `max_entries`.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Callable, Hashable, Iterable
+from typing import Callable, Container, Hashable, Iterable
 
 from ..errors import ConfigError
 from .index import PromptKeys
@@ -39,6 +43,7 @@ class _Entry:
     end_key: int          # the digest of the prompt's prefix [0, end_tokens)
     end_tokens: int       # the prompt's end rounded down to the full group's block
     sent_s: float
+    keys: tuple           # the digest at each whole-block boundary, the last one end_key
 
 
 class InFlightPrefixes:
@@ -56,6 +61,7 @@ class InFlightPrefixes:
         self.align_tokens, self.ttl_s, self.max_entries, self.clock = align_tokens, ttl_s, max_entries, clock
         self._entries: OrderedDict[Hashable, _Entry] = OrderedDict()      # request → entry, oldest first
         self._by_end: dict[int, dict[str, set]] = {}                       # end digest → replica → requests
+        self._by_key: dict[int, dict[str, set]] = {}                       # any boundary's digest → the same
         self.counters = {"added": 0, "finished": 0, "stored": 0, "expired": 0, "evicted": 0}
 
     def __len__(self) -> int:
@@ -70,9 +76,17 @@ class InFlightPrefixes:
         blocks = min(len(prompt.keys), prompt.prompt_tokens // self.align_tokens)
         if prompt.block_tokens != self.align_tokens or blocks == 0:
             return False
-        entry = _Entry(replica, int(prompt.keys[blocks - 1]), blocks * self.align_tokens, self.clock())
+        keys = tuple(prompt.keys[:blocks]) if isinstance(prompt.keys, list) else tuple(prompt.keys[:blocks].tolist())
+        entry = _Entry(replica, keys[-1], blocks * self.align_tokens, self.clock(), keys)
         self._entries[request] = entry
         self._by_end.setdefault(entry.end_key, {}).setdefault(replica, set()).add(request)
+        by_key = self._by_key
+        for k in keys:
+            found = by_key.get(k)
+            if found is None:
+                by_key[k] = {replica: {request}}
+            else:
+                found.setdefault(replica, set()).add(request)
         self.counters["added"] += 1
         while len(self._entries) > self.max_entries:
             self._drop(next(iter(self._entries)))
@@ -117,29 +131,30 @@ class InFlightPrefixes:
 
     def _drop(self, request: Hashable) -> None:
         entry = self._entries.pop(request)
-        replicas = self._by_end[entry.end_key]
-        requests = replicas[entry.replica]
-        requests.discard(request)
-        if not requests:
-            del replicas[entry.replica]
-            if not replicas:
-                del self._by_end[entry.end_key]
+        _unlist(self._by_end, entry.end_key, entry.replica, request)
+        for k in entry.keys:
+            _unlist(self._by_key, k, entry.replica, request)
 
-    def expected(self, prompt: PromptKeys, replicas: Iterable[str] | None = None) -> dict[str, tuple[int, int]]:
-        """{replica: (tokens, end digest)}: the largest in-flight prompt end on each replica that
-        `prompt` extends, at most prompt_tokens − 1; replicas with none are left out."""
+    def expected(self, prompt: PromptKeys, replicas: Iterable[str] | None = None,
+                 exclude: Container = ()) -> dict[str, tuple[int, int]]:
+        """{replica: (tokens, digest there)}: per replica, the deepest whole-block boundary `prompt`
+        shares with a prompt in flight there, at most prompt_tokens − 1; replicas with none are left
+        out. `exclude`: requests whose prompts do not count (the prompt's own while it is in flight,
+        requests a router holds)."""
         self.expire()
         if not self._by_end or prompt.block_tokens != self.align_tokens:
             return {}
         wanted = None if replicas is None else set(replicas)
         cap = min(len(prompt.keys), max(prompt.prompt_tokens - 1, 0) // self.align_tokens)
         out: dict[str, tuple[int, int]] = {}
-        by_end, keys = self._by_end, prompt.keys
+        by_key, keys = self._by_key, prompt.keys
         for b in range(cap, 0, -1):
-            found = by_end.get(keys[b - 1])
+            found = by_key.get(keys[b - 1])
             if found is None:
                 continue
-            for replica in found:
+            for replica, requests in found.items():
+                if exclude and all(r in exclude for r in requests):
+                    continue
                 if replica not in out and (wanted is None or replica in wanted):
                     out[replica] = (b * self.align_tokens, int(keys[b - 1]))
         return out
@@ -153,7 +168,10 @@ class InFlightPrefixes:
                 **self.counters}
 
     def check(self) -> None:
-        """Integrity: the by-end map holds exactly the entries (tests)."""
+        """Integrity: the by-end and by-boundary maps hold exactly the entries (tests)."""
+        listed = {(k, e.replica, r) for r, e in self._entries.items() for k in e.keys}
+        assert listed == {(k, rep, r) for k, reps in self._by_key.items() for rep, rs in reps.items() for r in rs}
+        assert all(rs for reps in self._by_key.values() for rs in reps.values())
         seen = set()
         for key, replicas in self._by_end.items():
             for replica, requests in replicas.items():
@@ -166,3 +184,13 @@ class InFlightPrefixes:
         assert seen == set(self._entries)
         times = [e.sent_s for e in self._entries.values()]
         assert times == sorted(times)
+
+
+def _unlist(table: dict, key: int, replica: str, request: Hashable) -> None:
+    replicas = table[key]
+    requests = replicas[replica]
+    requests.discard(request)
+    if not requests:
+        del replicas[replica]
+        if not replicas:
+            del table[key]

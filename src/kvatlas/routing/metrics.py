@@ -18,6 +18,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 # engine-reported − predicted, in tokens: 0 is an exact prediction; DeepSeek-V4 hits move in 256s
 ERROR_BUCKETS = (-65536, -16384, -4096, -1024, -256, -1, 0, 256, 1024, 4096, 16384, 65536)
+HOLD_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
 ROUTING_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1, 1.0)
 
 # the reasons a request went where it went
@@ -37,6 +38,9 @@ HELP = {
                                             "resident at routing time plus prefixes in flight there",
     "kvatlas_route_expected_error_tokens": "Engine-reported minus expected (incl. prefixes in flight) cached tokens, per request",
     "kvatlas_route_routing_seconds": "Time to choose a replica: tokenizing, predicting and scoring",
+    "kvatlas_route_held_requests": "Requests held before being sent, until the replica computed a prefix in flight "
+                                   "there that they share (or its writer ended, or --hold-s passed)",
+    "kvatlas_route_hold_seconds": "How long a held request waited before being sent",
     "kvatlas_route_replica_up": "1 while the replica takes requests, 0 while it is taken out",
     "kvatlas_route_in_flight_requests": "Requests the router has open to the replica",
     "kvatlas_route_event_lag_seconds": "Age of the newest event batch the router applied, per replica and DP rank",
@@ -71,6 +75,9 @@ class RouteMetrics:
                                         ["replica"], buckets=ERROR_BUCKETS, registry=r)
         self.routing = Histogram("kvatlas_route_routing_seconds", HELP["kvatlas_route_routing_seconds"],
                                  buckets=ROUTING_BUCKETS, registry=r)
+        self.held = Counter("kvatlas_route_held_requests", HELP["kvatlas_route_held_requests"], ["replica"], registry=r)
+        self.hold = Histogram("kvatlas_route_hold_seconds", HELP["kvatlas_route_hold_seconds"], buckets=HOLD_BUCKETS,
+                              registry=r)
         r.register(_Live(live))
 
     def observe_usage(self, replica: str, predicted: int | None, cached: int, prompt: int,

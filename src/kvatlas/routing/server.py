@@ -59,7 +59,8 @@ class _Failed(Exception):
 class Router:
     def __init__(self, *, model: str, specs, chooser, tokenizer: PromptTokenizer, policy: str,
                  first_byte_timeout_s: float = 300.0, connect_timeout_s: float = 5.0,
-                 health_interval_s: float = 2.0, health_timeout_s: float = 2.0, max_attempts: int | None = None) -> None:
+                 health_interval_s: float = 2.0, health_timeout_s: float = 2.0, max_attempts: int | None = None,
+                 hold_s: float = 0.0) -> None:
         self.model, self.policy = model, policy
         self.states = [ReplicaState(spec=s) for s in specs]
         self.by_name = {s.spec.name: s for s in self.states}
@@ -67,6 +68,7 @@ class Router:
         self.first_byte_timeout_s, self.connect_timeout_s = first_byte_timeout_s, connect_timeout_s
         self.health_interval_s, self.health_timeout_s = health_interval_s, health_timeout_s
         self.max_attempts = max_attempts or len(self.states)
+        self.hold_s = hold_s
         self.metrics = RouteMetrics(lambda: (self.states, self.chooser.event_stats()))
         self.started_s = time.time()
         self.session: aiohttp.ClientSession | None = None
@@ -147,6 +149,19 @@ class Router:
         candidates = self.chooser.rank(prompt, self.states)
         self.metrics.routing.observe(time.perf_counter() - t0)
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
+        first = None          # the first attempt's in-flight handle when it was held for a writer
+        if self.hold_s and candidates[0].in_flight_tokens and self.by_name[candidates[0].replica].up:
+            cand = candidates[0]
+            first = self.chooser.sent(cand.replica, prompt)
+            try:
+                held_s = await self.chooser.hold(cand.replica, prompt, first, self.hold_s)
+            except BaseException:      # the client went away while held
+                self.chooser.done(first)
+                raise
+            if held_s:
+                self.metrics.held.labels(cand.replica).inc()
+                self.metrics.hold.observe(held_s)
+                candidates[0] = self.chooser.refreshed(cand, prompt, first)
         errors = []
         for attempt, cand in enumerate(candidates[:self.max_attempts]):
             state = self.by_name[cand.replica]
@@ -155,7 +170,8 @@ class Router:
             if attempt:
                 self.retried += 1
             try:
-                resp = await self._forward(request, state, cand, path, raw, headers, len(ids), prompt)
+                resp = await self._forward(request, state, cand, path, raw, headers, len(ids), prompt,
+                                           first if attempt == 0 else None)
                 self.served += 1
                 return resp
             except _Failed as f:
@@ -168,13 +184,15 @@ class Router:
         raise ClientError("no replica could serve the request: " + ("; ".join(errors) or "none is configured"),
                           status=503, kind="service_unavailable")
 
-    async def _forward(self, request, state: ReplicaState, cand, path, raw, headers, prompt_tokens, prompt):
+    async def _forward(self, request, state: ReplicaState, cand, path, raw, headers, prompt_tokens, prompt,
+                       handle=None):
         hdrs = dict(headers)
         if cand.dp_rank is not None and state.spec.dp_size > 1:
             hdrs["X-data-parallel-rank"] = str(cand.dp_rank)
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout_s)
         state.in_flight += 1
-        handle = self.chooser.sent(state.spec.name, prompt)
+        if handle is None:
+            handle = self.chooser.sent(state.spec.name, prompt)
         try:
             try:
                 ctx = self.session.post(state.spec.url + path, data=raw, headers=hdrs, timeout=timeout)
@@ -294,7 +312,8 @@ class Router:
         return {"schema": STATE_SCHEMA, "schema_version": STATE_SCHEMA_VERSION, "time_unix_s": time.time(),
                 "version": __version__, "model": self.model,
                 "policy": self.policy, "uptime_s": time.time() - self.started_s,
-                "requests": {"served": self.served, "retried": self.retried, "unserved": self.unserved},
+                "requests": {"served": self.served, "retried": self.retried, "unserved": self.unserved,
+                             "held": self.chooser.held_total, "holding": len(self.chooser.held)},
                 "stale_replicas": stale, "replicas": replicas, **self.chooser.state()}
 
     async def state_endpoint(self, request):
