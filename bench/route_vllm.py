@@ -26,7 +26,7 @@ count) then say which replica served it and what it really resumed. Per policy:
 
     python bench/route_vllm.py --trace TRACE.jsonl [--start 0] [--requests 120] [--replicas 4] [--memory 32GiB]
         [--policies kvatlas,main_group_prefix,round_robin,least_loaded] [--max-tokens 16] [--weights N=V,...]
-        [--json FILE]
+        [--hold-s S] [--json FILE]
 
 Run it with a Python that has vLLM 0.34 and kvatlas (PYTHONPATH=src from a checkout).
 """
@@ -86,10 +86,13 @@ class Replica:
 
 
 class Router:
-    def __init__(self, model: str, replicas: list[Replica], policy: str, weights: str | None = None) -> None:
+    def __init__(self, model: str, replicas: list[Replica], policy: str, weights: str | None = None,
+                 hold_s: float | None = None) -> None:
         self.port = free_ports(1)[0]
         argv = [sys.executable, "-m", "kvatlas", "route", model, "--port", str(self.port), "--policy", policy,
                 "--health-interval-s", "0.5", "--stale-after-s", "10"] + (["--weights", weights] if weights else [])
+        if hold_s is not None:
+            argv += ["--hold-s", str(hold_s)]
         for r in replicas:
             argv += ["--replica", r.flag()]
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -190,11 +193,11 @@ def summarize(policy: str, rows: list[dict], metrics_text: str, rc: int, err: st
             "retried": metric(metrics_text, "kvatlas_route_requests_total", reason="retry")}
 
 
-def run_policy(model, replicas, policy, requests, max_tokens, weights=None):
+def run_policy(model, replicas, policy, requests, max_tokens, weights=None, hold_s=None):
     import urllib.request
     for r in replicas:
         urllib.request.urlopen(urllib.request.Request(r.url + "/_reset", data=b"{}", method="POST"), timeout=120).read()
-    router = Router(model, replicas, policy, weights)
+    router = Router(model, replicas, policy, weights, hold_s)
     try:
         deadline = time.monotonic() + 60
         while not all(x["up"] for x in get(router.url + "/state")["replicas"]):
@@ -207,6 +210,7 @@ def run_policy(model, replicas, policy, requests, max_tokens, weights=None):
         rc, err = router.stop()
     res = summarize(policy, rows, text, rc, err)
     res["stale_replicas_at_end"] = state["stale_replicas"]
+    res["held"] = state["requests"].get("held", 0)      # requests held for a prefix in flight (--hold-s)
     return res, rows, state
 
 
@@ -221,6 +225,7 @@ def main() -> None:
     ap.add_argument("--policies", default=POLICIES)
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--weights", help="the routers' --weights (e.g. in_flight=4096,running=1024,waiting=8192)")
+    ap.add_argument("--hold-s", type=float, help="the routers' --hold-s (default: the router's own, 60)")
     ap.add_argument("--json")
     ap.add_argument("--rows", action="store_true", help="keep every request's row in the JSON")
     args = ap.parse_args()
@@ -240,8 +245,8 @@ def main() -> None:
             r.ready()
         out["replica_start_s"] = time.monotonic() - t
         for policy in args.policies.split(","):
-            res, rows, _ = run_policy(args.model, reps, policy, requests, args.max_tokens, args.weights)
-            res["weights"] = args.weights
+            res, rows, _ = run_policy(args.model, reps, policy, requests, args.max_tokens, args.weights, args.hold_s)
+            res["weights"], res["hold_s"] = args.weights, args.hold_s
             print(json.dumps(res), flush=True)
             res["rows"] = rows if args.rows else None
             out["policies"].append(res)

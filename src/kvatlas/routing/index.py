@@ -332,8 +332,8 @@ class _Engine:
         align = self.rule.align_tokens
         cap = max(prompt.prompt_tokens - 1, 0) // align
         full, sliding, impossible = self._shape()
-        if not full or prompt.block_tokens != align:
-            return 0, 0, 0, 0
+        if not full or prompt.block_tokens != align or not prompt.keys or prompt.keys[0] not in self.by_key:
+            return 0, 0, 0, 0       # (the prompt's first block placed nowhere: no medium holds any of it)
         out, main = [], 0
         for n, media in enumerate(_MEDIA_SETS):
             if n and not any(self.res[m] for m in media[1:]):
