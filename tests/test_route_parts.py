@@ -249,3 +249,88 @@ def test_hold_flag_is_checked(capsys):
         assert main(["route", "deepseek-v4-flash", "--replica", "http://127.0.0.1:1", "--hold-s", bad]) == 2
         err = capsys.readouterr().err
         assert "--hold-s" in err and "[0, 3600]" in err, err
+
+
+def _lcp(a, b) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+from hypothesis import settings as _settings, strategies as _st                      # noqa: E402
+from hypothesis.stateful import RuleBasedStateMachine, invariant as _inv, rule as _rule  # noqa: E402
+
+
+class HoldMachine(RuleBasedStateMachine):
+    """Writers sent, followers held, prompts computed (their events applied), requests ending, on
+    two replicas, interleaved at random; after every step each held request waits exactly while a
+    request sent there and not held shares more of its prompt than the index shows resident, and
+    held requests are never writers (so two held requests never wait on each other)."""
+
+    DOC = list(range(5000, 9000))
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.chooser, _ = _two_replicas_kvatlas()
+        self.sent: dict[int, tuple[str, list]] = {}       # handle → (replica, prompt tokens)
+        self.held: dict[int, tuple[str, list]] = {}
+        self.seq = 0
+
+    def _prompt(self, length: int, fork: int) -> list[int]:
+        return self.DOC[:fork] + [7 + length] * (length - fork) if fork < length else self.DOC[:length]
+
+    @_rule(replica=_st.sampled_from(["r0", "r1"]), length=_st.integers(300, 4000), fork=_st.integers(0, 4000),
+           held=_st.booleans())
+    def send(self, replica, length, fork, held) -> None:
+        tokens = self._prompt(length, fork)
+        h = self.chooser.sent(replica, self.chooser.prompt(tokens))
+        if held:
+            self.chooser.held.add(h)
+            self.held[h] = (replica, tokens)
+        else:
+            self.sent[h] = (replica, tokens)
+
+    @_rule(data=_st.data())
+    def release(self, data) -> None:
+        if self.held:
+            h = data.draw(_st.sampled_from(sorted(self.held)))
+            self.chooser.held.discard(h)
+            self.sent[h] = self.held.pop(h)
+
+    @_rule(data=_st.data())
+    def compute(self, data) -> None:
+        from test_routing_inflight import computed
+        if self.sent:
+            h = data.draw(_st.sampled_from(sorted(self.sent)))
+            replica, tokens = self.sent[h]
+            self.seq += 1
+            self.chooser.index.apply(replica, 0, computed(tokens, self.seq))
+
+    @_rule(data=_st.data())
+    def finish(self, data) -> None:
+        live = sorted(set(self.sent) | set(self.held))
+        if live:
+            h = data.draw(_st.sampled_from(live))
+            self.chooser.held.discard(h)
+            self.sent.pop(h, None)
+            self.held.pop(h, None)
+            self.chooser.done(h)
+
+    @_inv()
+    def waits_as_the_model_says(self) -> None:
+        self.chooser.policy.in_flight.check()
+        assert self.chooser.held == set(self.held)
+        for h, (replica, tokens) in self.held.items():
+            keys = self.chooser.prompt(tokens)
+            resident = self.chooser.index.predict(keys, [replica])[replica].device_tokens
+            cap = (len(tokens) - 1) // 256 * 256
+            deepest = max([min(_lcp(tokens, w), len(w) // 256 * 256, cap) // 256 * 256
+                           for other, (rep, w) in self.sent.items() if rep == replica and other != h] or [0])
+            assert self.chooser.waits(replica, keys, h) == (deepest >= 256 and deepest > resident), (h, deepest, resident)
+
+
+TestHoldMachine = HoldMachine.TestCase
+TestHoldMachine.settings = _settings(max_examples=40, stateful_step_count=30, deadline=None, derandomize=True)

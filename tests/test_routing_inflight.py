@@ -151,8 +151,10 @@ DOCS = [[d * 100_000 + i for i in range(4096)] for d in range(3)]
 
 
 class InFlightMachine(RuleBasedStateMachine):
-    """Random sends, finishes, clock steps, 'stored' drops and an entry cap; after every step the
-    tracker's structure is checked and its answer for every probe equals a plain model's."""
+    """Random sends, finishes, clock steps, 'stored' drops, an entry cap and requests held (a router
+    holding followers: they count for nobody's `expected` while held); after every step the
+    tracker's structure is checked and its answer for every probe, with and without the held
+    requests excluded, equals a plain model's."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -160,6 +162,7 @@ class InFlightMachine(RuleBasedStateMachine):
         self.index = PrefixIndex(MODEL)
         self.t = InFlightPrefixes(256, ttl_s=50.0, max_entries=12, clock=lambda: self.now)
         self.model: dict[int, tuple[str, tuple, float]] = {}     # request → (replica, prompt, sent)
+        self.held: set[int] = set()
         self.next_id = 0
 
     @staticmethod
@@ -198,6 +201,13 @@ class InFlightMachine(RuleBasedStateMachine):
         self.now += step
 
     @rule(data=st.data())
+    def hold_or_release(self, data) -> None:
+        ids = sorted(set(self.model) | self.held)
+        if ids:
+            rid = data.draw(st.sampled_from(ids))
+            self.held ^= {rid}      # a request id no longer in flight may stay held: it must count for nothing
+
+    @rule(data=st.data())
     def stored(self, data) -> None:
         if self.model:
             rid = data.draw(st.sampled_from(sorted(self.model)))
@@ -221,8 +231,8 @@ class InFlightMachine(RuleBasedStateMachine):
             for length, fork in ((4096, 4096), (3000, 3000), (2000, 1000), (700, 700)):
                 probe = self.prompt(doc, length, fork)
                 cap = (len(probe) - 1) // 256 * 256
-                want = {}
-                for replica, tokens, _ in self.model.values():
+                want, unheld = {}, {}
+                for rid, (replica, tokens, _) in self.model.items():
                     shared = 0      # the longest common prefix, within the writer's whole blocks and the cap
                     for x, y in zip(probe[:min(cap, len(tokens) // 256 * 256)], tokens):
                         if x != y:
@@ -230,8 +240,13 @@ class InFlightMachine(RuleBasedStateMachine):
                         shared += 1
                     if shared >= 256:
                         want[replica] = max(want.get(replica, 0), shared // 256 * 256)
-                got = {r: tokens for r, (tokens, _) in self.t.expected(self.index.keys(probe)).items()}
+                        if rid not in self.held:
+                            unheld[replica] = max(unheld.get(replica, 0), shared // 256 * 256)
+                keys = self.index.keys(probe)
+                got = {r: tokens for r, (tokens, _) in self.t.expected(keys).items()}
                 assert got == want, (doc, length, fork)
+                got = {r: tokens for r, (tokens, _) in self.t.expected(keys, exclude=self.held).items()}
+                assert got == unheld, (doc, length, fork, sorted(self.held))
 
 
 TestInFlightMachine = InFlightMachine.TestCase
