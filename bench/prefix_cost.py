@@ -69,14 +69,14 @@ def admit_cost(repeats: int) -> tuple[float, float, float]:
     return statistics.median(hashing), statistics.median(admitting), pc.stats.hit_ratio
 
 
-def setup(requests: int, prefix: bool, units: int = 256):
+def setup(requests: int, prefix: bool, units: int = 256, as_written: bool = True):
     opts = dict(max_running_requests=requests, max_model_len=32768)
     if prefix:
         opts["prefix_checkpoints"] = units
     # (bookkeeping only, nothing allocated: a budget where 8,192 tokens each fit the largest batch)
     p = kvatlas.plan("deepseek-v4-flash", "120GiB" if requests <= 1024 else f"{requests * 120 // 1024}GiB", **opts)
     a = Allocator(p, Ledger(p, _NoArena()))
-    pc = PrefixCache(a, a.ledger) if prefix else None
+    pc = PrefixCache(a, a.ledger, share_as_written=as_written) if prefix else None
     lengths = np.random.default_rng(0).integers(100, 4000, requests)   # the same starts with and without
     ids = np.random.default_rng(1)
     for r, n in enumerate(lengths.tolist()):
@@ -89,12 +89,13 @@ def setup(requests: int, prefix: bool, units: int = 256):
     return a
 
 
-def step_pairs(requests: int, steps: int, scan: bool = False, units: int = 256) -> tuple[list, list]:
+def step_pairs(requests: int, steps: int, scan: bool = False, units: int = 256,
+               as_written: bool = True) -> tuple[list, list]:
     """Seconds of each step, off and on: the two allocators step one after the other, which goes
     first alternating, so the machine's drift (its speed moves by tens of percent within a
     second on a shared VM) is the same for both. scan: the on side never uses a steady batch's
     schedule of resume rows (as when the batch changes every step)."""
-    off, on = setup(requests, False), setup(requests, True, units)
+    off, on = setup(requests, False), setup(requests, True, units, as_written)
     if scan:
         on._steady_rows = lambda *args: None
     rids = list(range(requests))
@@ -138,6 +139,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--scan", action="store_true", help="the on side finds resume rows by scanning the batch "
                     "every step, as a batch that changes every step does (no steady-batch schedule)")
+    ap.add_argument("--at-finish", action="store_true", help="the cache shares a request's pages when it "
+                    "finishes, not as they are written (share_as_written=False: the behaviour before issue 34)")
     ap.add_argument("--scaling", action="store_true", help="the step at several sizes and numbers of units")
     ap.add_argument("--sizes", default="64,256,1024,4096")
     ap.add_argument("--units", default="256,4096")
@@ -148,9 +151,10 @@ def main() -> None:
     h, m, _ = admit_cost(args.repeats)
     print(f"128K-token prompt: hash token ids {h * 1e3:.2f} ms; match + admit (all pages cached) "
           f"{m * 1e3:.2f} ms; ratio {m / h:.2f}x (target ≤ 3x)")
-    off, on = step_pairs(args.requests, args.steps, args.scan)
+    off, on = step_pairs(args.requests, args.steps, args.scan, as_written=not args.at_finish)
     q = statistics.quantiles(window_ratios(off, on), n=4)
-    print(f"decode step, {args.requests} requests{' (scan)' if args.scan else ''}: prefix cache off {statistics.median(off) * 1e6:.1f} µs, "
+    how = (" (scan)" if args.scan else "") + (" (pages shared at finish)" if args.at_finish else "")
+    print(f"decode step, {args.requests} requests{how}: prefix cache off {statistics.median(off) * 1e6:.1f} µs, "
           f"on {statistics.median(on) * 1e6:.1f} µs (medians); on/off over windows of {WINDOW} steps: "
           f"median {q[1]:.3f}x (target ≤ 1.10x), quartiles {q[0]:.3f} / {q[2]:.3f}; all steps {sum(on) / sum(off):.3f}x")
 
