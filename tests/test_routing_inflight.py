@@ -136,6 +136,21 @@ def test_other_policies_keep_no_prefixes_in_flight_and_bad_settings_are_named():
         InFlightPrefixes(256, ttl_s=0)
     with pytest.raises(ConfigError, match="align_tokens"):
         InFlightPrefixes(0)
+    with pytest.raises(ConfigError, match="max_keys"):
+        InFlightPrefixes(256, max_keys=0)
+
+
+def test_memory_is_bounded_in_boundaries_oldest_first():
+    index = make_index("a")
+    tracker = InFlightPrefixes(256, max_keys=100)
+    for i in range(5):                                      # 46 boundaries each (12,000 tokens)
+        tracker.add("a", i, index.keys([i] + WRITER[1:]))
+    tracker.check()
+    assert len(tracker) == 2 and tracker.counters["evicted"] == 3
+    # a single prompt longer than the bound is kept (the newest always is)
+    tracker.add("a", "long", index.keys(list(range(40_000))))
+    tracker.check()
+    assert len(tracker) == 1 and tracker.expected(index.keys(list(range(40_001))))["a"][0] == 39_936
 
 
 def test_a_stale_replica_is_scored_from_its_prefixes_in_flight_and_load():
@@ -160,7 +175,7 @@ class InFlightMachine(RuleBasedStateMachine):
         super().__init__()
         self.now = 0.0
         self.index = PrefixIndex(MODEL)
-        self.t = InFlightPrefixes(256, ttl_s=50.0, max_entries=12, clock=lambda: self.now)
+        self.t = InFlightPrefixes(256, ttl_s=50.0, max_entries=12, max_keys=60, clock=lambda: self.now)
         self.model: dict[int, tuple[str, tuple, float]] = {}     # request → (replica, prompt, sent)
         self.held: set[int] = set()
         self.next_id = 0
@@ -185,7 +200,8 @@ class InFlightMachine(RuleBasedStateMachine):
         assert added == (length >= 256)
         if added:
             self.model[rid] = (replica, tuple(tokens), self.now)
-            while len(self.model) > 12:
+            keys = lambda: sum(len(t) // 256 for _, t, _ in self.model.values())
+            while len(self.model) > 12 or (keys() > 60 and len(self.model) > 1):     # oldest first
                 del self.model[min(self.model, key=lambda r: (self.model[r][2], r))]
 
     @rule(data=st.data())

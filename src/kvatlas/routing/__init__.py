@@ -40,7 +40,7 @@ Modules:
   loads)` → [`Choice`(replica, cost, predicted_tokens, prediction, in_flight_tokens)] best first;
   `Policy.routed(replica, request, prompt)` / `Policy.finished(request)` keep its prefixes in flight;
   `ReplicaLoad`, `Weights`.
-- `inflight`: `InFlightPrefixes(align_tokens, ttl_s=, max_entries=, clock=)`: per replica the
+- `inflight`: `InFlightPrefixes(align_tokens, ttl_s=, max_entries=, max_keys=, clock=)`: per replica the
   aligned ends of prompts sent there and not finished; `add`, `finish`, `stored`, `expire`,
   `expected(keys, replicas)` → {replica: (tokens, end digest)}, `state()`.
 - `fleet`: `Fleet(index)`: `add(replica, endpoint, replay_endpoint=, dp_size=, groups=)`,

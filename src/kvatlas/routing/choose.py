@@ -35,7 +35,7 @@ import itertools
 import time
 
 from .fleet import Fleet
-from .index import PrefixIndex
+from .index import PrefixIndex, PromptKeys
 from .policy import ReplicaLoad, make_policy
 
 ROUTER_STALE = "router: "          # the prefix of every stale reason the router sets itself
@@ -156,7 +156,7 @@ class Chooser:
         """Whether a request sent (and not held) to `replica` shares more of `prompt` than the index
         shows resident there. A stale replica is never waited on: its progress cannot be seen."""
         in_flight = self.policy.in_flight
-        if in_flight is None or not hasattr(prompt, "keys"):
+        if in_flight is None or not isinstance(prompt, PromptKeys):
             return False
         pending = in_flight.expected(prompt, [replica], exclude=self.held | {handle}).get(replica)
         if pending is None:

@@ -23,7 +23,8 @@ requests held (they have computed nothing) and the prompt's own entry.
 
 An entry goes when the request completes (`finish`), when the index shows its end resident on that
 replica (`stored`: from then on the index says it exactly), after `ttl_s` (a request whose end the
-router never saw), or, oldest first, beyond `max_entries`.
+router never saw), or, oldest first, beyond `max_entries` requests or `max_keys` boundaries in all (a
+bound on memory whatever the prompts' lengths: about 0.3 KB a boundary).
 """
 
 from __future__ import annotations
@@ -51,14 +52,18 @@ class InFlightPrefixes:
     one router's request path (one event loop, or one harness thread) owns it."""
 
     def __init__(self, align_tokens: int, *, ttl_s: float = 600.0, max_entries: int = 65536,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 max_keys: int = 1 << 20, clock: Callable[[], float] = time.monotonic) -> None:
         if not isinstance(align_tokens, int) or align_tokens < 1:
             raise ConfigError("align_tokens", f"{align_tokens!r}", "the model's hit alignment, e.g. 256")
         if not ttl_s > 0:
             raise ConfigError("ttl_s", f"{ttl_s!r} is not a positive number of seconds", "use e.g. 600")
         if not isinstance(max_entries, int) or max_entries < 1:
             raise ConfigError("max_entries", f"{max_entries!r}", "use a positive count, e.g. 65536")
+        if not isinstance(max_keys, int) or max_keys < 1:
+            raise ConfigError("max_keys", f"{max_keys!r}", "use a positive count, e.g. 1048576")
         self.align_tokens, self.ttl_s, self.max_entries, self.clock = align_tokens, ttl_s, max_entries, clock
+        self.max_keys = max_keys
+        self._keys_total = 0
         self._entries: OrderedDict[Hashable, _Entry] = OrderedDict()      # request → entry, oldest first
         self._by_end: dict[int, dict[str, set]] = {}                       # end digest → replica → requests
         self._by_key: dict[int, dict[str, set]] = {}                       # any boundary's digest → the same
@@ -87,8 +92,9 @@ class InFlightPrefixes:
                 by_key[k] = {replica: {request}}
             else:
                 found.setdefault(replica, set()).add(request)
+        self._keys_total += len(keys)
         self.counters["added"] += 1
-        while len(self._entries) > self.max_entries:
+        while len(self._entries) > self.max_entries or (self._keys_total > self.max_keys and len(self._entries) > 1):
             self._drop(next(iter(self._entries)))
             self.counters["evicted"] += 1
         return True
@@ -131,6 +137,7 @@ class InFlightPrefixes:
 
     def _drop(self, request: Hashable) -> None:
         entry = self._entries.pop(request)
+        self._keys_total -= len(entry.keys)
         _unlist(self._by_end, entry.end_key, entry.replica, request)
         for k in entry.keys:
             _unlist(self._by_key, k, entry.replica, request)
@@ -170,6 +177,7 @@ class InFlightPrefixes:
     def check(self) -> None:
         """Integrity: the by-end and by-boundary maps hold exactly the entries (tests)."""
         listed = {(k, e.replica, r) for r, e in self._entries.items() for k in e.keys}
+        assert self._keys_total == sum(len(e.keys) for e in self._entries.values()) == len(listed)
         assert listed == {(k, rep, r) for k, reps in self._by_key.items() for rep, rs in reps.items() for r in rs}
         assert all(rs for reps in self._by_key.values() for rs in reps.values())
         seen = set()

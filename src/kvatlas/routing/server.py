@@ -153,11 +153,15 @@ class Router:
         if self.hold_s and candidates[0].in_flight_tokens and self.by_name[candidates[0].replica].up:
             cand = candidates[0]
             first = self.chooser.sent(cand.replica, prompt)
+            held_at = self.by_name[cand.replica]
+            held_at.in_flight += 1     # its load while held: the requests routed meanwhile see it
             try:
                 held_s = await self.chooser.hold(cand.replica, prompt, first, self.hold_s)
             except BaseException:      # the client went away while held
                 self.chooser.done(first)
                 raise
+            finally:
+                held_at.in_flight -= 1
             if held_s:
                 self.metrics.held.labels(cand.replica).inc()
                 self.metrics.hold.observe(held_s)
