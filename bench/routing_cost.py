@@ -44,7 +44,7 @@ from kvatlas.integrations.vllm.replica import build_publishing_engine, engine_hi
 from kvatlas.routing import PrefixIndex, ReplicaLoad, groups_from_metadata, make_policy
 from kvatlas.routing.events import BlockRemoved, BlockStored
 from kvatlas.routing.digest import as_tokens
-from kvatlas.routing.vllm_events import decode_payload
+from kvatlas.routing.vllm_events import WireTokens, decode_payload
 
 PROMPT = 131_072
 REPLICAS = 8
@@ -84,6 +84,10 @@ def blocks_in(payloads) -> tuple[int, int]:
             if isinstance(e, BlockStored):
                 tokens += len(e.token_ids)
     return n, tokens
+
+
+def _array_len_of(raw) -> int:
+    return len(WireTokens(raw, "token_ids"))
 
 
 def resident(index: PrefixIndex) -> int:
@@ -169,6 +173,17 @@ def main() -> None:
             skip.decode(p)
         rounds += 1
     skip_rate = blocks * rounds / (time.perf_counter() - t)
+    # the floor: what the index cannot skip, turning the full group's token ids (the ones its digest
+    # reads) into an array, exactly as it does (msgspec into ints, then uint32), and nothing else
+    full = {m["group_idx"] for m in meta if m["sliding_window"] is None}
+    full_ids = [e.token_ids.raw for p in payloads for e in decode_payload(p).events
+                if isinstance(e, BlockStored) and e.group in full and len(e.token_ids) == len(e.block_hashes) * e.block_tokens]
+    t, rounds = time.perf_counter(), 0
+    while time.perf_counter() - t < args.seconds:
+        for raw in full_ids:
+            WireTokens(raw, "token_ids").tokens_array()
+        rounds += 1
+    floor_rate = blocks * rounds / (time.perf_counter() - t)
     t, rounds = time.perf_counter(), 0
     while time.perf_counter() - t < args.seconds:
         fresh = PrefixIndex(index.rule, digester=index.digester)   # the process's weights, drawn once
@@ -181,7 +196,9 @@ def main() -> None:
           f"{len(payloads)} batches of {blocks} blocks carrying {tokens:,} token ids ({tokens / blocks:.0f} a block: "
           f"{rate * tokens / blocks:,.0f} token ids/s); baseline msgpack.unpackb alone {unpack_rate:,.0f} blocks/s "
           f"(ingestion / unpack = {rate / unpack_rate:.2f}); bound: msgspec decoding the batches with every token id "
-          f"skipped unparsed {skip_rate:,.0f} blocks/s (ingestion / bound = {rate / skip_rate:.2f})")
+          f"skipped unparsed {skip_rate:,.0f} blocks/s (ingestion / bound = {rate / skip_rate:.2f}); floor: only the full "
+          f"group's {sum(map(_array_len_of, full_ids)):,} ids turned into an array, as the index must, {floor_rate:,.0f} blocks/s "
+          f"(ingestion / floor = {rate / floor_rate:.2f})")
 
     del fresh
     # 3. memory: copies of the full prompt's stream (replica r7's: every group's blocks as vLLM
