@@ -10,7 +10,9 @@ vLLM's own msgpack encoder, what its ZMQ publisher sends).
    predictions), p50/p99 over `--repeats`. Baseline: what vLLM itself pays to hash the prompt
    (`Request` creation, one hash per 4 tokens), i.e. what a router recomputing vLLM's hashes pays
    before looking anything up. The ids are given as a numpy array (as a tokenizer returns them);
-   the same call with a Python list is shown beside (the list's conversion dominates it). Each replica's prediction is checked against vLLM's own
+   the same call with a Python list is shown beside (the list's conversion dominates it), and as
+   the router takes a JSON list (`tokenize.token_ids` checks it by building the uint32 array the
+   digest then reads; before, the digest built it a second time, shown beside). Each replica's prediction is checked against vLLM's own
    `find_longest_cache_hit` on its engine right after it served (the figures are of a right answer).
    Goal: p99 <= 2 ms.
 2. Event ingestion on one core: every captured batch decoded from its wire bytes and applied to a
@@ -44,6 +46,7 @@ from kvatlas.integrations.vllm.replica import build_publishing_engine, engine_hi
 from kvatlas.routing import PrefixIndex, ReplicaLoad, groups_from_metadata, make_policy
 from kvatlas.routing.events import BlockRemoved, BlockStored
 from kvatlas.routing.digest import as_tokens
+from kvatlas.routing.tokenize import token_ids
 from kvatlas.routing.vllm_events import WireTokens, decode_payload
 
 PROMPT = 131_072
@@ -131,7 +134,7 @@ def main() -> None:
     policy = make_policy("kvatlas", index=index)
     baseline_policy = make_policy("main_group_prefix", index=index)
     ids = np.asarray(prompt, dtype=np.int64)           # the prompt as a tokenizer hands it over
-    score, score_list, score_main, hashing = [], [], [], []
+    score, score_list, score_router, score_router_old, score_main, hashing = [], [], [], [], [], []
     for k in range(args.repeats):
         t = time.perf_counter()
         eng.make_request(f"hash-{k}", prompt, max_tokens=1)
@@ -143,13 +146,22 @@ def main() -> None:
         policy.choose(prompt, loads)
         score_list.append(time.perf_counter() - t)
         t = time.perf_counter()
+        policy.choose(token_ids(prompt, "prompt"), loads)   # the router's path: JSON ids checked, then scored
+        score_router.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        token_ids(prompt, "prompt")                         # the router before 2026-12-05: the list checked,
+        policy.choose(prompt, loads)                        # then converted again by the digest
+        score_router_old.append(time.perf_counter() - t)
+        t = time.perf_counter()
         baseline_policy.choose(ids, loads)
         score_main.append(time.perf_counter() - t)
     p99 = lambda xs: float(np.percentile(xs, 99)) * 1e3
     med = lambda xs: statistics.median(xs) * 1e3
     print(f"1. scoring a {PROMPT}-token prompt against {REPLICAS} replicas (kvatlas policy): p50 {med(score):.3f} ms, "
           f"p99 {p99(score):.3f} ms (goal <= 2 ms) with the ids as a numpy array; as a Python list p50 "
-          f"{med(score_list):.3f} ms, p99 {p99(score_list):.3f} ms; main_group_prefix p99 {p99(score_main):.3f} ms; "
+          f"{med(score_list):.3f} ms, p99 {p99(score_list):.3f} ms; as the router takes a JSON list (checked by "
+          f"`token_ids`, then scored) p50 {med(score_router):.3f} ms, p99 {p99(score_router):.3f} ms (the list converted twice, as before: p50 "
+          f"{med(score_router_old):.3f} ms, p99 {p99(score_router_old):.3f} ms); main_group_prefix p99 {p99(score_main):.3f} ms; "
           f"baseline vLLM hashing the prompt: p50 {med(hashing):.2f} ms, p99 {p99(hashing):.2f} ms "
           f"(scoring p99 / hashing p50 = {p99(score) / med(hashing):.4f})")
     print(f"   predictions = vLLM's own hits: {truth} (tokens); main group alone: {main_group}; "

@@ -3,6 +3,7 @@ chat through a real tokenizer and its chat template), vLLM's load gauges, the me
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from prometheus_client import generate_latest
 
@@ -68,8 +69,9 @@ def tok(tmp_path_factory):
 
 def test_token_ids_pass_through_and_are_checked():
     t = PromptTokenizer(None)
-    assert t.completion_ids({"prompt": [1, 2, 3]}) == [1, 2, 3]
-    assert t.completion_ids({"prompt": [[4, 5], [6]]}) == [4, 5]          # a batch routes by its first prompt
+    ids = t.completion_ids({"prompt": [1, 2, 3]})
+    assert ids.dtype == np.uint32 and ids.tolist() == [1, 2, 3]         # the array the check built, digested as is
+    assert t.completion_ids({"prompt": [[4, 5], [6]]}).tolist() == [4, 5]   # a batch routes by its first prompt
     for bad in ([], [1, True], [-1], [2**31], "x", None, 7, [[]]):
         with pytest.raises(ClientError) as e:
             t.completion_ids({"prompt": bad})

@@ -24,6 +24,7 @@ import asyncio
 import json
 import logging
 import time
+from typing import Sequence
 
 import aiohttp
 from aiohttp import web
@@ -129,7 +130,7 @@ class Router:
             raise ClientError("the body is a JSON " + type(body).__name__ + ": send a JSON object")
         return raw, body
 
-    async def _token_ids(self, body: dict, chat: bool) -> list[int]:
+    async def _token_ids(self, body: dict, chat: bool) -> Sequence[int]:
         if chat:
             if self.tokenizer.tok is None:
                 self.tokenizer.chat_ids(body)   # raises the clear error

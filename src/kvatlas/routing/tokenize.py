@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 from array import array
+from typing import Sequence
 
 import numpy as np
 
@@ -72,7 +73,7 @@ class PromptTokenizer:
         if self.tok is None:
             raise ClientError(f"{what}: {NO_TOKENIZER}", param=what)
 
-    def completion_ids(self, body: dict) -> list[int]:
+    def completion_ids(self, body: dict) -> Sequence[int]:
         """The first prompt's ids (a batch of prompts routes by its first)."""
         prompt = body.get("prompt")
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (list, str)):
@@ -106,8 +107,10 @@ class PromptTokenizer:
         return list(self.tok(text, add_special_tokens=bool(body.get("add_special_tokens", False)))["input_ids"])
 
 
-def token_ids(value, field: str) -> list[int]:
-    """A list of token ids, checked (bools and negative or huge ids refused)."""
+def token_ids(value, field: str):
+    """Token ids, checked (bools and negative or huge ids refused): the uint32 array built to check
+    them where they all fit one (the digest reads it as is, so a long prompt is converted once),
+    else the list."""
     if not isinstance(value, list) or not value:
         raise ClientError(f"{field}: give a non-empty string or a non-empty list of token ids", param=field)
     try:        # the common case, in C: ints in [0, 2**32) (a float, a string, a negative one raise)
@@ -116,7 +119,7 @@ def token_ids(value, field: str) -> list[int]:
         ids = None
     if ids is not None and int(ids.max()) <= MAX_TOKEN_ID \
             and not any(type(value[i]) is bool for i in np.flatnonzero(ids <= 1).tolist()):
-        return value
+        return ids
     for t in value:
         if type(t) is not int or not 0 <= t <= MAX_TOKEN_ID:
             raise ClientError(f"{field}: {t!r} is not a token id; give integers in [0, {MAX_TOKEN_ID}]", param=field)
