@@ -61,10 +61,11 @@ def make_plan(gib: int, share: float):
     return kvatlas.plan("deepseek-v4-flash", budget, prefix_checkpoints=n)
 
 
-def simulate(p, policy: str, trace, on_admit=None) -> dict:
-    """One policy through the trace; `on_admit(i, cached_tokens)`, if given, hears each request's hit."""
+def simulate(p, policy: str, trace, on_admit=None, reuse_weight: float | None = None) -> dict:
+    """One policy through the trace; `on_admit(i, cached_tokens)`, if given, hears each request's hit.
+    reuse_weight: the eviction's credit for pages read again (None: the library's default)."""
     a = Allocator(p)
-    pc = PrefixCache(a, policy=policy)
+    pc = PrefixCache(a, policy=policy, **({} if reuse_weight is None else {"reuse_weight": reuse_weight}))
     chunk = p.options.chunked_prefill_tokens
     clock, curve = 0, []
     t0 = time.perf_counter()

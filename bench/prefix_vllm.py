@@ -85,15 +85,15 @@ def load(path: Path, limit: int):
 
 # ---- kvatlas ---------------------------------------------------------------------------------
 
-def kvatlas_sequential(p, trace) -> dict:
+def kvatlas_sequential(p, trace, reuse: float | None = None) -> dict:
     hits = np.zeros(len(trace), np.int64)
-    r = prefix_hit.simulate(p, "kvatlas", trace, on_admit=hits.__setitem__)
+    r = prefix_hit.simulate(p, "kvatlas", trace, on_admit=hits.__setitem__, reuse_weight=reuse)
     return {"hits": hits, "seconds": r["seconds"], "missed_tokens": r["missed_tokens"]}
 
 
 def kvatlas_concurrent(p, requests, tm: TimeModel, share: str = "written", hold: int | None = None,
-                       window: int | None = None) -> dict:
-    cache = kvatlas.allocate(p, backend="none")
+                       window: int | None = None, reuse: float | None = None) -> dict:
+    cache = kvatlas.allocate(p, backend="none", **({} if reuse is None else {"prefix_reuse_weight": reuse}))
     cache.prefix.share_as_written = share == "written"
     index = {r.id: i for i, r in enumerate(requests)}
     hits = np.zeros(len(requests), np.int64)

@@ -56,9 +56,10 @@ def cache_state(cache) -> dict:
     def ck(c):
         return None if c is None else (c.boundary_tokens, c.unit, c.end, c.divergence, c.last_used,
                                        c.node.key if c.node is not None else None)
-    nodes = {k: (n.parent.key if n.parent else 0, n.depth, n.page, n.refs, n.children, n.last_used,
+    nodes = {k: (n.parent.key if n.parent else 0, n.depth, n.page, n.refs, n.children, n.last_used, n.reads,
                  n.checkpoint_evicted, ck(n.checkpoint)) for k, n in t.nodes.items()}
-    return {**alloc_state(cache), "nodes": nodes, "heap": [(s, q, n.key) for s, q, n in t._pages],
+    return {**alloc_state(cache), "nodes": nodes, "heap": [(p, q, s, n.key) for p, q, s, n in t._pages],
+            "lifetime": t.lifetime,
             "ckpt_heap": [(c, s, q, ck(x)) for c, s, q, x in t._ckpts], "idle": t.idle_pages,
             "checkpoints": t.checkpoints, "marked": t.marked, "evicted_keys": list(t.evicted_keys),
             "requests": {r: ([n.key for n in q.path], q.keys.tolist(), [ck(c) for c in q.kept])
@@ -100,9 +101,10 @@ def share_by_scanning(self):
             node = tree.nodes.get(k)
             if node is None:
                 node = tree.add(k, parent, a.share_written(slot, i), self.clock)
+                tree.ref((node,), read=False)   # its writer: no reuse of it yet
             else:
                 a.share_written(slot, i, node.page)
-            tree.ref((node,))
+                tree.ref((node,))
             req.path.append(node)
             self._unexpect(k, self._coming)
             parent = node

@@ -24,7 +24,9 @@ def allocate(plan, device="cpu", backend="plain", **backend_options):
     """Allocate `plan` as real tensors (torch) and return the KVCache. Imports torch.
     backend="vmm" maps physical memory only under live data (CUDA + cuda-python); options:
     max_physical_bytes, keep_empty_chunks. backend="none" allocates nothing: allocator and ledger
-    only, every buffer a meta tensor (any plan size; see kvatlas.cache.bookkeeping)."""
+    only, every buffer a meta tensor (any plan size; see kvatlas.cache.bookkeeping). With a prefix
+    cache in the plan: prefix_policy (its resume points) and prefix_reuse_weight (its eviction's
+    credit for pages read again, kvatlas.prefix.tree; 0: plain LRU)."""
     from .checks import require_torch
     require_torch("kvatlas.allocate")   # one line naming the fix, not a ModuleNotFoundError from deep inside
     from .cache.kvcache import allocate as _allocate

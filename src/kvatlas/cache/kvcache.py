@@ -12,7 +12,7 @@ from ..alloc.sharing import CACHE_OWNER
 from ..alloc.integrity import check as check_allocator
 from .arena import Arena
 from ..planning.buffers import FULL_PAGES, REQUEST_SLOTS, SWA_PAGES
-from ..checks import of_type
+from ..checks import of_type, real
 from ..errors import NotFoundError, RequestStateError
 from ..planning.planner import Plan
 from .ledger import Ledger, entry_key
@@ -42,8 +42,11 @@ def _lookup_key(request_id):
 class KVCache:
     """Owns every tensor of a plan. Lifecycle calls go to the allocator, which moves the ledger."""
 
-    def __init__(self, plan, device="cpu", backend="plain", prefix_policy="kvatlas", **backend_options) -> None:
+    def __init__(self, plan, device="cpu", backend="plain", prefix_policy="kvatlas", prefix_reuse_weight=None,
+                 **backend_options) -> None:
         self.plan = of_type("plan", plan, Plan, "a Plan", "give what kvatlas.plan() returns")
+        if prefix_reuse_weight is not None:   # (before anything is allocated)
+            real("prefix_reuse_weight", prefix_reuse_weight, 0.0, 64.0)
         self.arena = Arena(plan, device=device, backend=backend, **backend_options)
         self.pools = build_pools(plan, {n: r.tensor for n, r in self.arena.regions.items()})
         self._pool_specs = plan.pools()   # request_usage runs per request on every /state
@@ -53,7 +56,8 @@ class KVCache:
         self.host = None    # a host tier below the pools (kvatlas.tiers.attach_host_tier): /state, /metrics
         if self.allocator.prefix_on:   # imported here: the prefix package stands above this one
             from ..prefix import PrefixCache
-            self.prefix = PrefixCache(self.allocator, self.ledger, policy=prefix_policy)
+            self.prefix = PrefixCache(self.allocator, self.ledger, policy=prefix_policy,
+                                      **({} if prefix_reuse_weight is None else {"reuse_weight": prefix_reuse_weight}))
         a = self.allocator
         self._usage_constants = (tuple(a.ratios), a.Ps, a.swa is not None)
         self._by_layer: dict[int, dict[str, object]] = {}

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..checks import real
 from ..checks import request_id as check_request_id
 from ..errors import KvatlasError, PoolExhaustedError, RequestStateError
 from ..planning.buffers import CHECKPOINTS, FULL_PAGES, SWA_PAGES
@@ -23,7 +24,7 @@ from .keys import (ContentMismatchError, PromptKeys, as_tokens, check_keys, page
                    verified_keys)
 from .policy import fitted, policy_named, refitted
 from .stats import PrefixStats
-from .tree import Checkpoint, Tree
+from .tree import REUSE_WEIGHT, Checkpoint, Tree
 
 
 REFIT_FINISHES = 64
@@ -68,16 +69,18 @@ class _Match:
 
 
 class PrefixCache:
-    def __init__(self, allocator, ledger=None, policy="kvatlas", share_as_written: bool = True) -> None:
+    def __init__(self, allocator, ledger=None, policy="kvatlas", share_as_written: bool = True,
+                 reuse_weight: float = REUSE_WEIGHT) -> None:
         if not allocator.prefix_on:
             raise KvatlasError("prefix_checkpoints: the plan has no prefix cache; plan with prefix_checkpoints > 0")
+        real("reuse_weight", reuse_weight, 0.0, 64.0)
         self.alloc, self.ledger = allocator, ledger
         self.P = allocator.P
         self.policy = fitted(policy_named(policy), max(allocator.plan.num_full_pages - 1, 0),
                              allocator.plan.options.prefix_checkpoints, self.P)
         self._finishes = 0   # a refitting policy is fitted again every REFIT_FINISHES finishes
         self.stats = PrefixStats()
-        self.tree = Tree(allocator, self.policy, self.stats, ledger)
+        self.tree = Tree(allocator, self.policy, self.stats, ledger, reuse_weight=float(reuse_weight))
         self.requests: dict = {}
         self._intermediate: deque = deque()   # (request, kept intermediate point): what goes first
         self.clock = 0
@@ -673,7 +676,7 @@ class PrefixCache:
         if any(k in self.tree.nodes for k in keys) or len(set(keys)) != len(keys):
             raise KvatlasError("restore_pages: a key is cached already or given twice; restore missing pages once")
         chain = self._chain(parent_key) if parent_key else []
-        self.tree.ref(chain)
+        self.tree.ref(chain, read=False)   # (held through the eviction below, not read)
         try:
             short = len(keys) - self.alloc.free_full_pages()
             if short > 0:

@@ -2,6 +2,13 @@
 the node whose page ends at their boundary. Eviction: least recently used first, leaves first
 (a page is dropped only when no cached page extends it), and never what a running request reads.
 
+Reuse. A page that requests have read counts as used later than it was: `reuse_weight` × the
+cache's lifetime × min(reads, REUSE_CAP), where the lifetime is the running mean age (in the
+cache's clock, admissions) of the pages evicted so far, so the credit follows the budget: a few
+admissions where pages live briefly, thousands where they live long. A page written once and never
+read again goes before one a system prompt's followers keep reading, though both were last used
+at once. 0: plain LRU.
+
 Heaps with lazy deletion: an entry carries the stamp it was pushed with; a popped entry whose
 node changed since (touched, gained a child, read again, gone) is skipped. A node is pushed again
 whenever it becomes evictable, so each evictable node always has one live entry.
@@ -16,6 +23,9 @@ from dataclasses import dataclass
 import numpy as np
 
 _EVICTED_MEMORY = 1 << 20   # keys remembered as evicted, for the miss reason
+REUSE_WEIGHT = 0.5          # (module doc) chosen on the Mooncake trace: bench/RESULTS.md, "Eviction that counts reuse"
+REUSE_CAP = 4               # reads counted at most
+_LIFE_RATE = 0.01           # the lifetime's running mean: each eviction moves it by 1%
 
 
 class Checkpoint:
@@ -30,12 +40,14 @@ class Checkpoint:
 
 class Node:
     __slots__ = ("key", "parent", "depth", "page", "checkpoint", "children", "refs", "last_used",
-                 "checkpoint_evicted", "origin")
+                 "checkpoint_evicted", "origin", "reads", "due")
 
     def __init__(self, key, parent, depth, page) -> None:
         self.key, self.parent, self.depth, self.page = key, parent, depth, page
         self.checkpoint = None
         self.children = self.refs = self.last_used = 0
+        self.reads = 0       # admissions (and writers) that have read it
+        self.due = 0         # the eviction order of its latest heap entry (last use + reuse credit)
         self.checkpoint_evicted = False
         self.origin = None   # the lower tier it came back from, until an admission first reads it
 
@@ -54,14 +66,17 @@ class Evicted:
 
 
 class Tree:
-    def __init__(self, allocator, policy, stats, ledger=None) -> None:
+    def __init__(self, allocator, policy, stats, ledger=None, reuse_weight: float = REUSE_WEIGHT) -> None:
         self.alloc, self.policy, self.stats, self.ledger = allocator, policy, stats, ledger
+        self.reuse_weight = reuse_weight
+        self.lifetime = 0.0        # mean age of evicted pages, in the cache's clock (module doc)
+        self._now = 0              # the latest last_used seen
         self.nodes: dict[int, Node] = {}
         self.checkpoints = 0
         self.marked = 0            # of them, ends and divergence points (the policy's refit reads it)
         self.idle_pages = 0        # nodes no running request reads: all evictable, leaves first
         self.evictor = None
-        self._pages: list = []     # (last_used, seq, stamp, node)
+        self._pages: list = []     # (last_used + reuse credit, seq, last_used as pushed, node)
         self._ckpts: list = []     # (class, last_used, seq, checkpoint)
         self._seq = 0
         self.evicted_keys: OrderedDict = OrderedDict()
@@ -86,11 +101,13 @@ class Tree:
         return n
 
     # ---------------------------------------------------------------- references
-    def ref(self, path) -> None:
+    def ref(self, path, read: bool = True) -> None:
+        """read=False: a hold, not a read (the reuse credit does not count it)."""
         for node in path:
             if node.refs == 0:
                 self.idle_pages -= 1
             node.refs += 1
+            node.reads += read
 
     def unref(self, path, now: int) -> None:
         for node in path:
@@ -139,7 +156,13 @@ class Tree:
     def _push_page(self, node) -> None:
         if node.refs == 0 and node.children == 0:
             self._seq += 1
-            heapq.heappush(self._pages, (node.last_used, self._seq, node))
+            used = node.last_used
+            if used > self._now:
+                self._now = used
+            if node.reads and self.reuse_weight:
+                used += int(self.reuse_weight * self.lifetime * min(node.reads, REUSE_CAP))
+            node.due = used   # (an older entry of the same last use but less credit is stale)
+            heapq.heappush(self._pages, (used, self._seq, node.last_used, node))
 
     def _push_ckpt(self, ck) -> None:
         self._seq += 1
@@ -151,9 +174,11 @@ class Tree:
         """Free up to `need` full pages, LRU leaves first; returns how many."""
         freed = []
         while len(freed) < need and self._pages:
-            stamp, _, node = heapq.heappop(self._pages)
-            if self.nodes.get(node.key) is not node or node.refs or node.children or stamp != node.last_used:
+            due, _, stamp, node = heapq.heappop(self._pages)
+            if self.nodes.get(node.key) is not node or node.refs or node.children or stamp != node.last_used \
+                    or due != node.due:
                 continue
+            self.lifetime += _LIFE_RATE * ((self._now - stamp) - self.lifetime)
             if node.checkpoint is not None:
                 self.drop_checkpoint(node.checkpoint)
             self._hook(Evicted("page", node.key, node.parent.key if node.parent else 0, node.depth,
