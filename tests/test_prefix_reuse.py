@@ -90,6 +90,9 @@ def test_the_weight_reaches_the_tree_and_bad_ones_are_refused():
     p = kvatlas.plan("deepseek-v4-flash", "16GiB", prefix_checkpoints=64)
     assert kvatlas.allocate(p, backend="none").prefix.tree.reuse_weight == REUSE_WEIGHT
     assert kvatlas.allocate(p, backend="none", prefix_reuse_weight=0).prefix.tree.reuse_weight == 0.0
-    for bad in (-1, float("nan"), float("inf"), 65, "0.5", True):
-        with pytest.raises(ConfigError, match="prefix_reuse_weight"):
+    for bad, said in ((-1, "-1 is out of range"), (float("nan"), "nan is out of range"),
+                      (float("inf"), "inf is out of range"), (65, "65 is out of range"),
+                      ("0.5", "'0.5' is not a number"), (True, "True is not a number")):
+        with pytest.raises(ConfigError) as e:
             kvatlas.allocate(p, backend="none", prefix_reuse_weight=bad)
+        assert str(e.value).startswith(f"prefix_reuse_weight: {said}; give a finite number"), str(e.value)

@@ -41,9 +41,10 @@ def real(field: str, value, low: float = 0.0, high: float = math.inf, *, open_lo
     """`value` as a finite float in [low, high] (or (low, high] with open_low); NaN and ±inf refused."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ConfigError(field, f"{value!r} is not a number", "give a finite number")
-    value = float(value)
+    given, value = value, float(value)
     if not math.isfinite(value) or value < low or (open_low and value == low) or value > high:
-        raise ConfigError(field, f"{value!r} is out of range", f"give a finite number {span(low, high, open_low)}")
+        shown = int(given) if isinstance(given, numbers.Integral) else value   # (an int stays as given)
+        raise ConfigError(field, f"{shown!r} is out of range", f"give a finite number {span(low, high, open_low)}")
     return value
 
 
