@@ -10,6 +10,7 @@ manager stops a service), 130 after SIGINT (an interrupted command, as the shell
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
@@ -51,6 +52,7 @@ class _Stop:
         self.event = threading.Event()
         self.reason = ""
         self._old = {}
+        self.builder: threading.Thread | None = None   # the start-up thread, while it runs
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
@@ -136,12 +138,25 @@ def _start(args, prepared, lock, stop: _Stop, handle):
             done.set()
 
     done = threading.Event()
-    threading.Thread(target=work, name="kvatlas-serve-start", daemon=True).start()
+    stop.builder = threading.Thread(target=work, name="kvatlas-serve-start", daemon=True)
+    stop.builder.start()
     while not (done.is_set() or stop.event.is_set()):
         done.wait(0.1)
     if "error" in out:
         raise out["error"]
     return out.get("built")
+
+
+def _leave(code: int, stop: _Stop) -> int:
+    """A stop during start-up leaves the start-up thread where it is (reading a pipe, waiting on
+    a store, or inside torch allocating the cache): the process ends at once, its summary printed.
+    Returning would let the interpreter's exit kill that thread mid-call, and a thread killed
+    inside torch's C++ aborts the process (SIGABRT) instead of exiting with `code`."""
+    if stop.builder is not None and stop.builder.is_alive():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 def run(args) -> int:
@@ -168,8 +183,10 @@ def run(args) -> int:
                   "is built", file=sys.stderr, flush=True)
             built = _start(args, prepared, lock, stop, handle)
             if built is None:
-                print(_not_started(args, handle.phase, time.monotonic() - t0, stop), flush=True)
-                return EXIT_INTERRUPTED if stop.reason == "SIGINT" else 0
+                phase = handle.phase
+                handle.close()
+                print(_not_started(args, phase, time.monotonic() - t0, stop), flush=True)
+                return _leave(EXIT_INTERRUPTED if stop.reason == "SIGINT" else 0, stop)
             cache, sim, writer = built
             handle.attach(cache, lock=lock, extra_state=sim.state, request_state=sim.progress)
             print(f"kvatlas serve: {cache.plan.model.name}, {fmt_bytes(cache.plan.total_bytes)} on {cache.device}; "
