@@ -9,8 +9,9 @@ admissions where pages live briefly, thousands where they live long. A page writ
 read again goes before one a system prompt's followers keep reading, though both were last used
 at once. 0: plain LRU.
 
-Heaps with lazy deletion: an entry carries the stamp it was pushed with; a popped entry whose
-node changed since (touched, gained a child, read again, gone) is skipped. A node is pushed again
+Heaps with lazy deletion: an entry carries the stamp it was pushed with (and a page's entry its
+due, last use plus credit); a popped entry whose node changed since (touched, gained a child, read
+again, gone) is skipped. A node is pushed again
 whenever it becomes evictable, so each evictable node always has one live entry.
 """
 
@@ -46,7 +47,7 @@ class Node:
         self.key, self.parent, self.depth, self.page = key, parent, depth, page
         self.checkpoint = None
         self.children = self.refs = self.last_used = 0
-        self.reads = 0       # admissions (and writers) that have read it
+        self.reads = 0       # requests that have read it (its writer's own read not counted)
         self.due = 0         # the eviction order of its latest heap entry (last use + reuse credit)
         self.checkpoint_evicted = False
         self.origin = None   # the lower tier it came back from, until an admission first reads it
