@@ -12,7 +12,7 @@ from ..alloc.sharing import CACHE_OWNER
 from ..alloc.integrity import check as check_allocator
 from .arena import Arena
 from ..planning.buffers import FULL_PAGES, REQUEST_SLOTS, SWA_PAGES
-from ..checks import of_type, real
+from ..checks import of_type
 from ..errors import NotFoundError, RequestStateError
 from ..planning.planner import Plan
 from .ledger import Ledger, entry_key
@@ -46,7 +46,8 @@ class KVCache:
                  **backend_options) -> None:
         self.plan = of_type("plan", plan, Plan, "a Plan", "give what kvatlas.plan() returns")
         if prefix_reuse_weight is not None:   # (before anything is allocated)
-            real("prefix_reuse_weight", prefix_reuse_weight, 0.0, 64.0)
+            from ..prefix.tree import checked_reuse_weight
+            checked_reuse_weight(prefix_reuse_weight, "prefix_reuse_weight")
         self.arena = Arena(plan, device=device, backend=backend, **backend_options)
         self.pools = build_pools(plan, {n: r.tensor for n, r in self.arena.regions.items()})
         self._pool_specs = plan.pools()   # request_usage runs per request on every /state

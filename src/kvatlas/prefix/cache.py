@@ -15,7 +15,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..checks import real
 from ..checks import request_id as check_request_id
 from ..errors import KvatlasError, PoolExhaustedError, RequestStateError
 from ..planning.buffers import CHECKPOINTS, FULL_PAGES, SWA_PAGES
@@ -24,7 +23,7 @@ from .keys import (ContentMismatchError, PromptKeys, as_tokens, check_keys, page
                    verified_keys)
 from .policy import fitted, policy_named, refitted
 from .stats import PrefixStats
-from .tree import REUSE_WEIGHT, Checkpoint, Tree
+from .tree import REUSE_WEIGHT, Checkpoint, Tree, checked_reuse_weight
 
 
 REFIT_FINISHES = 64
@@ -73,14 +72,14 @@ class PrefixCache:
                  reuse_weight: float = REUSE_WEIGHT) -> None:
         if not allocator.prefix_on:
             raise KvatlasError("prefix_checkpoints: the plan has no prefix cache; plan with prefix_checkpoints > 0")
-        real("reuse_weight", reuse_weight, 0.0, 64.0)
+        reuse_weight = checked_reuse_weight(reuse_weight)
         self.alloc, self.ledger = allocator, ledger
         self.P = allocator.P
         self.policy = fitted(policy_named(policy), max(allocator.plan.num_full_pages - 1, 0),
                              allocator.plan.options.prefix_checkpoints, self.P)
         self._finishes = 0   # a refitting policy is fitted again every REFIT_FINISHES finishes
         self.stats = PrefixStats()
-        self.tree = Tree(allocator, self.policy, self.stats, ledger, reuse_weight=float(reuse_weight))
+        self.tree = Tree(allocator, self.policy, self.stats, ledger, reuse_weight=reuse_weight)
         self.requests: dict = {}
         self._intermediate: deque = deque()   # (request, kept intermediate point): what goes first
         self.clock = 0

@@ -23,10 +23,18 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..checks import real
+
 _EVICTED_MEMORY = 1 << 20   # keys remembered as evicted, for the miss reason
 REUSE_WEIGHT = 0.5          # (module doc) chosen on the Mooncake trace: bench/RESULTS.md, "Eviction that counts reuse"
+REUSE_WEIGHT_MAX = 64.0
 REUSE_CAP = 4               # reads counted at most
 _LIFE_RATE = 0.01           # the lifetime's running mean: each eviction moves it by 1%
+
+
+def checked_reuse_weight(value, field: str = "reuse_weight") -> float:
+    """`value` as a reuse weight (module doc): a finite number in [0, REUSE_WEIGHT_MAX]."""
+    return real(field, value, 0.0, REUSE_WEIGHT_MAX)
 
 
 class Checkpoint:
