@@ -255,18 +255,24 @@ class Allocator(Release, Sharing):
         if not self._grouped:
             self._begin_forward(settle=True)
 
+    def commit_pass(self) -> None:
+        """Within _begin_forward: the pass just over is committed (no rollback reaches it), so
+        its requests' lengths count as written whole (share_written's check) before the rest of
+        _begin_forward clears it. Called only there, by the prefix cache sharing pages then."""
+        if self._written:
+            self.last_write[np.concatenate(self._written)] = 0
+
     def _begin_forward(self, settle: bool = False) -> None:
         if self._grouped:
             return
         if self.prefix_on:   # the pass is over: the resume points it reached are final
             self._passes += 1
             if self.on_pass_over is not None:   # (also with nothing written: pages keyed since, by generated)
-                if self._written:
-                    self.last_write[np.concatenate(self._written)] = 0   # (committed: see below)
-                self.on_pass_over()   # the prefix cache shares the pages now complete
+                self.on_pass_over()   # the prefix cache notes the pages now complete (commit_pass to share them now)
             self._defer_tokens += self._pass_tokens
             self._pass_tokens = 0
             if settle or self._defer_tokens >= self._defer_limit:
+                self.commit_pass()   # (a capture the cache keeps may share pages: see commit_pass)
                 self._upkeep()   # before retiring: a due capture's tail is still in its window
         if not self._written:
             return

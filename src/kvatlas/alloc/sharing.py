@@ -37,7 +37,7 @@ import numpy as np
 from ..errors import KvatlasError, PoolExhaustedError
 from ..planning.buffers import CHECKPOINTS, FULL_PAGES, SWA_PAGES
 from ..units import cdiv
-from .arrays import EMPTY, div, mod
+from .arrays import EMPTY, div, mod, spread
 from .entries import ratio_key
 
 CACHE_OWNER = -1
@@ -535,10 +535,7 @@ class Sharing:
         from now on, its writer one of its readers. `cached_page` (the same content cached
         meanwhile by another request): the slot reads that page instead and its own is freed.
         Columns go in order from the first not shared. Returns the page the slot now reads."""
-        # (complete and committed: its end at most the length less the last pass's drafts)
-        if self.full is None or col != self.full_shared[slot] or col >= self.full_held[slot] \
-                or (col + 1) * self.P > self.length[slot] - self.last_write[slot]:
-            raise KvatlasError(f"share: column {col} of slot {slot} is not its next complete, committed page")
+        self._check_share(slot, col, 1)
         own = int(self.full_table[slot, col])
         if self.full.owner[own] != slot + 1:
             raise KvatlasError("share: a shared page is not the writer's own")
@@ -558,6 +555,30 @@ class Sharing:
         self.full_refs[own] += 1
         self.full_shared[slot] = col + 1
         return own
+
+    def share_written_runs(self, slots: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+        """share_written of each slot's pages at columns starts .. ends - 1, none of them cached
+        already (their keys new to the cache), all in one go (slots distinct); returns the pages,
+        slot after slot."""
+        if self.full is None or np.any(starts != self.full_shared[slots]) or np.any(ends > self.full_held[slots]) \
+                or np.any(ends * self.P > self.length[slots] - self.last_write[slots]) or np.any(ends <= starts):
+            raise KvatlasError("share: columns given are not the slots' next complete, committed pages")
+        rows, cols = spread(slots, ends - starts, starts)
+        pages = self.full_table[rows, cols]
+        if np.any(self.full.owner[pages] != rows + 1):
+            raise KvatlasError("share: a shared page is not the writer's own")
+        self.full.owner[pages] = CACHE_OWNER
+        self.full_refs[pages] += 1
+        self.full_shared[slots] = ends
+        return pages
+
+    def _check_share(self, slot: int, col: int, n: int) -> None:
+        """Columns col .. col + n - 1 are the slot's next pages to share, complete and committed
+        (their end at most the length less the last pass's drafts)."""
+        if self.full is None or col != self.full_shared[slot] or col + n > self.full_held[slot] \
+                or (col + n) * self.P > self.length[slot] - self.last_write[slot]:
+            raise KvatlasError(f"share: columns {col} to {col + n - 1} of slot {slot} are not its next complete, "
+                               "committed pages")
 
     def _unref_full(self, slot: int) -> None:
         k = int(self.full_shared[slot])

@@ -306,9 +306,10 @@ def _prefix_samples(f: _Families, prefix, rv: list[str]) -> None:
         f.add("kvatlas_prefix_missed_tokens", ["reason"], [reason] + rv, n, kind=CounterMetricFamily)
     f.add("kvatlas_prefix_evicted_pages", [], rv, s.evicted_pages, kind=CounterMetricFamily)
     f.add("kvatlas_prefix_evicted_checkpoints", [], rv, s.evicted_checkpoints, kind=CounterMetricFamily)
-    f.add("kvatlas_prefix_checkpoints", [], rv, prefix.tree.checkpoints)
-    f.add("kvatlas_prefix_cached_pages", [], rv, len(prefix.tree.nodes))
-    f.add("kvatlas_prefix_cached_bytes", [], rv, prefix.cached_bytes())
+    held = prefix.summary()   # (as the cache holds it: a scrape reads, never shares pages; PrefixCache reports)
+    f.add("kvatlas_prefix_checkpoints", [], rv, held["checkpoints"])
+    f.add("kvatlas_prefix_cached_pages", [], rv, held["cached_pages"])
+    f.add("kvatlas_prefix_cached_bytes", [], rv, held["cached_bytes"])
 
 
 def _version() -> str:

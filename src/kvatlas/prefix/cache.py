@@ -41,7 +41,7 @@ class SharedPrefix:
 
 
 class _Request:
-    __slots__ = ("keys", "path", "kept", "prompt_tokens", "tail", "ids", "same_tokens", "stale_tokens")
+    __slots__ = ("keys", "path", "kept", "prompt_tokens", "tail", "ids", "same_tokens", "stale_tokens", "key_list")
 
     def __init__(self, keys, path, prompt_tokens, tail=None) -> None:
         # path: the tree's nodes of the request's leading pages that it reads (its hit, then the
@@ -53,6 +53,7 @@ class _Request:
         # after copy_contents: resume points at boundaries in (same_tokens, stale_tokens] hold rows
         # of the content the request had before (see PrefixCache.copy_contents)
         self.same_tokens = self.stale_tokens = 0
+        self.key_list = None   # keys as Python ints, while it has pages to share (PrefixCache._fill)
 
     def holds_other(self, boundary_tokens: int) -> bool:
         """Whether a resume point this request saved at that boundary holds other content."""
@@ -79,7 +80,7 @@ class PrefixCache:
                              allocator.plan.options.prefix_checkpoints, self.P)
         self._finishes = 0   # a refitting policy is fitted again every REFIT_FINISHES finishes
         self.stats = PrefixStats()
-        self.tree = Tree(allocator, self.policy, self.stats, ledger, reuse_weight=reuse_weight)
+        self._tree = Tree(allocator, self.policy, self.stats, ledger, reuse_weight=reuse_weight)
         self.requests: dict = {}
         self._intermediate: deque = deque()   # (request, kept intermediate point): what goes first
         self.clock = 0
@@ -91,14 +92,28 @@ class PrefixCache:
         self._tent_pages, self._tent_div = np.zeros((tail, n), np.int64), np.zeros(n, bool)
         self._mine, self._divergence = np.zeros(n, bool), np.full(n, -1, np.int64)
         self.publisher = None   # a tier below that writes through what a finish caches (tiers.shared)
-        # share as written: a running request's prompt pages join the tree at the end of the pass
-        # that completes them (_share_written); `_filling` holds the requests with prompt pages
-        # still to share, `_coming` counts per key the running requests that will write it
+        # share as written: a running request's prompt pages are shared once the pass that
+        # completes them is over. The pass only notes that some are (_note_written); they join
+        # the tree before anything reads or changes it (_sync: every call of this cache, the
+        # `tree` property, a request leaving its slot, a resume point kept on such a page), up
+        # to the lengths the last pass over left, so every reader sees what sharing them at the
+        # pass's end would have left, and a run of decode passes pays one vector comparison
+        # each. Where the order pages are shared in matters (a page another request holds too,
+        # a kept resume point waiting for its page: `_twice`, `_unplaced`), they are shared at
+        # the pass's end. `_filling` holds the requests with prompt pages still to share,
+        # `_coming` counts per key the running requests that will write it
         self.share_as_written = bool(share_as_written)
         self._filling: dict = {}
         # per slot: the length at which its next page to share is complete (NEVER: not filling),
-        # so a pass finds the slots with a page to share in one vector comparison, not a loop
+        # so a pass finds the slots with a page to share in one vector comparison, not a loop;
+        # the pages it has keys for; its length when the last pass with pages to share was over
+        # (what _sync shares up to)
         self._fill_due = np.full(n, NEVER, np.int64)
+        self._fill_keys = np.zeros(n, np.int64)
+        self._passed = np.zeros(n, np.int64)
+        self._noted = False            # a pass over completed pages not shared yet
+        self._twice: set = set()       # filling slots that may share a page another holds too (_fill)
+        self._unplaced: set = set()    # slots with a kept resume point whose page is not shared yet
         self._coming: dict = {}
         self._wanted: dict = {}   # slot -> boundaries a later request will leave its pages at (_junction)
         allocator.on_capture = self._on_capture
@@ -106,12 +121,18 @@ class PrefixCache:
         allocator.on_slot_end = self._slot_end
 
     @property
+    def tree(self) -> Tree:
+        """The page tree, with every page complete in a pass that is over shared (_sync)."""
+        self._sync_written()
+        return self._tree
+
+    @property
     def evictor(self):
-        return self.tree.evictor
+        return self._tree.evictor
 
     @evictor.setter
     def evictor(self, value) -> None:
-        self.tree.evictor = value
+        self._tree.evictor = value
 
     # ---------------------------------------------------------------- matching
     def prompt_keys(self, token_ids, prompt_tokens: int) -> PromptKeys:
@@ -192,6 +213,7 @@ class PrefixCache:
     def cached_pages(self, prompt_tokens, *, token_ids=None, page_keys=None) -> int:
         """Leading pages of this prompt the tree holds now (at most those a hit may cover: a token
         is left to compute): what a scheduler that admits resident prefixes first orders by."""
+        self._sync_written()
         return len(self.tree.match(self._hit_keys(prompt_tokens, token_ids, page_keys)))
 
     def _hit_keys(self, prompt_tokens, token_ids, page_keys):
@@ -204,6 +226,7 @@ class PrefixCache:
         could hit a few passes later. A scheduler may hold it meanwhile (the simulator's
         `hold_for_writers`); the writers are asked to keep their resume point where the prompt
         leaves their pages, so that it resumes there."""
+        self._sync_written()
         keys = self._hit_keys(prompt_tokens, token_ids, page_keys)
         if not self._coming:
             return 0
@@ -224,6 +247,7 @@ class PrefixCache:
 
     def can_admit(self, prompt_tokens, max_new_tokens=0, *, token_ids=None, page_keys=None) -> bool:
         """Counts what eviction would free: never False while eviction could make room."""
+        self._sync_written()
         total = self.alloc._validate_lengths(prompt_tokens, max_new_tokens)
         m = self._match(prompt_tokens, token_ids, page_keys)
         need, room = self._room(m, total)
@@ -236,6 +260,7 @@ class PrefixCache:
     def admit(self, request_id, prompt_tokens, max_new_tokens=0, *, token_ids=None, page_keys=None):
         check_request_id(request_id)   # before the match: a refused id must not evict anything
         total = self.alloc._validate_lengths(prompt_tokens, max_new_tokens)
+        self._sync_written()
         if request_id in self.alloc.slot_of:
             raise RequestStateError(f"request_id {request_id!r} is already running; finish it first or use a new id")
         m = self._match(prompt_tokens, token_ids, page_keys)
@@ -271,11 +296,7 @@ class PrefixCache:
         req = self.requests[request_id] = _Request(m.keys, list(hit), prompt_tokens, tail)
         self._count(m, prompt_tokens)
         if self.share_as_written and len(m.keys) > j and self.alloc.full is not None:
-            self._filling[slot] = req
-            self._fill_due[slot] = (j + 1) * self.P
-            for k in m.keys[j:].tolist():
-                self._coming[k] = self._coming.get(k, 0) + 1
-            self.alloc.on_pass_over = self._share_written
+            self._fill(slot, req, m.keys[j:])
         self._count_tiers(hit)
         return adm
 
@@ -327,46 +348,136 @@ class PrefixCache:
         return n
 
     # ---------------------------------------------------------------- share as written
-    def _share_written(self) -> None:
-        """A pass is over: each request still writing its prompt shares the pages it completed
-        (their keys are its prompt's), in order, each joining the tree at once, read-only for
-        everyone and its writer one of their readers. A key the tree has already (the same
-        content, shared meanwhile by another request) is read from the tree instead, so the
-        request's later pages still hang below it. Resume points at their boundaries join as
-        the policy keeps them (_keep_intermediate). Cost: one comparison over the slots (the
-        length at which each filling slot's next page is complete), which finds no slot in
-        most passes; then per page shared, a node, a reference and the allocator's update."""
+    def _note_written(self) -> None:
+        """A pass is over: if a request still writing its prompt completed a page, note the
+        lengths (shared at the next _sync). Cost: one comparison over the slots (the length at
+        which each filling slot's next page is complete), which finds no slot in most passes,
+        and a copy of the lengths in the others."""
         a = self.alloc
         due = self._fill_due <= a.length
         if not due[due.argmax()]:   # (argmax: cheaper than any())
             return
-        P, tree, coming = self.P, self.tree, self._coming
-        for slot in due.nonzero()[0].tolist():
-            req = self._filling[slot]
-            i = len(req.path)
-            parent = req.path[-1] if req.path else None
-            for k in req.keys[i: int(a.length[slot]) // P].tolist():
-                node = tree.nodes.get(k)
-                if node is None:
-                    node = tree.add(k, parent, a.share_written(slot, i), self.clock, read=True)
-                else:
-                    a.share_written(slot, i, node.page)
-                    tree.ref((node,))
-                req.path.append(node)
-                self._unexpect(k, coming)
-                parent = node
-                i += 1
-            if req.kept:
-                for ck in [ck for ck in req.kept if ck.node is None and ck.boundary_tokens <= i * P]:
-                    req.kept.remove(ck)   # kept before its page was shared: it joins now
-                    self._place(ck, req.path, req)
-            if i == len(req.keys):
-                del self._filling[slot]
-                self._fill_due[slot] = NEVER
-            else:
-                self._fill_due[slot] = (i + 1) * P
+        np.copyto(self._passed, a.length)
+        self._noted = True
+        if (self._twice or self._unplaced) and any(due[s] for s in (*self._twice, *self._unplaced)):
+            a.commit_pass()
+            self._sync()   # its page may free its writer's own, or hold a kept point: now (_fill)
+
+    def _sync_written(self) -> None:
+        if self._noted:
+            self._sync()
+
+    def _sync(self) -> None:
+        """Share the pages complete when the last noted pass was over: each joins the tree,
+        read-only for everyone and its writer one of their readers. A key the tree has already
+        (the same content, shared meanwhile by another request) is read from the tree instead,
+        so the request's later pages still hang below it. Resume points at their boundaries
+        join as the policy keeps them (_keep_intermediate). The requests whose pages are all new
+        to the tree (most) are shared together: the allocator's update in one vector call, then
+        per page a node."""
+        self._noted = False
+        due = self._fill_due <= self._passed
+        slots = due.nonzero()[0]
+        if len(slots):
+            self._share_due(slots, np.minimum(self._passed[slots] // self.P, self._fill_keys[slots]))
         if not self._filling:
-            a.on_pass_over = None
+            self.alloc.on_pass_over = None
+
+    def _share_due(self, slots, ends) -> None:
+        tree, filling, coming, twice = self._tree, self._filling, self._coming, self._twice
+        batch, fast, rest, every = [], [], [], []
+        for j, (slot, end) in enumerate(zip(slots.tolist(), ends.tolist())):
+            req = filling[slot]
+            if req.kept or slot in twice:
+                rest.append((slot, end))   # (a page cached already, or a kept point to place)
+                continue
+            keys = req.key_list[len(req.path):end]
+            batch.append((req, keys))
+            fast.append(j)
+            every += keys
+        # (no other writer, no cached page: `_twice` marks those; checked, for the tree's sake)
+        if batch and (len(set(every)) != len(every) or not tree.nodes.keys().isdisjoint(every)):
+            rest = sorted(rest + [(int(slots[j]), int(ends[j])) for j in fast])
+            batch = []
+        if batch:
+            if rest:
+                slots, ends = slots[fast], ends[fast]
+            starts = ends - np.fromiter((len(keys) for _, keys in batch), np.int64, len(batch))
+            pages = self.alloc.share_written_runs(slots, starts, ends).tolist()
+            at, clock, add, unexpect = 0, self.clock, tree.add_chain, self._unexpect
+            for req, keys in batch:
+                path = req.path
+                add(keys, path[-1] if path else None, pages[at:at + len(keys)], clock, path)
+                at += len(keys)
+            for k in every:
+                unexpect(k, coming)
+            if self._unplaced:   # (its kept points were dropped meanwhile)
+                self._unplaced.difference_update(slots.tolist())
+            done = ends == self._fill_keys[slots]
+            self._fill_due[slots] = np.where(done, NEVER, (ends + 1) * self.P)
+            for slot in slots[done].tolist():
+                del filling[slot]
+        for slot, end in rest:
+            self._share_upto(slot, end)
+
+    def _share_upto(self, slot: int, end: int) -> None:
+        """One request's pages up to `end`, page by page (_sync)."""
+        a, P, tree, coming = self.alloc, self.P, self._tree, self._coming
+        req = self._filling[slot]
+        i = len(req.path)
+        for k in req.key_list[i:end]:
+            node = tree.nodes.get(k)
+            if node is None:
+                tree.add_chain((k,), req.path[-1] if req.path else None, (a.share_written(slot, i),), self.clock,
+                               req.path)
+            else:
+                a.share_written(slot, i, node.page)
+                tree.ref((node,))
+                req.path.append(node)
+            self._unexpect(k, coming)
+            i += 1
+        if req.kept:
+            for ck in [ck for ck in req.kept if ck.node is None and ck.boundary_tokens <= i * P]:
+                req.kept.remove(ck)   # kept before its page was shared: it joins now
+                self._place(ck, req.path, req)
+            if not any(ck.node is None for ck in req.kept):
+                self._unplaced.discard(slot)
+        if i == len(req.keys):
+            del self._filling[slot]
+            self._fill_due[slot] = NEVER
+            self._twice.discard(slot)
+        else:
+            self._fill_due[slot] = (i + 1) * P
+
+    def _fill(self, slot: int, req, new_keys, grown: bool = False) -> None:
+        """The slot's request has pages past its path to share as it writes them, `new_keys`
+        among them newly expected. Where another request writes one of them too, or the tree
+        holds it (no resume point there), sharing it frees the later writer's own page: the
+        slots that may meet such a page are marked, and a pass in which one completes a page
+        shares at once (_note_written), so that the freed page is free for the next pass's
+        allocations exactly as when every pass shared its pages."""
+        coming, nodes, twice, new = self._coming, self._tree.nodes, [], new_keys.tolist()
+        for k in new:
+            n = coming[k] = coming.get(k, 0) + 1
+            if n > 1 or k in nodes:
+                twice.append(k)
+        if grown and req.key_list is not None:   # (generated: the same keys, more of them)
+            req.key_list += new
+        else:
+            req.key_list = req.keys.tolist()
+        self._filling[slot] = req
+        self._fill_due[slot] = (len(req.path) + 1) * self.P
+        self._fill_keys[slot] = len(req.keys)
+        self.alloc.on_pass_over = self._note_written
+        if twice:
+            self._mark_twice(twice)
+
+    def _mark_twice(self, keys) -> None:
+        """Mark the filling slots still to share one of `keys` (see _fill)."""
+        keys = set(keys)
+        for slot, req in self._filling.items():
+            if slot not in self._twice and not keys.isdisjoint(req.keys[len(req.path):].tolist()):
+                self._twice.add(slot)
 
     @staticmethod
     def _unexpect(k, coming) -> None:
@@ -378,6 +489,8 @@ class PrefixCache:
 
     def _stop_filling(self, slot: int) -> None:
         self._wanted.pop(slot, None)
+        self._twice.discard(slot)
+        self._unplaced.discard(slot)
         req = self._filling.pop(slot, None)
         self._fill_due[slot] = NEVER
         if req is not None:
@@ -435,10 +548,13 @@ class PrefixCache:
 
     def _keep_intermediate(self, slot: int, ck) -> None:
         req = self.requests[self.alloc.rid_of[slot]]
+        if self._noted and ck.boundary_tokens // self.P > len(req.path):
+            self._sync()   # its page may be one a pass over has noted: shared first, as at the pass's end
         if ck.boundary_tokens // self.P <= len(req.path) and self.share_as_written:
             self._place(ck, req.path, req)   # its page is shared already: readers may resume there now
             return
         req.kept.append(ck)
+        self._unplaced.add(slot)   # (placed as its page is shared, at a pass's end: _note_written)
         if not ck.divergence:
             self._intermediate.append((req, ck))
 
@@ -446,6 +562,7 @@ class PrefixCache:
         """The slot's request is gone (finish() has taken its tentative point already; a request
         finished on the allocator directly leaves nothing to keep, but the pages it shared as it
         wrote them stay cached)."""
+        self._sync_written()
         self._stop_filling(slot)
         if self._tent_u[slot]:
             self._drop_many(self._tent_u[slot:slot + 1], self._tent_pages[:, slot:slot + 1])
@@ -488,6 +605,7 @@ class PrefixCache:
         admitted prompt and with what earlier calls gave (ContentMismatchError, nothing changed);
         a call that keys no new page checks nothing. Returns the pages keyed so far. Cost: the prompt hashed once, at the first call; then the
         new pages only."""
+        self._sync_written()
         check_request_id(request_id)
         a = self.alloc
         if request_id not in a.slot_of or request_id not in self.requests:
@@ -509,11 +627,7 @@ class PrefixCache:
             keys = np.concatenate((req.keys, page_keys(ids[n: pages * self.P], self.P, int(req.keys[-1]))))
         new = keys[len(req.keys):]
         req.keys, req.ids = keys, ids[: pages * self.P].copy()
-        for k in new.tolist():
-            self._coming[k] = self._coming.get(k, 0) + 1
-        self._filling[slot] = req
-        self._fill_due[slot] = (len(req.path) + 1) * self.P
-        a.on_pass_over = self._share_written
+        self._fill(slot, req, new, grown=True)
         return len(keys)
 
     # ---------------------------------------------------------------- a request takes another's content
@@ -525,6 +639,7 @@ class PrefixCache:
         its first page whose key differs (anything past the prompt's keys is unknown, so differs)
         up to the last boundary whose rows it has begun writing. They are dropped when it
         finishes, not now: its window may still read their SWA pages (Sharing._pin_tails)."""
+        self._sync_written()
         a = self.alloc
         def prompt(r):   # a copy of what it may publish: a swap writes one pair's src as the other's dst
             req = self.requests.get(r)
@@ -552,12 +667,14 @@ class PrefixCache:
                 req.keys, req.tail, req.ids = keys, None, None
             else:
                 req.keys, req.tail, req.prompt_tokens, req.ids = src.keys, src.tail, src.prompt_tokens, src.ids
+            req.key_list = None   # (made again from the new keys: _fill)
             self._refill(slot, req, old)
 
     def _refill(self, slot: int, req, old) -> None:
         """After copy_contents: the pages the request has yet to share are those of its new keys
         past the ones it shared already (which copy_contents requires to be the src's too)."""
         self._wanted.pop(slot, None)   # junctions of its old content
+        self._twice.discard(slot)
         for k in old.tolist():
             self._unexpect(k, self._coming)
         self._filling.pop(slot, None)
@@ -566,11 +683,7 @@ class PrefixCache:
             if not self._filling:
                 self.alloc.on_pass_over = None
             return
-        for k in req.keys[len(req.path):].tolist():
-            self._coming[k] = self._coming.get(k, 0) + 1
-        self._filling[slot] = req
-        self._fill_due[slot] = (len(req.path) + 1) * self.P
-        self.alloc.on_pass_over = self._share_written
+        self._fill(slot, req, req.keys[len(req.path):])
 
     # ---------------------------------------------------------------- finish: publish
     def finish(self, request_id, token_ids=None) -> None:
@@ -578,6 +691,7 @@ class PrefixCache:
         prompt and what was generated) key the pages past the prompt; without them only the
         prompt's pages are cached. Ids that differ from the admitted prompt are refused
         (ContentMismatchError) before anything changes: the pages hold the admitted content."""
+        self._sync_written()
         check_request_id(request_id)
         a = self.alloc
         if request_id not in a.slot_of:
@@ -601,6 +715,7 @@ class PrefixCache:
         else:
             self._mark_end(req, L // self.P)
         keep_cols, nodes = self._publish(slot, keys[: min(L // self.P, len(keys))])
+        self._cached_now(keys[: len(nodes)])
         a.finish(request_id, keep_pages=keep_cols)
         placed = [ck for ck in req.kept if self._place(ck, nodes, req)]
         self._finishes += 1
@@ -669,6 +784,7 @@ class PrefixCache:
         parent's chain) when short; raises PoolExhaustedError with nothing changed otherwise.
         origins: per key, the tier it comes from ("host" or "shared"; default "host"), counted
         when an admission first reads it (PrefixStats)."""
+        self._sync_written()
         keys = [int(k) for k in keys]
         if parent_key and parent_key not in self.tree.nodes:
             raise KvatlasError(f"restore_pages: parent_key {parent_key} is not cached; restore from the root down")
@@ -688,12 +804,22 @@ class PrefixCache:
         for k, p, origin in zip(keys, pages.tolist(), origins if origins is not None else ["host"] * len(keys)):
             node = self.tree.add(k, node, p, self.clock)
             node.origin = origin
+        self._cached_now(np.array(keys, np.uint64))
         return pages
+
+    def _cached_now(self, keys) -> None:
+        """Keys now on the tree: a running request still to share one of them will read it
+        instead of its own page (_fill)."""
+        if self._filling:
+            twice = [k for k in keys.tolist() if k in self._coming]
+            if twice:
+                self._mark_twice(twice)
 
     def restore_checkpoint(self, key, boundary_tokens: int) -> tuple[int, np.ndarray]:
         """Cache-held storage for a resume point coming back from the host tier, on the cached
         page `key` (its boundary): (checkpoint unit, SWA pages). Evicts other resume points when
         none is free."""
+        self._sync_written()
         node = self.tree.nodes.get(int(key))
         if node is None or node.checkpoint is not None or boundary_tokens != node.depth * self.P:
             raise KvatlasError(f"restore_checkpoint: page {key} is not cached without a resume point at "
@@ -709,11 +835,15 @@ class PrefixCache:
         return unit, pages
 
     # ---------------------------------------------------------------- reports
+    # They read, never change: a scrape may run on another thread. Pages a pass over completed
+    # and the tree has yet to take (_sync) count as their writer's, as the ledger counts them,
+    # until the cache's next call (an admission, a finish) or a read of `tree` shares them.
     def cached_bytes(self) -> int:
         """Payload the cache holds: its pages, and per resume point its unit and SWA tail pages
         (orphaned tail pages, still read by a running request, count as that request's)."""
         page, unit, swa = self._unit_payload
-        return len(self.tree.nodes) * page + self.tree.checkpoints * (unit + self.alloc.tail_swa_pages * swa)
+        t = self._tree
+        return len(t.nodes) * page + t.checkpoints * (unit + self.alloc.tail_swa_pages * swa)
 
     @property
     def _unit_payload(self) -> tuple[int, int, int]:
@@ -729,7 +859,7 @@ class PrefixCache:
         return prefix_problems(self)
 
     def summary(self) -> dict:
-        t = self.tree
+        t = self._tree
         return {"policy": self.policy.name, "nodes": len(t.nodes), "cached_pages": len(t.nodes),
                 "idle_pages": t.idle_pages, "checkpoints": t.checkpoints, "cached_bytes": self.cached_bytes(),
                 **self.stats.as_dict()}

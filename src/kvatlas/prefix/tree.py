@@ -134,12 +134,31 @@ class Tree:
             parent.children += 1
         self.nodes[key] = node
         self.evicted_keys.pop(key, None)
-        self._push_page(node)   # an idle leaf, as always: its entry is skipped once it is read
-        if read:
+        if read:   # (not evictable: pushed when its last reader lets it go)
             node.refs = 1
         else:
             self.idle_pages += 1
+            self._push_page(node)
         return node
+
+    def add_chain(self, keys, parent, pages, now: int, out: list) -> None:
+        """add(read=True) of each key in turn, each below the one before (the first below
+        `parent`), appended to `out`: a writer sharing the pages it completed."""
+        nodes, evicted = self.nodes, self.evicted_keys
+        depth = parent.depth if parent is not None else 0
+        for k, page in zip(keys, pages):
+            if parent is not None:
+                parent.children += 1
+            depth += 1
+            node = Node(k, parent, depth, page)
+            node.last_used = now
+            self._push_page(node)
+            node.refs = 1
+            nodes[k] = node
+            if evicted:
+                evicted.pop(k, None)
+            out.append(node)
+            parent = node
 
     def attach(self, node, ck, now: int) -> None:
         node.checkpoint, ck.node, ck.last_used = ck, node, now
