@@ -210,3 +210,30 @@ def test_deferred_sharing_leaves_what_sharing_at_each_pass_end_leaves(seed, poli
     # calls that began with pages a pass had completed not shared yet (every-page: each page
     # completed has a resume point kept at its end, which shares it at once)
     assert tw.deferred >= (5 if policy == "kvatlas" else 0)
+
+
+def test_a_scrape_reads_what_the_tree_holds_and_a_read_of_the_tree_shares_the_rest():
+    """Pages a pass over completed wait, noted, for the tree's next reader: a metrics scrape or
+    /state (which may run on another thread) reads without sharing them — they count as their
+    writer's, as the ledger counts them — and the cache's `tree` (what its own calls, tiers and
+    integrity checks read) shares them first, exact to the page."""
+    from kvatlas.observing.metrics import KvatlasCollector
+    cache = make_cache("ends", "plain")
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(0, 50_000, 1500)
+    cache.admit("w", len(prompt), 8, token_ids=prompt)
+    for _ in range(4):   # four passes of a chunk each; each begins as the one before is over
+        cache.extend("w", 200)
+    pc, a = cache.prefix, cache.allocator
+    assert pc._noted and not pc._tree.nodes and a.full_shared[a.slot_of["w"]] == 0
+
+    def scraped():
+        return {m.name: m.samples[0].value for m in KvatlasCollector(cache).collect()
+                if m.name in ("kvatlas_prefix_cached_pages", "kvatlas_prefix_cached_bytes")}
+    assert scraped() == {"kvatlas_prefix_cached_pages": 0, "kvatlas_prefix_cached_bytes": 0}
+    assert pc.summary()["cached_pages"] == 0 and pc._noted   # read, nothing shared
+    assert len(pc.tree.nodes) == 600 // P and not pc._noted   # the pages of the three passes over: 2
+    assert a.full_shared[a.slot_of["w"]] == 2
+    page = pc._unit_payload[0]
+    assert scraped() == {"kvatlas_prefix_cached_pages": 2, "kvatlas_prefix_cached_bytes": 2 * page}
+    cache.check_integrity()
