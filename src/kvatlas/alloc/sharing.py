@@ -535,7 +535,11 @@ class Sharing:
         from now on, its writer one of its readers. `cached_page` (the same content cached
         meanwhile by another request): the slot reads that page instead and its own is freed.
         Columns go in order from the first not shared. Returns the page the slot now reads."""
-        self._check_share(slot, col, 1)
+        # (complete and committed: its end at most the length less the last pass's drafts;
+        # share_written_runs checks the same of many pages at once)
+        if self.full is None or col != self.full_shared[slot] or col >= self.full_held[slot] \
+                or (col + 1) * self.P > self.length[slot] - self.last_write[slot]:
+            raise KvatlasError(f"share: column {col} of slot {slot} is not its next complete, committed page")
         own = int(self.full_table[slot, col])
         if self.full.owner[own] != slot + 1:
             raise KvatlasError("share: a shared page is not the writer's own")
@@ -571,14 +575,6 @@ class Sharing:
         self.full_refs[pages] += 1
         self.full_shared[slots] = ends
         return pages
-
-    def _check_share(self, slot: int, col: int, n: int) -> None:
-        """Columns col .. col + n - 1 are the slot's next pages to share, complete and committed
-        (their end at most the length less the last pass's drafts)."""
-        if self.full is None or col != self.full_shared[slot] or col + n > self.full_held[slot] \
-                or (col + n) * self.P > self.length[slot] - self.last_write[slot]:
-            raise KvatlasError(f"share: columns {col} to {col + n - 1} of slot {slot} are not its next complete, "
-                               "committed pages")
 
     def _unref_full(self, slot: int) -> None:
         k = int(self.full_shared[slot])

@@ -213,7 +213,6 @@ class PrefixCache:
     def cached_pages(self, prompt_tokens, *, token_ids=None, page_keys=None) -> int:
         """Leading pages of this prompt the tree holds now (at most those a hit may cover: a token
         is left to compute): what a scheduler that admits resident prefixes first orders by."""
-        self._sync_written()
         return len(self.tree.match(self._hit_keys(prompt_tokens, token_ids, page_keys)))
 
     def _hit_keys(self, prompt_tokens, token_ids, page_keys):
@@ -226,7 +225,6 @@ class PrefixCache:
         could hit a few passes later. A scheduler may hold it meanwhile (the simulator's
         `hold_for_writers`); the writers are asked to keep their resume point where the prompt
         leaves their pages, so that it resumes there."""
-        self._sync_written()
         keys = self._hit_keys(prompt_tokens, token_ids, page_keys)
         if not self._coming:
             return 0
@@ -247,7 +245,6 @@ class PrefixCache:
 
     def can_admit(self, prompt_tokens, max_new_tokens=0, *, token_ids=None, page_keys=None) -> bool:
         """Counts what eviction would free: never False while eviction could make room."""
-        self._sync_written()
         total = self.alloc._validate_lengths(prompt_tokens, max_new_tokens)
         m = self._match(prompt_tokens, token_ids, page_keys)
         need, room = self._room(m, total)
@@ -260,7 +257,6 @@ class PrefixCache:
     def admit(self, request_id, prompt_tokens, max_new_tokens=0, *, token_ids=None, page_keys=None):
         check_request_id(request_id)   # before the match: a refused id must not evict anything
         total = self.alloc._validate_lengths(prompt_tokens, max_new_tokens)
-        self._sync_written()
         if request_id in self.alloc.slot_of:
             raise RequestStateError(f"request_id {request_id!r} is already running; finish it first or use a new id")
         m = self._match(prompt_tokens, token_ids, page_keys)
@@ -476,7 +472,7 @@ class PrefixCache:
         """Mark the filling slots still to share one of `keys` (see _fill)."""
         keys = set(keys)
         for slot, req in self._filling.items():
-            if slot not in self._twice and not keys.isdisjoint(req.keys[len(req.path):].tolist()):
+            if slot not in self._twice and not keys.isdisjoint(req.key_list[len(req.path):]):
                 self._twice.add(slot)
 
     @staticmethod
@@ -715,7 +711,7 @@ class PrefixCache:
         else:
             self._mark_end(req, L // self.P)
         keep_cols, nodes = self._publish(slot, keys[: min(L // self.P, len(keys))])
-        self._cached_now(keys[: len(nodes)])
+        self._cached_now(keys[: len(nodes)].tolist())
         a.finish(request_id, keep_pages=keep_cols)
         placed = [ck for ck in req.kept if self._place(ck, nodes, req)]
         self._finishes += 1
@@ -784,7 +780,6 @@ class PrefixCache:
         parent's chain) when short; raises PoolExhaustedError with nothing changed otherwise.
         origins: per key, the tier it comes from ("host" or "shared"; default "host"), counted
         when an admission first reads it (PrefixStats)."""
-        self._sync_written()
         keys = [int(k) for k in keys]
         if parent_key and parent_key not in self.tree.nodes:
             raise KvatlasError(f"restore_pages: parent_key {parent_key} is not cached; restore from the root down")
@@ -804,14 +799,14 @@ class PrefixCache:
         for k, p, origin in zip(keys, pages.tolist(), origins if origins is not None else ["host"] * len(keys)):
             node = self.tree.add(k, node, p, self.clock)
             node.origin = origin
-        self._cached_now(np.array(keys, np.uint64))
+        self._cached_now(keys)
         return pages
 
     def _cached_now(self, keys) -> None:
         """Keys now on the tree: a running request still to share one of them will read it
         instead of its own page (_fill)."""
         if self._filling:
-            twice = [k for k in keys.tolist() if k in self._coming]
+            twice = [k for k in keys if k in self._coming]
             if twice:
                 self._mark_twice(twice)
 
@@ -819,7 +814,6 @@ class PrefixCache:
         """Cache-held storage for a resume point coming back from the host tier, on the cached
         page `key` (its boundary): (checkpoint unit, SWA pages). Evicts other resume points when
         none is free."""
-        self._sync_written()
         node = self.tree.nodes.get(int(key))
         if node is None or node.checkpoint is not None or boundary_tokens != node.depth * self.P:
             raise KvatlasError(f"restore_checkpoint: page {key} is not cached without a resume point at "

@@ -126,24 +126,16 @@ class Tree:
                 self.idle_pages += 1
                 self._push_page(node)
 
-    def add(self, key, parent, page, now: int, read: bool = False) -> Node:
-        """read: the new node's first reader comes with it (add, then ref, in one call)."""
-        node = Node(key, parent, parent.depth + 1 if parent else 1, page)
-        node.last_used = now
-        if parent is not None:
-            parent.children += 1
-        self.nodes[key] = node
-        self.evicted_keys.pop(key, None)
-        if read:   # (not evictable: pushed when its last reader lets it go)
-            node.refs = 1
-        else:
-            self.idle_pages += 1
-            self._push_page(node)
-        return node
+    def add(self, key, parent, page, now: int) -> Node:
+        """A node no request reads yet (an idle leaf)."""
+        out: list = []
+        self.add_chain((key,), parent, (page,), now, out, read=False)
+        return out[0]
 
-    def add_chain(self, keys, parent, pages, now: int, out: list) -> None:
-        """add(read=True) of each key in turn, each below the one before (the first below
-        `parent`), appended to `out`: a writer sharing the pages it completed."""
+    def add_chain(self, keys, parent, pages, now: int, out: list, read: bool = True) -> None:
+        """A node for each key in turn, each below the one before (the first below `parent`),
+        appended to `out`. read: each one's first reader comes with it (a writer sharing the
+        pages it completed); its heap entry, pushed as for an idle leaf, is skipped while read."""
         nodes, evicted = self.nodes, self.evicted_keys
         depth = parent.depth if parent is not None else 0
         for k, page in zip(keys, pages):
@@ -153,7 +145,10 @@ class Tree:
             node = Node(k, parent, depth, page)
             node.last_used = now
             self._push_page(node)
-            node.refs = 1
+            if read:
+                node.refs = 1
+            else:
+                self.idle_pages += 1
             nodes[k] = node
             if evicted:
                 evicted.pop(k, None)
