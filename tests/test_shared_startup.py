@@ -293,6 +293,40 @@ def _probe_of(pid: str, port: int) -> bool:
     return b"MooncakeDistributedStore" in cmd and f":{port}".encode() in cmd
 
 
+def test_a_probe_whose_parent_already_left_exits_before_it_connects():
+    """The death signal is armed in the probe, after it started: a parent gone by then is noticed
+    by its pid, and the probe ends without calling Mooncake (exit 3, no `rc` printed)."""
+    from kvatlas.tiers.shared.mooncake_store import _PROBE
+    args = json.dumps({"local": "127.0.0.1", "metadata": "P2PHANDSHAKE", "protocol": "tcp", "device": "",
+                       "master": "127.0.0.1:9"})
+    gone = subprocess.run([sys.executable, "-c", _PROBE, args, "1"],   # not the probe's parent: it had left
+                          capture_output=True, text=True, timeout=60)
+    assert gone.returncode == 3 and "rc" not in gone.stdout, (gone.returncode, gone.stdout, gone.stderr[-500:])
+
+
+def test_serve_leaving_at_once_kills_the_probes_it_started(monkeypatch):
+    """`serve` stopped during start-up leaves through os._exit, which skips atexit: it kills the
+    store probes itself first."""
+    from kvatlas.cli import serve
+    from kvatlas.tiers.shared import store
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    store._PROBES.add(proc)
+    exits = []
+    monkeypatch.setattr(os, "_exit", exits.append)
+    alive = threading.Thread(target=time.sleep, args=(5,), daemon=True)
+    alive.start()
+    stop = serve._Stop()
+    stop.builder = alive
+    try:
+        serve._leave(0, stop)
+        assert exits == [0] and proc.poll() is not None
+    finally:
+        store._PROBES.discard(proc)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 @pytest.mark.parametrize("scheme", ["mooncake", "redis"])
 def test_serve_runs_with_misses_while_the_store_is_not_open(scheme):
     """Past the start-up bound it serves: /state is 200, the shared tier says what is wrong and

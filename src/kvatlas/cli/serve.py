@@ -153,6 +153,9 @@ def _leave(code: int, stop: _Stop) -> int:
     Returning would let the interpreter's exit kill that thread mid-call, and a thread killed
     inside torch's C++ aborts the process (SIGABRT) instead of exiting with `code`."""
     if stop.builder is not None and stop.builder.is_alive():
+        store = sys.modules.get("kvatlas.tiers.shared.store")
+        if store is not None:       # os._exit skips atexit: a store probe would outlive us
+            store.kill_probes()
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)

@@ -26,6 +26,9 @@ bound; this process sets up only after the probe succeeded.
 
 from __future__ import annotations
 
+import json
+import os
+import sys
 from urllib.parse import urlsplit
 
 from ...errors import ConfigError
@@ -55,6 +58,9 @@ try:
     ctypes.CDLL(None).prctl(1, 9)   # PR_SET_PDEATHSIG, SIGKILL: never outlives the process that asked
 except Exception:
     pass
+import os
+if os.getppid() != int(sys.argv[2]):   # the parent left before the signal was armed
+    sys.exit(3)
 from mooncake.store import MooncakeDistributedStore
 a = json.loads(sys.argv[1])
 s = MooncakeDistributedStore()
@@ -116,9 +122,7 @@ class MooncakeStore(Store):
         """Mooncake's `setup` retries for minutes when the master does not answer, holding the
         interpreter lock: a probe process makes the same setup first (killed at `bound_s`), and
         only after it succeeded does this process set up (then in well under a second)."""
-        import json
-        import sys
-        out = run_probe([sys.executable, "-c", _PROBE, json.dumps(self.args)], bound_s, self.describe())
+        out = run_probe([sys.executable, "-c", _PROBE, json.dumps(self.args), str(os.getpid())], bound_s, self.describe())
         rc = next((line.split()[1] for line in out.splitlines() if line.startswith("rc ")), None)
         if rc != "0":
             raise StoreUnavailable(f"{self.describe()}: setup " + (f"returned {rc}" if rc else "did not finish")

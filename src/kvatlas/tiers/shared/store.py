@@ -195,6 +195,8 @@ def _kill(proc) -> None:
 
 
 @atexit.register
-def _kill_probes() -> None:
+def kill_probes() -> None:
+    """Kill every probe still running (at exit, and by a caller that leaves through os._exit,
+    which skips atexit)."""
     for proc in list(_PROBES):
         _kill(proc)
