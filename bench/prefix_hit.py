@@ -29,7 +29,7 @@ import numpy as np
 
 import kvatlas
 from kvatlas.alloc import Allocator
-from kvatlas.planning.buffers import CHECKPOINTS, SWA_PAGES
+from kvatlas.driving.fit import checkpoints_for_share
 from kvatlas.prefix import MISS_REASONS, PrefixCache
 
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_synthetic.jsonl"
@@ -47,18 +47,11 @@ def load(path: Path) -> list[tuple[int, int, np.ndarray]]:
     return out
 
 
-def checkpoint_bytes(p) -> int:
-    """Bytes one resume point costs in this plan: its unit and its SWA tail pages."""
-    unit = sum(b.unit_bytes for b in p.buffers if b.group == CHECKPOINTS)
-    swa = sum(b.unit_bytes for b in p.buffers if b.group == SWA_PAGES)
-    return unit + p.sizing.checkpoint_swa_pages * swa
-
-
 def make_plan(gib: int, share: float):
-    budget = gib << 30
-    probe = kvatlas.plan("deepseek-v4-flash", budget, prefix_checkpoints=1)
-    n = int(share * budget // checkpoint_bytes(probe))
-    return kvatlas.plan("deepseek-v4-flash", budget, prefix_checkpoints=n)
+    """V4-Flash at `gib` GiB with resume points worth `share` of it (kvatlas.driving.fit's rule:
+    the budget's share over a point's unit and SWA tail pages)."""
+    n = checkpoints_for_share("deepseek-v4-flash", share, memory_bytes=gib << 30)
+    return kvatlas.plan("deepseek-v4-flash", gib << 30, prefix_checkpoints=n)
 
 
 def simulate(p, policy: str, trace, on_admit=None, reuse_weight: float | None = None) -> dict:

@@ -10,7 +10,8 @@ concurrency, in one run.
   junctions keep their sliding-window tails; N: also one tail every N tokens; None: a tail at
   every 256-token boundary). Hits are vLLM's own count (`PrefixCacheStats.hits` of the scheduler
   stats, what `vllm:prefix_cache_hits` exports; a preempted request's lookup again is not a hit).
-- kvatlas: the plan of bench/prefix_hit.py (25% of the budget in resume points), bookkeeping only;
+- kvatlas: the plan of bench/prefix_hit.py (25% of the budget in resume points unless
+  `--kvatlas-checkpoint-share` says otherwise), bookkeeping only;
   pages shared as they are written (`--kvatlas-share finish` shares them at the request's finish
   instead, as before issue 34). `--hold-for-writers N`: the simulator's cache-aware admission
   (a waiting request whose next pages running requests are writing is passed over for up to N
@@ -246,9 +247,10 @@ class VllmReplay:
 # ---- the run ---------------------------------------------------------------------------------
 
 def run_budget(gib: int, trace, requests, retentions, modes, engines, tm, rows: list, save, windows=(0,),
-               share: str = "written", hold: int | None = None, kv_window: int | None = None) -> None:
+               share: str = "written", hold: int | None = None, kv_window: int | None = None,
+               checkpoint_share: float = 0.25) -> None:
     """Every run at one budget, appended to rows; save() after each (a long run keeps what it has)."""
-    p = prefix_hit.make_plan(gib, 0.25)
+    p = prefix_hit.make_plan(gib, checkpoint_share)
     for mode in modes:
         if "kvatlas" in engines:
             r = kvatlas_sequential(p, trace) if mode == "sequential" else kvatlas_concurrent(p, requests, tm, share, hold, kv_window)
@@ -416,6 +418,9 @@ def main() -> None:
     ap.add_argument("--kvatlas-admission-window", type=int, default=None,
                     help="kvatlas's prefix-first admission: waiting requests at the head of the queue ordered by "
                          "cached prefix, as vLLM 0.34's cache_aware_admission_window (default: the Simulator's)")
+    ap.add_argument("--kvatlas-checkpoint-share", type=float, default=0.25,
+                    help="kvatlas's resume points as a share of each budget (default 0.25; `kvatlas simulate "
+                         "--prefix-checkpoints fit` fits it to a workload)")
     ap.add_argument("--vllm-plugins", default="",
                     help="VLLM_PLUGINS for the vLLM side (default empty: vLLM as shipped, no plugin loads)")
     ap.add_argument("--limit", type=int, default=0, help="first N requests only (0: all)")
@@ -438,7 +443,8 @@ def main() -> None:
         for gib in (int(x) for x in args.budgets.split(",")):
             run_budget(gib, trace, requests, parse_retention(args.retention), args.modes.split(","),
                        args.engines.split(","), tm, rows, save, [int(x) for x in args.admission_window.split(",")],
-                       args.kvatlas_share, args.hold_for_writers, args.kvatlas_admission_window)
+                       args.kvatlas_share, args.hold_for_writers, args.kvatlas_admission_window,
+                       args.kvatlas_checkpoint_share)
     tok = blk = None
     if not args.limit:
         tok, blk = ceiling(args.trace)

@@ -35,6 +35,22 @@ def count(low: int = 0, high: int = MAX_COUNT):
     return parse
 
 
+FIT = "fit"
+
+
+def checkpoints_arg(text: str):
+    """--prefix-checkpoints: a whole number, or 'fit' (kvatlas simulate fits it to the workload)."""
+    if text.strip().lower() == FIT:
+        return FIT
+    try:
+        return count(0)(text)
+    except argparse.ArgumentTypeError as exc:
+        raise argparse.ArgumentTypeError(f"{exc}, or 'fit' (kvatlas simulate: fitted to the workload)") from None
+
+
+checkpoints_arg.__name__ = "whole number or 'fit'"
+
+
 def number(low: float = 0.0, high: float = math.inf, open_low: bool = False):
     """An argparse type: a finite number in [low, high] ((low, high] with open_low)."""
     def parse(text: str) -> float:
@@ -166,8 +182,9 @@ def add_deployment_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dp", type=count(1), default=1, help="data-parallel ranks sharing --max-running-requests "
                    "(default 1)")
     g.add_argument("--pp-rank", type=count(0), default=0, help="the pipeline stage to plan, 0..--pp − 1 (default 0)")
-    g.add_argument("--prefix-checkpoints", type=count(0), default=0, help="prefix cache: resume points it may keep "
-                   "(each the SWA tail and C4 state at a page boundary; default 0: no prefix cache)")
+    g.add_argument("--prefix-checkpoints", type=checkpoints_arg, default=0, help="prefix cache: resume points it may "
+                   "keep (each the SWA tail and C4 state at a page boundary; default 0: no prefix cache); simulate "
+                   "takes 'fit': the count that hits most, found by replaying the workload at several shares of the budget")
 
 
 def check_backend(backend: str, device) -> None:
@@ -184,10 +201,11 @@ def gpu_of(args) -> str:
     return args.gpu or "h200"
 
 
-def options_from_args(args) -> dict:
+def options_from_args(args, prefix_checkpoints: int | None = None) -> dict:
     """The serving options the command line gives; the budget's parts only where typed, so a
     part that would be ignored beside --memory is refused, never dropped. Without --memory the
-    weights default to auto: derived from the config (planning.weights)."""
+    weights default to auto: derived from the config (planning.weights). `prefix_checkpoints`, if
+    given, replaces --prefix-checkpoints (simulate's fit plans before it has a count)."""
     out = {
         "kv_layout": args.kv_layout, "indexer": args.indexer, "state_dtype": args.state_dtype,
         "online_c128": args.online_c128, "page_tokens": args.page_tokens, "swa_page_tokens": args.swa_page_tokens,
@@ -195,7 +213,7 @@ def options_from_args(args) -> dict:
         "chunked_prefill_tokens": args.chunked_prefill_tokens, "draft_tokens": args.draft_tokens,
         "draft_layers": None if args.draft_layers is None else args.draft_layers == "on",
         "tp": args.tp, "pp": args.pp, "dp": args.dp, "pp_rank": args.pp_rank,
-        "prefix_checkpoints": args.prefix_checkpoints,
+        "prefix_checkpoints": _checkpoints(args.prefix_checkpoints) if prefix_checkpoints is None else prefix_checkpoints,
         "memory_bytes": parse_bytes(args.memory, "--memory") if args.memory is not None else None,
     }
     if args.weights is not None:
@@ -206,6 +224,14 @@ def options_from_args(args) -> dict:
         if value is not None:
             out[key] = value
     return out
+
+
+def _checkpoints(value):
+    if value == FIT:   # simulate replaces it with the fitted count before it plans
+        raise ConfigError("--prefix-checkpoints", "'fit' replays a workload, and only `kvatlas simulate` replays one",
+                          "run kvatlas simulate with the workload and --prefix-checkpoints fit, then give the count "
+                          "it prints")
+    return value
 
 
 def weights_arg(text: str):

@@ -9,8 +9,8 @@ import time
 
 from ..errors import ConfigError
 from ..observing.progress import Bar, wanted
-from .common import add_deployment_args, check_output_file, count, number, plan_from_args
-from .drive import add_drive_args, build, prepare, summary
+from .common import FIT, add_deployment_args, check_output_file, count, number, options_from_args, plan_from_args
+from .drive import add_drive_args, build, host_memory, prepare, summary
 from .ranks import RANK_CHILD_ENV
 
 
@@ -38,12 +38,16 @@ def run(args) -> int:
     for prefix in ([args.out] if args.ranks == 1 else [f"{args.out}.rank{r}" for r in range(args.ranks)]):
         for path in output_paths(prefix, args):   # every file the run writes, before the run
             check_output_file("--out", path, extensions=None)
+    if args.prefix_checkpoints == FIT and (args.ranks > 1 or args.ranks_of > 1):
+        raise ConfigError("--prefix-checkpoints", "fit with --ranks (each rank would fit to its share of the "
+                          "workload)", "fit on one rank first, then give every rank the count it prints")
     if args.ranks > 1 and args.ranks_of > 1:
         raise ConfigError("--ranks", "given to a rank process", "drop --ranks")
     if args.ranks > 1:
         from .ranks import run_ranks
         return run_ranks(args, prepare)   # drive's checks, passed down: drive imports ranks (deal)
-    cache, sim, writer = build(args, plan_from_args)
+    fitted = fit_from_args(args) if args.prefix_checkpoints == FIT else None
+    cache, sim, writer = build(args, plan_from_args, prepared=fitted)
     t0 = time.perf_counter()
     total = len(sim.pending)
     with Bar(total, "simulate", wanted(), unit="requests") as bar:
@@ -66,6 +70,34 @@ def run(args) -> int:
         written.append(write_rank_result(args, cache, sim))
     print("\nwritten: " + ", ".join(written))
     return 0
+
+
+def fit_from_args(args):
+    """--prefix-checkpoints fit: every other argument checked first (with a provisional count),
+    then the workload replayed at each candidate share (kvatlas.driving.fit), the table printed,
+    and the run prepared with the count that hit most."""
+    from dataclasses import replace
+
+    from ..driving.fit import SHARES, checkpoints_for_share, fit_checkpoints
+    opts = options_from_args(args, prefix_checkpoints=0)
+    model = args.model
+    args.prefix_checkpoints = checkpoints_for_share(model, SHARES[0], **opts)   # provisional: the checks below
+    pr = prepare(args, plan_from_args)
+    print(f"fitting --prefix-checkpoints: the {len(pr.requests):,} requests replayed at shares "
+          f"{', '.join(f'{s:g}' for s in SHARES)} of the budget, then around the best (bookkeeping only)", flush=True)
+    t0 = time.perf_counter()
+    sim = {"time_model": pr.time_model, "accept_rate": args.accept_rate, "seed": args.seed,
+           "hold_for_writers": args.hold_for_writers, "admission_window": args.admission_window}
+    fit = fit_checkpoints(model, pr.requests, simulator=sim, progress=lambda t: print(
+        f"  share {t.share:g}: " + ("does not fit the budget" if t.refused else
+                                    f"{t.checkpoints:,} resume points, hit {t.hit_ratio:.2%}")
+        + f" ({time.perf_counter() - t0:.0f} s)", flush=True), **opts)
+    print(fit.table())
+    args.prefix_checkpoints = fit.best.checkpoints
+    print(f"fitted: --prefix-checkpoints {fit.best.checkpoints} ({fit.best.share:g} of the budget); the run "
+          "below uses it\n", flush=True)
+    p = plan_from_args(args)
+    return replace(pr, plan=p, host_bytes=host_memory(args, p))
 
 
 def output_paths(prefix: str, args) -> list[str]:

@@ -1,0 +1,118 @@
+"""How many resume points: the count fitted to a budget and a workload by replay
+(kvatlas.driving.fit, `kvatlas simulate --prefix-checkpoints fit`)."""
+
+from __future__ import annotations
+
+import pytest
+
+import kvatlas
+from kvatlas.cli import main
+from kvatlas.driving.fit import SHARES, checkpoints_for_share, fit_checkpoints
+from kvatlas.driving.sim import Simulator
+from kvatlas.driving.timemodel import default_time_model
+from kvatlas.driving.sessions import sessions
+from kvatlas.errors import ConfigError
+from kvatlas.planning.capacity import resume_points
+
+MODEL = "tiny-v4"
+OPTS = {"memory_bytes": 96 << 20, "max_running_requests": 8}
+
+
+def workload():
+    """The workload of SIM below (the CLI's defaults for the rest)."""
+    return sessions(rate_per_s=20, duration_s=2, turns="3", first_len="uniform:64:1024", followup_len="uniform:16:256",
+                    output="uniform:16:256", think="exp:5", system_prompts=3, system_len="600", seed=3)
+
+
+def hit_of(checkpoints: int, requests) -> tuple[int, int]:
+    """A replay of its own, the way a user would run it: the hit tokens and the queried ones."""
+    cache = kvatlas.allocate(kvatlas.plan(MODEL, **OPTS, prefix_checkpoints=checkpoints), backend="none")
+    Simulator(cache, requests, record=False).run_offline()
+    cache.check_integrity()
+    return cache.prefix.stats.hit_tokens, cache.prefix.stats.queried_tokens
+
+
+def test_a_share_buys_the_resume_points_it_can_pay_for():
+    for share in (0.05, 0.15, 0.3):
+        n = checkpoints_for_share(MODEL, share, **OPTS)
+        each = resume_points(kvatlas.plan(MODEL, **OPTS, prefix_checkpoints=n)).bytes_each
+        assert n * each <= share * OPTS["memory_bytes"] < (n + 1) * each, (share, n, each)
+
+
+def test_the_fit_is_the_best_of_replays_each_run_on_its_own():
+    reqs = workload()
+    fit = fit_checkpoints(MODEL, reqs, **OPTS)
+    shares = [t.share for t in fit.trials]
+    assert shares == sorted(shares) and set(SHARES) <= set(shares)
+    fitting = [t for t in fit.trials if not t.refused]
+    assert len(fitting) >= 5 and len({t.hit_tokens for t in fitting}) > 2   # the count matters on this workload
+    for t in fitting:
+        assert (t.hit_tokens, t.queried_tokens) == hit_of(t.checkpoints, reqs), t
+        assert t.checkpoints == checkpoints_for_share(MODEL, t.share, **OPTS)
+    assert fit.best.hit_tokens == max(t.hit_tokens for t in fitting)
+    assert fit.best.checkpoints == min(t.checkpoints for t in fitting if t.hit_tokens == fit.best.hit_tokens)
+    # refined: the midpoints between the best grid share and its fitting neighbours were tried
+    grid = [s for s in SHARES if not next(t for t in fit.trials if t.share == s).refused]
+    best_grid = max((t for t in fitting if t.share in SHARES), key=lambda t: (t.hit_tokens, -t.checkpoints)).share
+    i = grid.index(best_grid)
+    for j in (i - 1, i + 1):
+        if 0 <= j < len(grid):
+            assert round((grid[i] + grid[j]) / 2, 4) in shares
+    assert "<- fitted" in fit.table() and fit.to_dict()["checkpoints"] == fit.best.checkpoints
+
+
+def test_a_share_the_budget_cannot_hold_is_refused_not_fitted():
+    fit = fit_checkpoints(MODEL, workload(), shares=(0.1, 0.45), refine=False, **OPTS)
+    big = fit.trials[-1]
+    assert big.share == 0.45 and big.refused and "prefix_checkpoints" in big.refused
+    assert fit.best.share == 0.1 and "does not fit the budget" in fit.table()
+
+
+@pytest.mark.parametrize("kwargs,field", [({"shares": (0.0, 0.2)}, "shares"), ({"shares": (1.5,)}, "shares"),
+                                          ({"shares": ()}, "shares"), ({"shares": "ab"}, "shares"),
+                                          ({"prefix_checkpoints": 4}, "prefix_checkpoints")])
+def test_bad_fit_arguments_are_named(kwargs, field):
+    with pytest.raises(ConfigError) as e:
+        fit_checkpoints(MODEL, workload(), **{**OPTS, **kwargs})
+    assert e.value.field == field
+
+
+def test_no_requests_is_refused():
+    with pytest.raises(ConfigError) as e:
+        fit_checkpoints(MODEL, [], **OPTS)
+    assert e.value.field == "requests"
+
+
+SIM = ["simulate", MODEL, "--memory", "96MiB", "--max-running-requests", "8", "--rate", "20", "--duration", "2",
+       "--seed", "3", "--system-prompts", "3", "--system-prompt-len", "600", "--turns", "3", "--backend", "none",
+       "--no-plot"]
+
+
+def test_simulate_fits_then_runs_with_the_fitted_count(tmp_path, capsys):
+    assert main([*SIM, "--prefix-checkpoints", "fit", "--out", str(tmp_path / "f")]) == 0
+    out = capsys.readouterr().out
+    fitted = int(out.split("fitted: --prefix-checkpoints ")[1].split()[0])
+    fit = fit_checkpoints(MODEL, workload(), simulator={"time_model": default_time_model(), "seed": 3}, **OPTS)
+    assert fitted == fit.best.checkpoints and fit.table() in out
+    assert main([*SIM, "--prefix-checkpoints", str(fitted), "--out", str(tmp_path / "n")]) == 0
+    plain = capsys.readouterr().out
+    line = lambda text: next(ln for ln in text.splitlines() if ln.startswith("prefix cache"))
+    assert line(out) == line(plain)   # the run after the fit is the run with the count given
+
+
+@pytest.mark.parametrize("command", [["plan", MODEL, "--memory", "96MiB"], ["compare", MODEL, "--memory", "96MiB"]])
+def test_fit_is_refused_where_no_workload_is_replayed(command, capsys):
+    assert main([*command, "--prefix-checkpoints", "fit"]) == 2
+    err = capsys.readouterr().err
+    assert "--prefix-checkpoints" in err and "kvatlas simulate" in err
+
+
+def test_fit_with_ranks_is_refused(tmp_path, capsys):
+    assert main([*SIM, "--prefix-checkpoints", "fit", "--ranks", "2", "--out", str(tmp_path / "r")]) == 2
+    assert "fit on one rank first" in capsys.readouterr().err
+
+
+def test_a_count_that_is_neither_a_number_nor_fit_is_refused(capsys):
+    assert main(["plan", MODEL, "--memory", "96MiB", "--prefix-checkpoints", "fitted"]) == 2
+    err = capsys.readouterr().err
+    assert "'fitted' is not a whole number" in err and "or 'fit'" in err
