@@ -61,6 +61,12 @@ def test_the_fit_is_the_best_of_replays_each_run_on_its_own():
     assert "<- fitted" in fit.table() and fit.to_dict()["checkpoints"] == fit.best.checkpoints
 
 
+def test_replays_run_at_once_in_processes_give_the_same_fit():
+    reqs = workload()
+    one, two = (fit_checkpoints(MODEL, reqs, shares=(0.05, 0.15, 0.25), jobs=j, **OPTS) for j in (1, 2))
+    assert one == two and len(one.trials) == 5
+
+
 def test_a_share_the_budget_cannot_hold_is_refused_not_fitted():
     fit = fit_checkpoints(MODEL, workload(), shares=(0.1, 0.45), refine=False, **OPTS)
     big = fit.trials[-1]
@@ -69,7 +75,7 @@ def test_a_share_the_budget_cannot_hold_is_refused_not_fitted():
 
 
 @pytest.mark.parametrize("kwargs,field", [({"shares": (0.0, 0.2)}, "shares"), ({"shares": (1.5,)}, "shares"),
-                                          ({"shares": ()}, "shares"), ({"shares": "ab"}, "shares"),
+                                          ({"shares": ()}, "shares"), ({"shares": "ab"}, "shares"), ({"jobs": 0}, "jobs"),
                                           ({"prefix_checkpoints": 4}, "prefix_checkpoints")])
 def test_bad_fit_arguments_are_named(kwargs, field):
     with pytest.raises(ConfigError) as e:

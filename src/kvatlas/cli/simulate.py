@@ -83,12 +83,14 @@ def fit_from_args(args):
     model = args.model
     args.prefix_checkpoints = checkpoints_for_share(model, SHARES[0], **opts)   # provisional: the checks below
     pr = prepare(args, plan_from_args)
+    jobs = min(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1, 8)
     print(f"fitting --prefix-checkpoints: the {len(pr.requests):,} requests replayed at shares "
-          f"{', '.join(f'{s:g}' for s in SHARES)} of the budget, then around the best (bookkeeping only)", flush=True)
+          f"{', '.join(f'{s:g}' for s in SHARES)} of the budget, then around the best (bookkeeping only; "
+          f"{jobs} replays at once)", flush=True)
     t0 = time.perf_counter()
     sim = {"time_model": pr.time_model, "accept_rate": args.accept_rate, "seed": args.seed,
            "hold_for_writers": args.hold_for_writers, "admission_window": args.admission_window}
-    fit = fit_checkpoints(model, pr.requests, simulator=sim, progress=lambda t: print(
+    fit = fit_checkpoints(model, pr.requests, simulator=sim, jobs=jobs, progress=lambda t: print(
         f"  share {t.share:g}: " + ("does not fit the budget" if t.refused else
                                     f"{t.checkpoints:,} resume points, hit {t.hit_ratio:.2%}")
         + f" ({time.perf_counter() - t0:.0f} s)", flush=True), **opts)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..checks import whole
 from ..errors import BudgetError, ConfigError
 from ..planning.capacity import resume_points
 from ..planning.planner import plan as make_plan
@@ -71,11 +72,13 @@ def checkpoints_for_share(model, share: float, **options) -> int:
 
 
 def fit_checkpoints(model, requests, *, shares=SHARES, refine: bool = True, simulator: dict | None = None,
-                    progress=None, **options) -> Fit:
+                    progress=None, jobs: int = 1, **options) -> Fit:
     """Replay `requests` once per candidate share (module doc) and return every trial and the
     best (the most hit prompt tokens; the smaller count on a tie). `options`: plan()'s, without
     prefix_checkpoints; `simulator`: the Simulator's keyword arguments the run will use (time
-    model, admission, seed); `progress(trial)`, if given, hears each trial as it ends."""
+    model, admission, seed); `progress(trial)`, if given, hears each trial as it ends; `jobs`:
+    replays run at once, each in a process of its own (the grid's, then the refinement's)."""
+    whole("jobs", jobs, 1, 1024)
     if options.get("prefix_checkpoints"):
         raise ConfigError("prefix_checkpoints", "given to the fit that chooses it", "drop it: the fit returns the count")
     try:
@@ -92,22 +95,31 @@ def fit_checkpoints(model, requests, *, shares=SHARES, refine: bool = True, simu
         raise ConfigError("requests", "no request to replay", "give the workload the cache will serve")
     done: dict[float, Trial] = {}
 
-    def run(share: float) -> None:
-        if share not in done:
-            done[share] = _trial(model, share, requests, simulator or {}, options)
-            if progress is not None:
-                progress(done[share])
+    def record(t: Trial) -> None:
+        done[t.share] = t
+        if progress is not None:
+            progress(t)
 
-    for s in shares:
-        run(s)
+    def run(batch) -> None:
+        args = [(model, s, requests, simulator or {}, options) for s in dict.fromkeys(batch) if s not in done]
+        if jobs == 1 or len(args) < 2:
+            for a in args:
+                record(_trial(*a))
+            return
+        import multiprocessing as mp
+        from concurrent.futures import ProcessPoolExecutor
+        ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
+        with ProcessPoolExecutor(max_workers=min(jobs, len(args)), mp_context=ctx) as pool:
+            for f in [pool.submit(_trial, *a) for a in args]:
+                record(f.result())
+
+    run(shares)
     if refine:
         ok = [s for s in shares if not done[s].refused]
         if ok:
             best = _best(done[s] for s in ok).share
             i = ok.index(best)
-            for j in (i - 1, i + 1):
-                if 0 <= j < len(ok):
-                    run(round((best + ok[j]) / 2, 4))
+            run([round((best + ok[j]) / 2, 4) for j in (i - 1, i + 1) if 0 <= j < len(ok)])
     trials = tuple(done[s] for s in sorted(done))
     fitting = [t for t in trials if not t.refused]
     if not fitting:
