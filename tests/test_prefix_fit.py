@@ -50,10 +50,11 @@ def test_the_fit_is_the_best_of_replays_each_run_on_its_own():
         assert (t.hit_tokens, t.queried_tokens) == hit_of(t.checkpoints, reqs), t
         assert t.checkpoints == checkpoints_for_share(MODEL, t.share, **OPTS)
     assert fit.best.hit_tokens == max(t.hit_tokens for t in fitting)
-    assert fit.best.checkpoints == min(t.checkpoints for t in fitting if t.hit_tokens == fit.best.hit_tokens)
+    tied = [t for t in fitting if t.hit_tokens == fit.best.hit_tokens]
+    assert fit.best == max(tied, key=lambda t: (t.full_pages, t.checkpoints))
     # refined: the midpoints between the best grid share and its fitting neighbours were tried
     grid = [s for s in SHARES if not next(t for t in fit.trials if t.share == s).refused]
-    best_grid = max((t for t in fitting if t.share in SHARES), key=lambda t: (t.hit_tokens, -t.checkpoints)).share
+    best_grid = max((t for t in fitting if t.share in SHARES), key=lambda t: (t.hit_tokens, t.full_pages, t.checkpoints)).share
     i = grid.index(best_grid)
     for j in (i - 1, i + 1):
         if 0 <= j < len(grid):
@@ -122,3 +123,43 @@ def test_a_count_that_is_neither_a_number_nor_fit_is_refused(capsys):
     assert main(["plan", MODEL, "--memory", "96MiB", "--prefix-checkpoints", "fitted"]) == 2
     err = capsys.readouterr().err
     assert "'fitted' is not a whole number" in err and "or 'fit'" in err
+
+
+TUNE = ["tune", MODEL, "--memory", "1GiB", "--engines", "kvatlas", "--rate", "20", "--duration", "2", "--seed", "3",
+        "--system-prompts", "3", "--system-prompt-len", "600", "--turns", "3"]
+
+
+def test_tune_advises_the_fitted_count_and_measures_it_beside_the_tuned_one(capsys):
+    import json
+
+    from kvatlas.advice.tune import plan_kwargs
+    assert main([*TUNE, "--fit-checkpoints", "--simulate", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    got = doc["fitted_checkpoints"]
+    kv = doc["engines"][0]["tuned"]["flags"]
+    # the same fit by hand, with tune's other flags for kvatlas
+    opts = plan_kwargs(kvatlas.plan(MODEL, 1 << 30, max_running_requests=kv["--max-running-requests"],
+                                    chunked_prefill_tokens=kv["--chunked-prefill-tokens"],
+                                    max_model_len=kv["--max-model-len"]).options)
+    fit = fit_checkpoints(MODEL, workload(), simulator={"time_model": default_time_model()},
+                          **{**opts, "prefix_checkpoints": 0, "memory_bytes": 1 << 30})
+    assert got == fit.to_dict()
+    tuned, fitted = doc["simulated"]["tuned"], doc["simulated"]["fitted"]
+    assert fitted["hit_tokens"] == fit.best.hit_tokens and fitted["hit_tokens"] >= tuned["hit_tokens"]
+    assert main([*TUNE, "--fit-checkpoints"]) == 0
+    out = capsys.readouterr().out
+    assert fit.table() in out and f"start kvatlas with --prefix-checkpoints {fit.best.checkpoints} " in out
+
+
+def test_tune_fit_needs_kvatlas(capsys):
+    assert main([*TUNE[:5], "sglang", *TUNE[6:], "--fit-checkpoints"]) == 2
+    assert "--fit-checkpoints" in capsys.readouterr().err
+
+
+def test_a_tie_goes_to_more_pages_then_to_more_resume_points():
+    from kvatlas.driving.fit import Trial, _best
+    t = lambda share, n, pages, hit: Trial(share=share, checkpoints=n, full_pages=pages, hit_tokens=hit, queried_tokens=1000)
+    assert _best([t(0.1, 10, 90, 500), t(0.2, 20, 80, 500), t(0.3, 30, 70, 499)]).share == 0.1
+    # pages capped by what requests address: more points cost nothing the pages could use
+    assert _best([t(0.1, 10, 90, 500), t(0.2, 20, 90, 500), t(0.3, 30, 90, 500)]).share == 0.3
+    assert _best([t(0.1, 10, 90, 500), t(0.2, 20, 80, 501)]).share == 0.2

@@ -37,6 +37,9 @@ def add_parser(p) -> None:
     add_time_model_args(p)
     p.add_argument("--simulate", action="store_true", help="also run the workload through kvatlas's cache with its "
                    "default and its tuned flags: prefix-hit ratio and queueing (bookkeeping backend, no memory)")
+    p.add_argument("--fit-checkpoints", action="store_true", help="replay the workload with kvatlas's tuned flags "
+                   "at several shares of the budget in resume points and advise the count that hit most instead of "
+                   "a quarter (bookkeeping backend; kvatlas simulate --prefix-checkpoints fit does the same)")
     p.add_argument("--json", action="store_true", help="print the advice as JSON (schema kvatlas.tune v1)")
 
 
@@ -48,8 +51,9 @@ def run(args) -> int:
     if not engines or bad:
         raise ConfigError("--engines", f"{args.engines!r} names {'no engine' if not engines else bad[0]!r}",
                           f"give a comma list of {', '.join(ENGINES)}")
-    if args.simulate and "kvatlas" not in engines:
-        raise ConfigError("--simulate", "runs kvatlas's cache, and kvatlas is not in --engines", "add kvatlas")
+    for flag, on in (("--simulate", args.simulate), ("--fit-checkpoints", args.fit_checkpoints)):
+        if on and "kvatlas" not in engines:
+            raise ConfigError(flag, "runs kvatlas's cache, and kvatlas is not in --engines", "add kvatlas")
     tm = time_model(args)
     pace = Pace(pass_s=tm.pass_s, prefill_s_per_token=tm.prefill_s_per_token, decode_s_per_token=tm.decode_s_per_token)
     from ..planning.model import load_model
@@ -66,20 +70,36 @@ def run(args) -> int:
     if args.max_model_len is not None:
         kw["max_model_len"] = args.max_model_len
     t = tune(model, prof, **kw)
-    simulated = None
+    simulated = fitted = None
+    if args.simulate and t.engine("kvatlas").default.result is None:
+        raise ConfigError("--simulate", "kvatlas refuses to start with its default flags on this budget, so "
+                          "there is no default run to measure", "raise --memory, or drop --simulate")
+    if args.fit_checkpoints:
+        fitted = fit_tuned(t, requests, tm)
     if args.simulate:
-        if t.engine("kvatlas").default.result is None:
-            raise ConfigError("--simulate", "kvatlas refuses to start with its default flags on this budget, so "
-                              "there is no default run to measure", "raise --memory, or drop --simulate")
         simulated = {w: run_setting(t, w, requests, tm) for w in ("default", "tuned")}
+        if fitted is not None:
+            simulated["fitted"] = run_setting(t, "tuned", requests, tm, fitted.best.checkpoints)
     if args.json:
         doc = t.to_dict()
         doc["simulated"] = simulated
+        doc["fitted_checkpoints"] = None if fitted is None else fitted.to_dict()
         print(json.dumps(doc, indent=2))
     else:
         assumed = None if not workload_assumed(args) else "user" if args.max_model_len is not None else "model"
-        print(text_report(t, simulated, assumed=assumed))
+        print(text_report(t, simulated, assumed=assumed, fitted=fitted))
     return 0
+
+
+def fit_tuned(t, requests, tm):
+    """kvatlas's resume points fitted to the workload with its other tuned flags (driving.fit)."""
+    import os
+
+    from ..advice.tune import plan_kwargs
+    from ..driving.fit import fit_checkpoints
+    opts = {**plan_kwargs(t.kvatlas_plan("tuned").options), "prefix_checkpoints": 0, "memory_bytes": t.budget_bytes}
+    jobs = min(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1, 8)
+    return fit_checkpoints(t.model, requests, simulator={"time_model": tm}, jobs=jobs, **opts)
 
 
 # the flags that describe a workload: with none of them given, tune assumes its built-in one
@@ -113,18 +133,25 @@ def check_runnable(args, model, requests) -> None:
                                                                else ", or raise --max-model-len"))
 
 
-def run_setting(t, which: str, requests, tm) -> dict:
-    """The workload through kvatlas's cache planned with its `which` ("default"/"tuned") flags."""
+def run_setting(t, which: str, requests, tm, checkpoints: int | None = None) -> dict:
+    """The workload through kvatlas's cache planned with its `which` ("default"/"tuned") flags
+    (and `checkpoints` resume points instead of theirs, if given)."""
+    from ..advice.tune import plan_kwargs
     from ..driving.measure import measure
-    return measure(t.kvatlas_plan(which), requests, tm).to_dict()
+    from ..planning.planner import plan
+    p = t.kvatlas_plan(which)
+    if checkpoints is not None:
+        p = plan(t.model, t.budget_bytes, **{**plan_kwargs(p.options), "prefix_checkpoints": checkpoints})
+    return measure(p, requests, tm).to_dict()
 
 
 def _ctx(c: int) -> str:
     return f"{c:,}"
 
 
-def text_report(t, simulated=None, assumed: str | None = None) -> str:
-    """`assumed`: None when a workload was given; else where the context came from ("user", "model")."""
+def text_report(t, simulated=None, assumed: str | None = None, fitted=None) -> str:
+    """`assumed`: None when a workload was given; else where the context came from ("user", "model");
+    `fitted`: kvatlas's resume points fitted by replay (driving.fit.Fit), if asked."""
     o, prof = t.options, t.profile
     head = (f"kvatlas tune — {t.model.name} on {o.gpu}, tp={o.tp}, KV budget {t.budget_bytes:,} B "
             f"({fmt_bytes(t.budget_bytes)}) per rank"
@@ -148,9 +175,16 @@ def text_report(t, simulated=None, assumed: str | None = None) -> str:
         rows += [[f"it logs {k}", _v(e.default.reported[k]), _v(v)] for k, v in e.tuned.reported.items()]
         table = render(["", "default", "tuned"], rows, title=f"{e.engine}: {e.command()}")
         parts.append(table + "\n" + "\n".join(f"- {w}" for w in e.why))
+    if fitted is not None:
+        tuned = t.engine("kvatlas").tuned.flags["--prefix-checkpoints"]
+        parts.append(f"kvatlas resume points fitted to this workload (replayed with the tuned flags, bookkeeping "
+                     f"backend):\n{fitted.table()}\n- start kvatlas with --prefix-checkpoints {fitted.best.checkpoints} "
+                     f"({fitted.best.share:g} of the budget) instead of {tuned:,}: it hit {fitted.best.hit_ratio:.2%} of "
+                     "the prompt tokens here, the most of the shares replayed")
     if simulated:
-        rows = [[k.replace("_", " "), _v(simulated["default"][k]), _v(simulated["tuned"][k])] for k in simulated["tuned"]]
-        parts.append(render(["", "default", "tuned"], rows, title="kvatlas simulated on this workload (bookkeeping "
+        cols = [c for c in ("default", "tuned", "fitted") if c in simulated]
+        rows = [[k.replace("_", " "), *(_v(simulated[c][k]) for c in cols)] for k in simulated["tuned"]]
+        parts.append(render(["", *cols], rows, title="kvatlas simulated on this workload (bookkeeping "
                             "backend): prefix hits and queueing") + f"\ntime model: a pass = {t.pace.pass_s * 1e3:g} ms + {t.pace.prefill_s_per_token * 1e6:g} µs × prefill "
                      f"tokens + {t.pace.decode_s_per_token * 1e6:g} µs × decode tokens (hit tokens are not prefilled)")
     return "\n\n".join(parts)

@@ -74,7 +74,7 @@ def checkpoints_for_share(model, share: float, **options) -> int:
 def fit_checkpoints(model, requests, *, shares=SHARES, refine: bool = True, simulator: dict | None = None,
                     progress=None, jobs: int = 1, **options) -> Fit:
     """Replay `requests` once per candidate share (module doc) and return every trial and the
-    best (the most hit prompt tokens; the smaller count on a tie). `options`: plan()'s, without
+    best (the most hit prompt tokens; ties: `_best`). `options`: plan()'s, without
     prefix_checkpoints; `simulator`: the Simulator's keyword arguments the run will use (time
     model, admission, seed); `progress(trial)`, if given, hears each trial as it ends; `jobs`:
     replays run at once, each in a process of its own (the grid's, then the refinement's)."""
@@ -129,7 +129,10 @@ def fit_checkpoints(model, requests, *, shares=SHARES, refine: bool = True, simu
 
 
 def _best(trials) -> Trial:
-    return max(trials, key=lambda t: (t.hit_tokens, -t.checkpoints))
+    """The most hit tokens; on a tie the most full pages (what the next workload may want), then
+    the most resume points (where the pages are capped by what requests can address, the points
+    cost the budget nothing the pages could use)."""
+    return max(trials, key=lambda t: (t.hit_tokens, t.full_pages, t.checkpoints))
 
 
 def _trial(model, share: float, requests, sim_kwargs: dict, options: dict) -> Trial:
