@@ -35,12 +35,14 @@ PLANS = [["deepseek-v4-flash", "--memory", "120GiB"],
          ["deepseek-v4-flash", "--memory", "120GiB", "--draft-tokens", "2", "--draft-layers", "off",
           "--online-c128", "--layout", "fp32", "--indexer", "fp4"]]
 # tune's shapes: --simulate or not, a budget given or from the weights, one engine, a sessions
-# workload (prefix hits in the simulated rows), a trace
+# workload (prefix hits in the simulated rows), a trace, resume points fitted by replay
 TUNES = [["--tp", "4", "--duration", "2", "--simulate"],
          ["deepseek-v4-pro", "--memory", "60GiB", "--duration", "2"],
          ["tiny-v4", "--memory", "1GiB", "--engines", "kvatlas", "--turns", "3", "--system-prompts", "2",
           "--system-prompt-len", "300", "--prompt-len", "200", "--duration", "2", "--simulate"],
-         ["tiny-v4", "--memory", "1GiB", "--engines", "vllm,sglang", "--prompt-len", "uniform:100:3000"]]
+         ["tiny-v4", "--memory", "1GiB", "--engines", "vllm,sglang", "--prompt-len", "uniform:100:3000"],
+         ["tiny-v4", "--memory", "1GiB", "--engines", "kvatlas", "--turns", "3", "--system-prompts", "2",
+          "--system-prompt-len", "300", "--prompt-len", "200", "--duration", "2", "--simulate", "--fit-checkpoints"]]
 COMPARES = [["deepseek-v4-flash", "--memory", "120GiB"],
             ["--tp", "4", "--engines", "kvatlas,sglang:cap,sglang:ratio,vllm:sync", "--prefix-checkpoints", "64"],
             ["tiny-v4", "--memory", "512MiB", "--max-running-requests", "8", "--engines", "vllm,sglang"]]

@@ -78,12 +78,12 @@ def fit_from_args(args):
     and the run prepared with the count that hit most."""
     from dataclasses import replace
 
-    from ..driving.fit import SHARES, checkpoints_for_share, fit_checkpoints
+    from ..driving.fit import SHARES, checkpoints_for_share, default_jobs, fit_checkpoints
     opts = options_from_args(args, prefix_checkpoints=0)
     model = args.model
     args.prefix_checkpoints = checkpoints_for_share(model, SHARES[0], **opts)   # provisional: the checks below
     pr = prepare(args, plan_from_args)
-    jobs = min(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1, 8)
+    jobs = default_jobs()
     print(f"fitting --prefix-checkpoints: the {len(pr.requests):,} requests replayed at shares "
           f"{', '.join(f'{s:g}' for s in SHARES)} of the budget, then around the best (bookkeeping only; "
           f"{jobs} replays at once)", flush=True)

@@ -93,13 +93,10 @@ def run(args) -> int:
 
 def fit_tuned(t, requests, tm):
     """kvatlas's resume points fitted to the workload with its other tuned flags (driving.fit)."""
-    import os
-
     from ..advice.tune import plan_kwargs
-    from ..driving.fit import fit_checkpoints
+    from ..driving.fit import default_jobs, fit_checkpoints
     opts = {**plan_kwargs(t.kvatlas_plan("tuned").options), "prefix_checkpoints": 0, "memory_bytes": t.budget_bytes}
-    jobs = min(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1, 8)
-    return fit_checkpoints(t.model, requests, simulator={"time_model": tm}, jobs=jobs, **opts)
+    return fit_checkpoints(t.model, requests, simulator={"time_model": tm}, jobs=default_jobs(), **opts)
 
 
 # the flags that describe a workload: with none of them given, tune assumes its built-in one

@@ -62,6 +62,13 @@ class Fit:
                             **({"refused": t.refused} if t.refused else {})} for t in self.trials]}
 
 
+def default_jobs() -> int:
+    """Replays at once where the caller does not say: the CPUs this process may use, at most 8."""
+    import os
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(cpus, 8))
+
+
 def checkpoints_for_share(model, share: float, **options) -> int:
     """Resume points worth `share` of the plan's budget (options as plan() takes them, without
     prefix_checkpoints): the budget over what one point costs (its unit and SWA tail pages)."""
