@@ -574,7 +574,7 @@ class PrefixCache:
         """A capture finds no free unit: evict a cached resume point, or else drop an intermediate
         one a running request kept (never its end or a divergence point), so that the points the
         policy values most still find room."""
-        if self.tree.evict_checkpoint():
+        if self._tree.evict_checkpoint():
             return True
         while self._intermediate:   # oldest first; entries of finished requests are stale
             req, ck = self._intermediate.popleft()
