@@ -95,7 +95,8 @@ class PrefixCache:
         # share as written: a running request's prompt pages are shared once the pass that
         # completes them is over. The pass only notes that some are (_note_written); they join
         # the tree before anything reads or changes it (_sync: every call of this cache, the
-        # `tree` property, a request leaving its slot, a resume point kept on such a page), up
+        # `tree` property, a request leaving its slot, a resume point kept on such a page; a
+        # capture evicting a resume point needs no sharing first, _need_checkpoint), up
         # to the lengths the last pass over left, so every reader sees what sharing them at the
         # pass's end would have left, and a run of decode passes pays one vector comparison
         # each. Where the order pages are shared in matters (a page another request holds too,
@@ -573,7 +574,9 @@ class PrefixCache:
     def _need_checkpoint(self) -> bool:
         """A capture finds no free unit: evict a cached resume point, or else drop an intermediate
         one a running request kept (never its end or a divergence point), so that the points the
-        policy values most still find room."""
+        policy values most still find room. The pages passes noted stay noted: no placed point
+        waits for them (a point kept on such a page is shared at its pass's end, `_unplaced`), so
+        which point goes, and what it frees, is what sharing them first would leave."""
         if self._tree.evict_checkpoint():
             return True
         while self._intermediate:   # oldest first; entries of finished requests are stale
