@@ -47,11 +47,11 @@ def load(path: Path) -> list[tuple[int, int, np.ndarray]]:
     return out
 
 
-def make_plan(gib: int, share: float):
+def make_plan(gib: int, share: float, **options):
     """V4-Flash at `gib` GiB with resume points worth `share` of it (kvatlas.driving.fit's rule:
-    the budget's share over a point's unit and SWA tail pages)."""
-    n = checkpoints_for_share("deepseek-v4-flash", share, memory_bytes=gib << 30)
-    return kvatlas.plan("deepseek-v4-flash", gib << 30, prefix_checkpoints=n)
+    the budget's share over a point's unit and SWA tail pages); `options`: plan()'s others."""
+    n = checkpoints_for_share("deepseek-v4-flash", share, memory_bytes=gib << 30, **options)
+    return kvatlas.plan("deepseek-v4-flash", gib << 30, prefix_checkpoints=n, **options)
 
 
 def simulate(p, policy: str, trace, on_admit=None, reuse_weight: float | None = None) -> dict:

@@ -248,9 +248,9 @@ class VllmReplay:
 
 def run_budget(gib: int, trace, requests, retentions, modes, engines, tm, rows: list, save, windows=(0,),
                share: str = "written", hold: int | None = None, kv_window: int | None = None,
-               checkpoint_share: float = 0.25) -> None:
+               checkpoint_share: float = 0.25, online_c128: bool = False) -> None:
     """Every run at one budget, appended to rows; save() after each (a long run keeps what it has)."""
-    p = prefix_hit.make_plan(gib, checkpoint_share)
+    p = prefix_hit.make_plan(gib, checkpoint_share, **(dict(online_c128=True) if online_c128 else {}))
     for mode in modes:
         if "kvatlas" in engines:
             r = kvatlas_sequential(p, trace) if mode == "sequential" else kvatlas_concurrent(p, requests, tm, share, hold, kv_window)
@@ -421,6 +421,9 @@ def main() -> None:
     ap.add_argument("--kvatlas-checkpoint-share", type=float, default=0.25,
                     help="kvatlas's resume points as a share of each budget (default 0.25; `kvatlas simulate "
                          "--prefix-checkpoints fit` fits it to a workload)")
+    ap.add_argument("--kvatlas-online-c128", action="store_true",
+                    help="kvatlas keeps C128 compressor state as one running max/sum/kv row per layer (122,880 B a "
+                         "request slot instead of a 128-row ring's 10,485,760 B; vLLM has no such mode)")
     ap.add_argument("--vllm-plugins", default="",
                     help="VLLM_PLUGINS for the vLLM side (default empty: vLLM as shipped, no plugin loads)")
     ap.add_argument("--limit", type=int, default=0, help="first N requests only (0: all)")
@@ -444,7 +447,7 @@ def main() -> None:
             run_budget(gib, trace, requests, parse_retention(args.retention), args.modes.split(","),
                        args.engines.split(","), tm, rows, save, [int(x) for x in args.admission_window.split(",")],
                        args.kvatlas_share, args.hold_for_writers, args.kvatlas_admission_window,
-                       args.kvatlas_checkpoint_share)
+                       args.kvatlas_checkpoint_share, args.kvatlas_online_c128)
     tok = blk = None
     if not args.limit:
         tok, blk = ceiling(args.trace)
