@@ -132,17 +132,14 @@ TUNE = ["tune", MODEL, "--memory", "1GiB", "--engines", "kvatlas", "--rate", "20
 def test_tune_advises_the_fitted_count_and_measures_it_beside_the_tuned_one(capsys):
     import json
 
-    from kvatlas.advice.tune import plan_kwargs
     assert main([*TUNE, "--fit-checkpoints", "--simulate", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     got = doc["fitted_checkpoints"]
     kv = doc["engines"][0]["tuned"]["flags"]
     # the same fit by hand, with tune's other flags for kvatlas
-    opts = plan_kwargs(kvatlas.plan(MODEL, 1 << 30, max_running_requests=kv["--max-running-requests"],
-                                    chunked_prefill_tokens=kv["--chunked-prefill-tokens"],
-                                    max_model_len=kv["--max-model-len"]).options)
-    fit = fit_checkpoints(MODEL, workload(), simulator={"time_model": default_time_model()},
-                          **{**opts, "prefix_checkpoints": 0, "memory_bytes": 1 << 30})
+    fit = fit_checkpoints(MODEL, workload(), simulator={"time_model": default_time_model()}, memory_bytes=1 << 30,
+                          max_running_requests=kv["--max-running-requests"],
+                          chunked_prefill_tokens=kv["--chunked-prefill-tokens"], max_model_len=kv["--max-model-len"])
     assert got == fit.to_dict()
     tuned, fitted = doc["simulated"]["tuned"], doc["simulated"]["fitted"]
     assert fitted["hit_tokens"] == fit.best.hit_tokens and fitted["hit_tokens"] >= tuned["hit_tokens"]

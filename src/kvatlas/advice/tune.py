@@ -109,12 +109,20 @@ class Tuning:
     def engine(self, name: str) -> EngineAdvice:
         return next(e for e in self.engines if e.engine.split()[0] == name)
 
-    def kvatlas_plan(self, which: str = "tuned"):
-        """The plan kvatlas's `which` ("default" or "tuned") flags make, for this budget."""
+    def kvatlas_options(self, which: str = "tuned") -> dict:
+        """plan()'s options that kvatlas's `which` ("default" or "tuned") flags set (the budget apart)."""
         names = {"--max-running-requests": "max_running_requests", "--chunked-prefill-tokens": "chunked_prefill_tokens",
                  "--max-model-len": "max_model_len", "--prefix-checkpoints": "prefix_checkpoints"}
         flags = getattr(self.engine("kvatlas"), which).flags
-        return plan(self.model, self.budget_bytes, **{names[k]: v for k, v in flags.items() if k in names})
+        return {names[k]: v for k, v in flags.items() if k in names}
+
+    def kvatlas_plan(self, which: str = "tuned", checkpoints: int | None = None):
+        """The plan kvatlas's `which` flags make, for this budget (with `checkpoints` resume points
+        instead of theirs, if given)."""
+        opts = self.kvatlas_options(which)
+        if checkpoints is not None:
+            opts["prefix_checkpoints"] = checkpoints
+        return plan(self.model, self.budget_bytes, **opts)
 
     def to_dict(self) -> dict:
         o = self.options
@@ -304,7 +312,7 @@ def _vllm_sizing_why(s: Setting, base: ServeOptions) -> tuple[str, ...]:
 def _kvatlas(model, opts: ServeOptions, budget: int, ctxs, flags: dict) -> Setting:
     from ..engines.native import from_plan
     try:
-        p = plan(model, budget, **plan_kwargs(opts))
+        p = plan(model, budget, **_plan_kwargs(opts))
     except BudgetError as exc:   # kvatlas's defaults on a budget too small for them: it refuses to start
         return Setting(flags=flags, token_capacity=0, max_running_requests=opts.max_running_requests,
                        requests_at={c: 0 for c in ctxs}, result=None,
@@ -317,8 +325,7 @@ def _kvatlas(model, opts: ServeOptions, budget: int, ctxs, flags: dict) -> Setti
                              "prefix_checkpoints": opts.prefix_checkpoints})
 
 
-def plan_kwargs(opts: ServeOptions) -> dict:
-    """plan()'s options from serving options (the budget given apart)."""
+def _plan_kwargs(opts: ServeOptions) -> dict:
     keep = ("gpu", "page_tokens", "swa_page_tokens", "kv_layout", "indexer", "state_dtype",   # (a budget is given)
             "online_c128", "max_running_requests", "draft_tokens", "chunked_prefill_tokens", "draft_layers",
             "max_model_len", "tp", "pp", "dp", "pp_rank", "prefix_checkpoints")
@@ -331,18 +338,18 @@ def checkpoints_for(model, opts: ServeOptions, budget: int) -> tuple[int, int]:
     from ..prefix.policy import POLICIES, fitted
     probe = 1024
     opts = replace(opts, max_model_len=model.max_position_embeddings)   # every page the budget buys addressable
-    kw = plan_kwargs(opts)
+    kw = _plan_kwargs(opts)
     kw.pop("max_running_requests")
     a, b = (budget_for_mix(model, [(opts.max_running_requests, opts.page_tokens)], **{**kw, "prefix_checkpoints": k})
             for k in (1, 1 + probe))
     per_point = (b.total_bytes - a.total_bytes) / probe
     n = max(1, int(budget * CHECKPOINT_SHARE / per_point))
-    fits = lambda k: _fits(model, budget, {**plan_kwargs(opts), "prefix_checkpoints": k})
+    fits = lambda k: _fits(model, budget, {**_plan_kwargs(opts), "prefix_checkpoints": k})
     if not fits(n):   # a small budget: the estimate ignores what running requests hold at the peak
         n = _largest(fits, 0, n)
     if n == 0:
         return 0, 0
-    p = plan(model, budget, **{**plan_kwargs(opts), "prefix_checkpoints": n})
+    p = plan(model, budget, **{**_plan_kwargs(opts), "prefix_checkpoints": n})
     return n, fitted(POLICIES["kvatlas"], p.num_full_pages - 1, n).spacing_pages
 
 
@@ -372,7 +379,7 @@ def advise_kvatlas(model, base: ServeOptions, budget: int, t: dict, ctxs) -> Eng
                    max_model_len=t["max_model_len"], prefix_checkpoints=t["checkpoints"])
     # kvatlas sizes no more full pages than its requests can address: keep max_model_len high
     # enough that the budget's pages stay addressable (the surplus serves the prefix cache)
-    fit = plan(model, budget, **{**plan_kwargs(opts), "max_model_len": model.max_position_embeddings})
+    fit = plan(model, budget, **{**_plan_kwargs(opts), "max_model_len": model.max_position_embeddings})
     mml = min(max(t["max_model_len"], cdiv(fit.num_full_pages - 1, t["running"]) * base.page_tokens),
               model.max_position_embeddings)
     opts = replace(opts, max_model_len=mml)
@@ -399,7 +406,7 @@ def kvatlas_difference(model, default: Setting, tuned: Setting, budget: int, opt
         return (f"default: kvatlas refuses to start with its defaults here ({default.reported['refused']}); "
                 f"the tuned flags start it with {tuned.token_capacity:,} tokens")
     from ..planning.capacity import capacity
-    cap = capacity(plan(model, budget, **plan_kwargs(opts)))
+    cap = capacity(plan(model, budget, **_plan_kwargs(opts)))
     ratio = tuned.token_capacity / default.token_capacity if default.token_capacity else 0.0
     parts = []
     if cap.resume_points is not None:
@@ -475,7 +482,7 @@ def tune(model: ModelSpec | str, prof: Profile, *, pace: Pace = Pace(), memory_b
     t = {"peak": peak, "chunk": pick_chunk(prof, pace), "prompt_max": prof.prompt_max, "max_model_len": context,
          "context_from": "user" if options.get("max_model_len") is not None else "model"}
     sized = replace(base, chunked_prefill_tokens=t["chunk"], max_model_len=context, prefix_checkpoints=0)
-    fits = lambda n: _fits(model, budget, plan_kwargs(replace(sized, max_running_requests=n)))
+    fits = lambda n: _fits(model, budget, _plan_kwargs(replace(sized, max_running_requests=n)))
     t["running"] = peak if fits(peak) else _largest(fits, 1, peak)
     if t["running"] < 1:
         raise BudgetError(f"memory_bytes: {budget:,} B per rank cannot hold one request of {context:,} tokens "

@@ -93,9 +93,8 @@ def run(args) -> int:
 
 def fit_tuned(t, requests, tm):
     """kvatlas's resume points fitted to the workload with its other tuned flags (driving.fit)."""
-    from ..advice.tune import plan_kwargs
     from ..driving.fit import default_jobs, fit_checkpoints
-    opts = {**plan_kwargs(t.kvatlas_plan("tuned").options), "prefix_checkpoints": 0, "memory_bytes": t.budget_bytes}
+    opts = {**t.kvatlas_options("tuned"), "prefix_checkpoints": 0, "memory_bytes": t.budget_bytes}
     return fit_checkpoints(t.model, requests, simulator={"time_model": tm}, jobs=default_jobs(), **opts)
 
 
@@ -133,13 +132,8 @@ def check_runnable(args, model, requests) -> None:
 def run_setting(t, which: str, requests, tm, checkpoints: int | None = None) -> dict:
     """The workload through kvatlas's cache planned with its `which` ("default"/"tuned") flags
     (and `checkpoints` resume points instead of theirs, if given)."""
-    from ..advice.tune import plan_kwargs
     from ..driving.measure import measure
-    from ..planning.planner import plan
-    p = t.kvatlas_plan(which)
-    if checkpoints is not None:
-        p = plan(t.model, t.budget_bytes, **{**plan_kwargs(p.options), "prefix_checkpoints": checkpoints})
-    return measure(p, requests, tm).to_dict()
+    return measure(t.kvatlas_plan(which, checkpoints), requests, tm).to_dict()
 
 
 def _ctx(c: int) -> str:

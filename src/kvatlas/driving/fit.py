@@ -143,16 +143,13 @@ def _best(trials) -> Trial:
 
 
 def _trial(model, share: float, requests, sim_kwargs: dict, options: dict) -> Trial:
-    import kvatlas
-    from .sim import Simulator
+    from .measure import replay
     try:
         n = checkpoints_for_share(model, share, **options)
         p = make_plan(model, **{**options, "prefix_checkpoints": n})
     except BudgetError as exc:
         return Trial(share=share, checkpoints=0, full_pages=0, hit_tokens=0, queried_tokens=0, refused=str(exc))
-    cache = kvatlas.allocate(p, backend="none")
-    sim = Simulator(cache, requests, record=False, **{k: v for k, v in sim_kwargs.items() if k != "record"})
-    sim.run_offline()
+    cache, _ = replay(p, requests, **sim_kwargs)
     s = cache.prefix.stats
     return Trial(share=share, checkpoints=n, full_pages=p.num_full_pages, hit_tokens=s.hit_tokens,
                  queried_tokens=s.queried_tokens)

@@ -22,14 +22,23 @@ class Measured:
         return {k: getattr(self, k) for k in self.__slots__}
 
 
-def measure(p, requests, time_model) -> Measured:
-    """Run `requests` through plan `p` offline (backend none: the allocator and ledger only)."""
+def replay(p, requests, **simulator):
+    """Run `requests` through plan `p` offline (backend none: the allocator and ledger only),
+    every book checked at the end: the cache and the simulator after the run. `simulator`: the
+    Simulator's keyword arguments (nothing is recorded per pass)."""
     import kvatlas
     from .sim import Simulator
     cache = kvatlas.allocate(p, backend="none")
-    sim = Simulator(cache, list(requests), record=False, time_model=time_model)
-    s = sim.run_offline()
+    sim = Simulator(cache, list(requests), **{**simulator, "record": False})
+    sim.run_offline()
     cache.check_integrity()
+    return cache, sim
+
+
+def measure(p, requests, time_model) -> Measured:
+    """Run `requests` through plan `p` offline (replay) and reduce the run to tune's figures."""
+    cache, sim = replay(p, requests, time_model=time_model)
+    s = sim.stats
     pc = cache.prefix.stats if cache.prefix is not None else None
     asked = pc.queried_tokens if pc is not None else sum(r.prompt_tokens for r in requests)
     hits = pc.hit_tokens if pc is not None else 0
