@@ -109,6 +109,86 @@ def test_a_restart_after_one_batch_is_seen(wire):
     assert resets == [1] and sub.stats().resets == 1 and [(b.seq, b.ts) for b in got] == [(0, 0.0), (0, 5.0)]
 
 
+def restarted(pub, port, replay):
+    """The publisher's process gone (its sockets closed: the SUB sees the disconnect) and a new one
+    on the same ports, numbering from 0."""
+    pub.close()
+    time.sleep(0.2)
+    return FakePublisher(port, replay, buffer_steps=5)
+
+
+def test_a_restart_whose_first_batches_all_went_unseen_is_seen():
+    """The new engine's first batches are published before the SUB reconnected, so the first one
+    seen carries exactly the seq the old stream expected next (3): by seq alone a continuation.
+    After the disconnect the subscriber asks the replay socket for the last batch it applied; the
+    new publisher's seq 2 is another batch (another timestamp): a restart, and the new batches
+    from 0 come from its replay socket."""
+    port, replay = free_port(), free_port()
+    pub = FakePublisher(port, replay, buffer_steps=5)
+    got, lost, resets = [], [], []
+    sub = Subscriber(f"tcp://127.0.0.1:{port}", replay_endpoint=f"tcp://127.0.0.1:{replay}", on_batch=got.append,
+                     on_lost=lost.append, on_reset=lambda: resets.append(1), replica="a", replay_timeout_s=3.0)
+    sub.start()
+    try:
+        assert wait_for(lambda: sub.stats().connected)
+        time.sleep(0.3)
+        for i in range(3):
+            pub.publish(batch(i))
+        assert wait_for(lambda: len(got) == 3)
+        pub = restarted(pub, port, replay)
+        for i in range(3):
+            pub.publish(batch(20 + i), drop=True)   # seq 0-2: unseen, kept for replay
+        assert wait_for(lambda: sub.stats().connected)
+        time.sleep(0.3)
+        pub.publish(batch(23))                      # seq 3
+        assert wait_for(lambda: len(got) == 7)
+        s = sub.stats()
+        assert resets == [1] and s.resets == 1 and not lost
+        assert [(b.seq, b.ts) for b in got[3:]] == [(0, 20.0), (1, 21.0), (2, 22.0), (3, 23.0)]
+    finally:
+        sub.stop()
+        pub.close()
+
+
+def test_a_restart_that_went_quiet_is_seen_by_the_idle_probe():
+    """Every batch of the new engine unseen and nothing after: the idle probe checks the last
+    batch applied first, finds another publisher, and takes the new batches from 0."""
+    port, replay = free_port(), free_port()
+    pub = FakePublisher(port, replay, buffer_steps=5)
+    got, resets = [], []
+    sub = Subscriber(f"tcp://127.0.0.1:{port}", replay_endpoint=f"tcp://127.0.0.1:{replay}", on_batch=got.append,
+                     on_reset=lambda: resets.append(1), replica="a", replay_timeout_s=3.0, idle_probe_s=0.3)
+    sub.start()
+    try:
+        assert wait_for(lambda: sub.stats().connected)
+        time.sleep(0.3)
+        for i in range(3):
+            pub.publish(batch(i))
+        assert wait_for(lambda: len(got) == 3)
+        pub = restarted(pub, port, replay)
+        for i in range(2):
+            pub.publish(batch(30 + i), drop=True)
+        assert wait_for(lambda: len(got) == 5)
+        assert resets == [1] and [(b.seq, b.ts) for b in got[3:]] == [(0, 30.0), (1, 31.0)]
+    finally:
+        sub.stop()
+        pub.close()
+
+
+def test_a_reconnect_to_the_same_publisher_is_not_a_restart(wire):
+    """A disconnect after which the replay socket still holds the last batch applied, with its
+    timestamp: the same publisher; nothing reset, the next batch applied in order."""
+    pub, sub, got, lost, resets = wire
+    for i in range(3):
+        pub.publish(batch(i))
+    assert wait_for(lambda: len(got) == 3)
+    with sub._lock:
+        sub._rejoined = True                   # (as the monitor marks a disconnect)
+    pub.publish(batch(3))
+    assert wait_for(lambda: len(got) == 4)
+    assert not resets and sub.stats().resets == 0 and [b.seq for b in got] == [0, 1, 2, 3]
+
+
 def test_a_duplicate_is_not_a_restart(wire):
     """Copies of batches already applied (a replay overlapping live traffic) go back too, but are
     never newer than the last batch applied: dropped, nothing reset, the next new batch applied."""

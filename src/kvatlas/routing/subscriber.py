@@ -16,7 +16,11 @@ last `buffer_steps` batches. The subscriber
   `idle_probe_s` without traffic the subscriber asks the replay socket for anything past its last
   seq (an idle publisher answers with the end marker alone);
 - reconnects are ZMQ's own (TCP reconnects with backoff); a ZMQ monitor reports connect and
-  disconnect in `stats().connected`;
+  disconnect in `stats().connected`. A publisher that restarted may lose its first batches to
+  the reconnection, and the first one seen can then carry exactly the next expected seq: so
+  after a disconnect the subscriber asks the replay socket for the last batch it applied, and
+  unless the answer is that very batch (its seq and timestamp) the publisher is a new one:
+  `on_reset`, and its batches are taken from 0 (without a replay socket a reconnect is a reset);
 - memory is bounded: the socket's receive high-water mark (`hwm` batches; past it ZMQ drops, which
   shows as a gap), and a replay is applied as it streams in, never held.
 `on_batch` runs on the subscriber's thread.
@@ -102,6 +106,7 @@ class Subscriber:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self._connected = False
+        self._rejoined = False   # disconnected since the last batch: the publisher may be a new one
         self._last_seq: int | None = None
         self._counts = dict(batches=0, events=0, gaps=0, replays=0, replayed_batches=0, lost_batches=0,
                             malformed=0, resets=0)
@@ -189,6 +194,8 @@ class Subscriber:
                 return
             with self._lock:
                 self._connected = msg["event"] in (zmq.EVENT_CONNECTED, zmq.EVENT_ACCEPTED)
+                if msg["event"] == zmq.EVENT_DISCONNECTED:
+                    self._rejoined = True
 
     def _receive(self, frames) -> None:
         try:
@@ -201,6 +208,7 @@ class Subscriber:
                     self._last_seq = seq
             self._lost(f"malformed batch dropped ({exc})")
             return
+        self._check_rejoined()
         expected = 0 if self._last_seq is None else self._last_seq + 1
         # A publisher that restarted counts from 0 again. Its first batch may be lost (published
         # before this socket reconnected), so a later one going back is a restart too when it is
@@ -209,11 +217,7 @@ class Subscriber:
         if self._last_seq is not None and (
                 batch.seq == 0 and self._last_seq > 0 or batch.seq < expected and self._last_batch_ts is not None
                 and batch.ts > self._last_batch_ts):
-            with self._lock:
-                self._counts["resets"] += 1
-                self._stale, self._last_seq = None, None
-            if self.on_reset is not None:
-                self.on_reset()
+            self._reset()
             expected = 0
         if batch.seq < expected:
             return                                   # a duplicate (a replay overlapping live traffic)
@@ -222,6 +226,29 @@ class Subscriber:
                 self._counts["gaps"] += 1
             self._replay(expected, batch.seq)
         self._apply(batch)
+
+    def _reset(self) -> None:
+        """A new publisher: what the index holds of this engine is gone with the old one."""
+        with self._lock:
+            self._counts["resets"] += 1
+            self._stale, self._last_seq = None, None
+        if self.on_reset is not None:
+            self.on_reset()
+
+    def _check_rejoined(self) -> None:
+        """After a disconnect (module doc): the same publisher still holds the last batch applied,
+        with its timestamp; anything else is a new publisher."""
+        with self._lock:
+            rejoined, self._rejoined = self._rejoined, False
+        if not rejoined or self._last_seq is None:
+            return
+        same = False
+        if self.replay_endpoint is not None:
+            for got in self._replayed(self._last_seq):
+                same = got.seq == self._last_seq and got.ts == self._last_batch_ts
+                break
+        if not same:
+            self._reset()
 
     def _apply(self, batch: EventBatch, replayed: bool = False) -> None:
         try:
@@ -255,6 +282,7 @@ class Subscriber:
 
     def _probe(self) -> None:
         """Ask the replay socket for anything past the last batch seen (nothing, usually)."""
+        self._check_rejoined()   # (a restarted publisher whose batches were all lost, then quiet)
         start = 0 if self._last_seq is None else self._last_seq + 1
         got_to = self._ask_replay(start, None)
         if got_to > start:
@@ -263,9 +291,21 @@ class Subscriber:
                 self._counts["replays"] += 1
 
     def _ask_replay(self, start: int, stop: int | None) -> int:
+        next_seq = start
+        for batch in self._replayed(start):
+            if batch.seq != next_seq or (stop is not None and batch.seq >= stop):
+                if batch.seq < next_seq:
+                    continue
+                break                            # the buffer no longer reaches back, or done
+            self._apply(batch, replayed=True)
+            next_seq += 1
+        return next_seq
+
+    def _replayed(self, start: int):
+        """The batches the replay socket answers from `start`, as they come, until its end marker,
+        a malformed one or `replay_timeout_s`."""
         dealer = self._ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
-        next_seq = start
         try:
             dealer.connect(self.replay_endpoint)
             dealer.send_multipart([b"", start.to_bytes(8, "big")])
@@ -275,22 +315,16 @@ class Subscriber:
                     continue
                 frames = dealer.recv_multipart()
                 if len(frames) == 4 and decode_seq(frames[2]) == END_SEQ:
-                    break
+                    return
                 try:
                     batch = decode_frames(frames)
                 except MalformedEventError:
                     with self._lock:
                         self._counts["malformed"] += 1
-                    break
-                if batch.seq != next_seq or (stop is not None and batch.seq >= stop):
-                    if batch.seq < next_seq:
-                        continue
-                    break                            # the buffer no longer reaches back, or done
-                self._apply(batch, replayed=True)
-                next_seq += 1
+                    return
+                yield batch
         finally:
             dealer.close(0)
-        return next_seq
 
     def _lost(self, reason: str) -> None:
         with self._lock:
