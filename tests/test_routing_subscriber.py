@@ -117,27 +117,36 @@ def restarted(pub, port, replay):
     return FakePublisher(port, replay, buffer_steps=5)
 
 
+def restart_after_three(unseen: int, **options):
+    """A subscriber that applied seq 0-2 of a publisher which then restarted and published
+    `unseen` batches (ts 20, 21, ...) the SUB never got (kept for replay): (publisher, subscriber,
+    batches applied, losses, resets)."""
+    port, replay = free_port(), free_port()
+    pub = FakePublisher(port, replay, buffer_steps=5)
+    got, lost, resets = [], [], []
+    sub = Subscriber(f"tcp://127.0.0.1:{port}", replay_endpoint=f"tcp://127.0.0.1:{replay}", on_batch=got.append,
+                     on_lost=lost.append, on_reset=lambda: resets.append(1), replica="a", replay_timeout_s=3.0,
+                     **options)
+    sub.start()
+    assert wait_for(lambda: sub.stats().connected)
+    time.sleep(0.3)
+    for i in range(3):
+        pub.publish(batch(i))
+    assert wait_for(lambda: len(got) == 3)
+    pub = restarted(pub, port, replay)
+    for i in range(unseen):
+        pub.publish(batch(20 + i), drop=True)
+    return pub, sub, got, lost, resets
+
+
 def test_a_restart_whose_first_batches_all_went_unseen_is_seen():
     """The new engine's first batches are published before the SUB reconnected, so the first one
     seen carries exactly the seq the old stream expected next (3): by seq alone a continuation.
     After the disconnect the subscriber asks the replay socket for the last batch it applied; the
     new publisher's seq 2 is another batch (another timestamp): a restart, and the new batches
     from 0 come from its replay socket."""
-    port, replay = free_port(), free_port()
-    pub = FakePublisher(port, replay, buffer_steps=5)
-    got, lost, resets = [], [], []
-    sub = Subscriber(f"tcp://127.0.0.1:{port}", replay_endpoint=f"tcp://127.0.0.1:{replay}", on_batch=got.append,
-                     on_lost=lost.append, on_reset=lambda: resets.append(1), replica="a", replay_timeout_s=3.0)
-    sub.start()
+    pub, sub, got, lost, resets = restart_after_three(3)
     try:
-        assert wait_for(lambda: sub.stats().connected)
-        time.sleep(0.3)
-        for i in range(3):
-            pub.publish(batch(i))
-        assert wait_for(lambda: len(got) == 3)
-        pub = restarted(pub, port, replay)
-        for i in range(3):
-            pub.publish(batch(20 + i), drop=True)   # seq 0-2: unseen, kept for replay
         assert wait_for(lambda: sub.stats().connected)
         time.sleep(0.3)
         pub.publish(batch(23))                      # seq 3
@@ -153,23 +162,10 @@ def test_a_restart_whose_first_batches_all_went_unseen_is_seen():
 def test_a_restart_that_went_quiet_is_seen_by_the_idle_probe():
     """Every batch of the new engine unseen and nothing after: the idle probe checks the last
     batch applied first, finds another publisher, and takes the new batches from 0."""
-    port, replay = free_port(), free_port()
-    pub = FakePublisher(port, replay, buffer_steps=5)
-    got, resets = [], []
-    sub = Subscriber(f"tcp://127.0.0.1:{port}", replay_endpoint=f"tcp://127.0.0.1:{replay}", on_batch=got.append,
-                     on_reset=lambda: resets.append(1), replica="a", replay_timeout_s=3.0, idle_probe_s=0.3)
-    sub.start()
+    pub, sub, got, lost, resets = restart_after_three(2, idle_probe_s=0.3)
     try:
-        assert wait_for(lambda: sub.stats().connected)
-        time.sleep(0.3)
-        for i in range(3):
-            pub.publish(batch(i))
-        assert wait_for(lambda: len(got) == 3)
-        pub = restarted(pub, port, replay)
-        for i in range(2):
-            pub.publish(batch(30 + i), drop=True)
         assert wait_for(lambda: len(got) == 5)
-        assert resets == [1] and [(b.seq, b.ts) for b in got[3:]] == [(0, 30.0), (1, 31.0)]
+        assert resets == [1] and not lost and [(b.seq, b.ts) for b in got[3:]] == [(0, 20.0), (1, 21.0)]
     finally:
         sub.stop()
         pub.close()
