@@ -16,7 +16,9 @@ concurrency, in one run.
   instead, as before issue 34). `--hold-for-writers N`: the simulator's cache-aware admission
   (a waiting request whose next pages running requests are writing is passed over for up to N
   passes; default the Simulator's), the concurrent mode's TTFT (mean, p50, p90, on the virtual
-  clock) printed beside its hits.
+  clock) printed beside its hits. Queue-aware eviction on (the Simulator's default: arrivals
+  enqueued with the prefix cache, whose eviction keeps what waiting requests would hit;
+  `--no-kvatlas-queue-aware-eviction` turns it off, as before).
 - vLLM as shipped: `VLLM_PLUGINS` is set empty before vLLM is imported, so no plugin installed in
   the venv (kvatlas's own among them) loads inside the vLLM side. vLLM 0.34's
   `cache_aware_admission_window` (`--admission-window N`, 0.34 only; its threshold left at its
@@ -93,7 +95,7 @@ def kvatlas_sequential(p, trace, reuse: float | None = None) -> dict:
 
 
 def kvatlas_concurrent(p, requests, tm: TimeModel, share: str = "written", hold: int | None = None,
-                       window: int | None = None, reuse: float | None = None) -> dict:
+                       window: int | None = None, reuse: float | None = None, queue_aware: bool = True) -> dict:
     cache = kvatlas.allocate(p, backend="none", **({} if reuse is None else {"prefix_reuse_weight": reuse}))
     cache.prefix.share_as_written = share == "written"
     index = {r.id: i for i, r in enumerate(requests)}
@@ -112,7 +114,7 @@ def kvatlas_concurrent(p, requests, tm: TimeModel, share: str = "written", hold:
 
     cache.admit, cache.finish = admit_recorded, finish_recorded
     sim = Simulator(cache, requests, record=False, time_model=tm, **({} if hold is None else {"hold_for_writers": hold}),
-                    **({} if window is None else {"admission_window": window}))
+                    **({} if window is None else {"admission_window": window}), queue_aware_eviction=queue_aware)
     t0 = time.perf_counter()
     sim.run_offline()
     cache.check_integrity()
@@ -124,6 +126,7 @@ def kvatlas_concurrent(p, requests, tm: TimeModel, share: str = "written", hold:
             "peak_running": sim.stats.peak_running, "virtual_s": sim.clock_s, "hold_for_writers": sim.hold_for_writers,
             "held_passes": sim.stats.held_passes, "admission_window": sim.admission_window,
             "reordered_passes": sim.stats.reordered_passes, "writer_points_read": s.writer_points_read,
+            "queue_aware_eviction": sim.queue_aware_eviction, "evicted_awaited_pages": s.evicted_awaited_pages,
             "ttft_s": {k: ttft[k] for k in ("mean", "p50", "p90", "p99")}}
 
 
@@ -248,12 +251,13 @@ class VllmReplay:
 
 def run_budget(gib: int, trace, requests, retentions, modes, engines, tm, rows: list, save, windows=(0,),
                share: str = "written", hold: int | None = None, kv_window: int | None = None,
-               checkpoint_share: float = 0.25, online_c128: bool = False) -> None:
+               checkpoint_share: float = 0.25, online_c128: bool = False, queue_aware: bool = True) -> None:
     """Every run at one budget, appended to rows; save() after each (a long run keeps what it has)."""
     p = prefix_hit.make_plan(gib, checkpoint_share, **(dict(online_c128=True) if online_c128 else {}))
     for mode in modes:
         if "kvatlas" in engines:
-            r = kvatlas_sequential(p, trace) if mode == "sequential" else kvatlas_concurrent(p, requests, tm, share, hold, kv_window)
+            r = kvatlas_sequential(p, trace) if mode == "sequential" else \
+                kvatlas_concurrent(p, requests, tm, share, hold, kv_window, queue_aware=queue_aware)
             r.update(engine="kvatlas", retention=None, prefix_checkpoints=p.options.prefix_checkpoints, share=share)
             rows.append(finish_row(r, gib, mode, requests))
             save()
@@ -424,6 +428,9 @@ def main() -> None:
     ap.add_argument("--kvatlas-online-c128", action="store_true",
                     help="kvatlas keeps C128 compressor state as one running max/sum/kv row per layer (122,880 B a "
                          "request slot instead of a 128-row ring's 10,485,760 B; vLLM has no such mode)")
+    ap.add_argument("--kvatlas-queue-aware-eviction", action=argparse.BooleanOptionalAction, default=True,
+                    help="kvatlas's simulator enqueues arrivals with the prefix cache, whose eviction keeps what "
+                         "waiting requests would hit (default on; --no-kvatlas-queue-aware-eviction: as before)")
     ap.add_argument("--vllm-plugins", default="",
                     help="VLLM_PLUGINS for the vLLM side (default empty: vLLM as shipped, no plugin loads)")
     ap.add_argument("--limit", type=int, default=0, help="first N requests only (0: all)")
@@ -447,7 +454,7 @@ def main() -> None:
             run_budget(gib, trace, requests, parse_retention(args.retention), args.modes.split(","),
                        args.engines.split(","), tm, rows, save, [int(x) for x in args.admission_window.split(",")],
                        args.kvatlas_share, args.hold_for_writers, args.kvatlas_admission_window,
-                       args.kvatlas_checkpoint_share, args.kvatlas_online_c128)
+                       args.kvatlas_checkpoint_share, args.kvatlas_online_c128, args.kvatlas_queue_aware_eviction)
     tok = blk = None
     if not args.limit:
         tok, blk = ceiling(args.trace)

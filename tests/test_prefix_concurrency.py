@@ -16,7 +16,10 @@ cold twins read. hypothesis is steered (`target`) toward runs with more such rea
 follower may resume at the latest resume point of a writer still running (captured, not yet
 kept or dropped: it is kept then), and requests that wait for a writer (`wait_for_writer`, a
 scheduler's cache-aware admission) make the writer keep its point where their prompts leave its
-pages, before they are admitted: every such point is checked like any other.
+pages, before they are admitted: every such point is checked like any other. Waiting requests
+are enqueued with the cache (`enqueue`: eviction keeps what they will hit while anything else is
+evictable), some leave the queue unadmitted (`dequeue`), and the queue's books are recounted
+after every rule like the rest.
 
 Before the issue 23 fix, two requests resumed from one point that retired a shared SWA page in
 the same pass counted it evictable twice: this machine found it in a few dozen steps."""
@@ -71,7 +74,7 @@ class Concurrency(RuleBasedStateMachine):
         self.running: dict = {}
         self.hit_pages: dict = {}   # per running request, the pages its admission hit
         self.read_running = 0       # admissions that read a page whose writer was still running
-        self.waiting: list = []     # requests waiting for a writer (wait_for_writer)
+        self.waiting: list = []     # requests waiting, enqueued with the hot cache (wait_for_writer, enqueue)
         self.n = 0
         self.hits = 0
         self.steps = 0   # rules run so far: the rare rules (flush, cut short, evict all) key on it
@@ -118,7 +121,7 @@ class Concurrency(RuleBasedStateMachine):
     @precondition(lambda self: len(self.running) < REQUESTS)
     @rule(kind=st.sampled_from(["system0", "system0", "system1", "system1", "turn", "fresh"]), extra=st.integers(1, 500),
           out=st.integers(1, 200), seed=st.integers(0, 2**31))
-    def admit(self, kind, extra, out, seed, head=None):
+    def admit(self, kind, extra, out, seed, head=None, rid=None):
         rng = np.random.default_rng(seed)
         if head is not None:
             pass
@@ -130,7 +133,7 @@ class Concurrency(RuleBasedStateMachine):
             head = rng.integers(0, VOCAB, 1)
         prompt = np.concatenate((head, rng.integers(0, VOCAB, extra)))[: MAX_LEN - out]
         seq = np.concatenate((prompt, rng.integers(0, VOCAB, out)))
-        rid, P = f"r{self.n}", len(prompt)
+        rid, P = f"r{self.n}" if rid is None else rid, len(prompt)
         self.n += 1
         if self.link is not None:
             ready = self.link.prefetch(P, token_ids=prompt)
@@ -192,13 +195,40 @@ class Concurrency(RuleBasedStateMachine):
         prompt = np.concatenate((head, np.random.default_rng(seed).integers(0, VOCAB, extra)))[: MAX_LEN - out]
         coming = self.hot.prefix.writing_next(len(prompt), token_ids=prompt)
         assert 0 <= coming <= (len(prompt) - 1) // 256
-        self.waiting.append((head, extra, out, seed))
+        self._enqueue(head, extra, out, seed)
+
+    def _enqueue(self, head, extra, out, seed):
+        rid = f"q{self.n}"
+        self.n += 1
+        prompt = np.concatenate((head, np.random.default_rng(seed).integers(0, VOCAB, extra)))[: MAX_LEN - out]
+        self.hot.prefix.enqueue(rid, len(prompt), token_ids=prompt)
+        self.waiting.append((head, extra, out, seed, rid))
+
+    @precondition(lambda self: len(self.waiting) < 4)
+    @rule(kind=st.sampled_from(["system0", "system1", "turn"]), extra=st.integers(1, 300), out=st.integers(1, 64),
+          seed=st.integers(0, 2**31))
+    def enqueue(self, kind, extra, out, seed):
+        """A request joins the scheduler's queue: until it is admitted or leaves, eviction keeps
+        the pages it would hit while others are evictable."""
+        if kind == "turn" and self.finished:
+            head = self.finished[seed % len(self.finished)]
+        else:
+            head = self.system[seed % 2]
+        self._enqueue(head, extra, out, seed)
+
+    @precondition(lambda self: bool(self.waiting))
+    @rule(data=st.data())
+    def dequeue(self, data):
+        """A waiting request leaves the queue unadmitted (cancelled)."""
+        rid = self.waiting.pop(data.draw(st.integers(0, len(self.waiting) - 1)))[4]
+        assert self.hot.prefix.dequeue(rid) and not self.hot.prefix.dequeue(rid)
 
     @precondition(lambda self: bool(self.waiting) and len(self.running) < REQUESTS)
     @rule()
     def admit_waiting(self):
-        head, extra, out, seed = self.waiting.pop(0)
-        self.admit("head", extra, out, seed, head=head)
+        head, extra, out, seed, rid = self.waiting.pop(0)
+        self.admit("head", extra, out, seed, head=head, rid=rid)
+        assert self.hot.prefix.dequeue(rid) == (rid not in self.running)   # admitted: dequeued by admit
 
     @precondition(lambda self: any(r.decoding for r in self.running.values()))
     @rule(data=st.data())
@@ -297,6 +327,7 @@ class Concurrency(RuleBasedStateMachine):
                                                         f"{p.measures.evictable_bytes} B were evictable"
             assert after.pools[name].measures.evictable_bytes == 0, name
         assert not tree.idle_pages and not tree.checkpoints
+        assert self.hot.prefix.queued == len(self.waiting)
 
     # ---------------------------------------------------------------- after every rule
     @invariant()

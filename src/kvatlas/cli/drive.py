@@ -3,6 +3,7 @@ simulator and its writer, and the end-of-run summary."""
 
 from __future__ import annotations
 
+import argparse
 import math
 import os
 import stat
@@ -75,6 +76,11 @@ def add_run_args(p) -> None:
                    help="prefix-first admission: before each pass's admissions the first W waiting requests are "
                         "ordered by how many pages of their prompt the prefix cache holds, deepest first, as vLLM "
                         f"0.34's cache_aware_admission_window (default {ADMISSION_WINDOW}; 0: arrival order)")
+    g.add_argument("--queue-aware-eviction", action=argparse.BooleanOptionalAction, default=True,
+                   help="each arriving request is enqueued with the prefix cache, whose eviction then keeps the "
+                        "pages waiting requests would hit while anything else is evictable, and of those takes "
+                        "the one whose first reader waits furthest back first (default on; --no-queue-aware-"
+                        "eviction: plain LRU with reuse credit, as before)")
     g.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
     g.add_argument("--backend", default="plain", help="arena backend: plain (default), vmm (CUDA), or none: "
                    "allocator and ledger only, no pool tensors (any plan size; no KV writes)")
@@ -246,7 +252,7 @@ def build(args, plan_from_args, *, lock=None, record=True, prepared: Prepared | 
     sim = Simulator(cache, requests, accept_rate=args.accept_rate, seed=args.seed, writer=writer, lock=lock,
                     record=record, time_model=pr.time_model, sample_s=sample_s(args, requests), host=host,
                     check_integrity=args.check_integrity, hold_for_writers=args.hold_for_writers,
-                    admission_window=args.admission_window)
+                    admission_window=args.admission_window, queue_aware_eviction=args.queue_aware_eviction)
     return cache, sim, writer
 
 

@@ -89,7 +89,8 @@ def fit_from_args(args):
           f"{jobs} replays at once)", flush=True)
     t0 = time.perf_counter()
     sim = {"time_model": pr.time_model, "accept_rate": args.accept_rate, "seed": args.seed,
-           "hold_for_writers": args.hold_for_writers, "admission_window": args.admission_window}
+           "hold_for_writers": args.hold_for_writers, "admission_window": args.admission_window,
+           "queue_aware_eviction": args.queue_aware_eviction}
     fit = fit_checkpoints(model, pr.requests, simulator=sim, jobs=jobs, progress=lambda t: print(
         f"  share {t.share:g}: " + ("does not fit the budget" if t.refused else
                                     f"{t.checkpoints:,} resume points, hit {t.hit_ratio:.2%}")

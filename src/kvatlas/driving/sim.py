@@ -15,7 +15,10 @@ Each `step(now_s)` is one forward pass, the way an engine's scheduler loop makes
    admission (`admission_window=W`, as vLLM 0.34's `cache_aware_admission_window`): before each
    pass's admissions, the first W waiting requests are ordered by the pages of their prompt the
    prefix cache holds, deepest first (arrival order breaking ties), so a request whose prefix is
-   resident starts before a cold one's pages evict it;
+   resident starts before a cold one's pages evict it. Queue-aware eviction
+   (`queue_aware_eviction`, on by default): each arriving request is enqueued with the prefix
+   cache (`PrefixCache.enqueue`), so eviction keeps the pages waiting requests will hit while
+   others remain, and of those takes the ones whose first reader waits furthest back first;
 3. one forward pass (`allocator.forward()`): decode first — every decoding request writes
    1 + draft tokens (capped by what it still has to generate) — then chunked prefill with what
    is left of the `chunked_prefill_tokens` budget, which bounds ALL new tokens of the pass
@@ -186,7 +189,7 @@ class Simulator:
                  step_s: float = 0.02, record: bool = True, time_model: TimeModel | None = None,
                  sample_s: float = 0.0, host=None, check_integrity: bool = False,
                  integrity_share: float | None = INTEGRITY_SHARE, hold_for_writers: int = HOLD_FOR_WRITERS,
-                 admission_window: int = ADMISSION_WINDOW) -> None:
+                 admission_window: int = ADMISSION_WINDOW, queue_aware_eviction: bool = True) -> None:
         requests = _check_args(cache, requests, accept_rate=accept_rate, seed=seed, writer=writer, step_s=step_s,
                                record=record, time_model=time_model, sample_s=sample_s, host=host,
                                check_integrity=check_integrity)
@@ -201,6 +204,10 @@ class Simulator:
         self._held: dict = {}     # request id -> passes it was passed over so far
         # prefix-first admission (module doc): how many waiting requests are ordered by cached prefix
         self.admission_window = admission_window if cache.prefix is not None else 0
+        if not isinstance(queue_aware_eviction, bool):
+            raise ConfigError("queue_aware_eviction", f"{queue_aware_eviction!r} is not True or False", "give a bool")
+        # queue-aware eviction (module doc): the prefix cache knows the waiting requests
+        self.queue_aware_eviction = queue_aware_eviction and cache.prefix is not None
         # debug mode: counters compared after every pass, every book recounted paced by CPU (module doc)
         self.check_integrity = check_integrity
         self.integrity_share = integrity_share
@@ -329,15 +336,20 @@ class Simulator:
 
     def _arrive(self, now_s: float) -> None:
         while self.pending and self.pending[0].arrival_s <= now_s:
-            r = self.pending.popleft()
-            self.waiting.append(r)
-            self.latency.arrived(r, r.arrival_s)
-            self.stats.arrived += 1
+            self._queue(self.pending.popleft(), None)
         while self._released and self._released[0][0] <= now_s:
             t, _, r = heapq.heappop(self._released)
-            self.waiting.append(r)
-            self.latency.arrived(r, t)
-            self.stats.arrived += 1
+            self._queue(r, t)
+
+    def _queue(self, r, t) -> None:
+        """The request joins the waiting queue (at t; None: its arrival time)."""
+        self.waiting.append(r)
+        self.latency.arrived(r, r.arrival_s if t is None else t)
+        self.stats.arrived += 1
+        if self.queue_aware_eviction:
+            keys = self._prompt_keys(r)
+            if keys is not None:
+                self.cache.prefix.enqueue(r.id, r.prompt_tokens, page_keys=keys)
 
     def _release_followers(self, rid, now_s: float) -> None:
         for r in self._followers.pop(rid, ()):
@@ -415,6 +427,8 @@ class Simulator:
                 self.latency.rejected(r)
                 self._release_followers(r.id, now_s)
                 self._keys.pop(r.id, None)   # (hashed by prefix-first admission while it waited)
+                if self.queue_aware_eviction:
+                    self.cache.prefix.dequeue(r.id)
                 continue
             keys = self._prompt_keys(r)
             if self.hold_for_writers and self._hold(r, keys):

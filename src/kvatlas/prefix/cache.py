@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..checks import request_id as check_request_id
+from ..checks import request_id as check_request_id, whole
 from ..errors import KvatlasError, PoolExhaustedError, RequestStateError
 from ..planning.buffers import CHECKPOINTS, FULL_PAGES, SWA_PAGES
 from ..units import cdiv
@@ -117,6 +117,10 @@ class PrefixCache:
         self._unplaced: set = set()    # slots with a kept resume point whose page is not shared yet
         self._coming: dict = {}
         self._wanted: dict = {}   # slot -> boundaries a later request will leave its pages at (_junction)
+        # requests waiting for admission (enqueue): id -> (queue order, the keys a hit may cover);
+        # the tree's `awaited` maps each such key to the orders that wait for it
+        self._queued: dict = {}
+        self._queue_order = 0
         allocator.on_capture = self._on_capture
         allocator.on_need_checkpoint = self._need_checkpoint
         allocator.on_slot_end = self._slot_end
@@ -254,6 +258,50 @@ class PrefixCache:
             return True
         return short.pool == "full_pages" and need <= room
 
+    # ---------------------------------------------------------------- the waiting queue
+    def enqueue(self, request_id, prompt_tokens, *, token_ids=None, page_keys=None) -> None:
+        """The request waits for admission, behind those enqueued before it: until it is admitted
+        (admit with the same id) or `dequeue`d, eviction takes the pages no waiting request would
+        hit first, and of those some would, the page whose first waiting reader is furthest back
+        in the queue (kvatlas.prefix.tree). A scheduler calls it as a request joins its queue; a
+        request never enqueued is admitted as before. Costs the prompt's keys once and a dict
+        entry per page."""
+        check_request_id(request_id)
+        if request_id in self._queued:
+            raise RequestStateError(f"request_id {request_id!r} is queued already; admit or dequeue it first")
+        if request_id in self.alloc.slot_of:
+            raise RequestStateError(f"request_id {request_id!r} is running; a running request is not queued")
+        keys = self._hit_keys(whole("prompt_tokens", prompt_tokens, 1), token_ids, page_keys).tolist()
+        self._queue_order += 1
+        order, awaited = self._queue_order, self._tree.awaited
+        self._queued[request_id] = (order, keys)
+        for k in keys:
+            waiting = awaited.get(k)
+            if waiting is None:
+                awaited[k] = {order: None}
+            else:
+                waiting[order] = None
+
+    def dequeue(self, request_id) -> bool:
+        """The request left the queue without being admitted (rejected, cancelled); False if it
+        was not queued. admit() dequeues the request it admits itself."""
+        entry = self._queued.pop(request_id, None)
+        if entry is None:
+            return False
+        order, keys = entry
+        awaited = self._tree.awaited
+        for k in keys:
+            waiting = awaited[k]
+            del waiting[order]
+            if not waiting:
+                del awaited[k]
+        return True
+
+    @property
+    def queued(self) -> int:
+        """Requests waiting for admission (enqueue)."""
+        return len(self._queued)
+
     # ---------------------------------------------------------------- admission
     def admit(self, request_id, prompt_tokens, max_new_tokens=0, *, token_ids=None, page_keys=None):
         check_request_id(request_id)   # before the match: a refused id must not evict anything
@@ -277,6 +325,8 @@ class PrefixCache:
         except (KvatlasError, PoolExhaustedError):
             self.tree.unref(hit, self.clock)
             raise
+        if self._queued:
+            self.dequeue(request_id)
         if m.writer is not None:   # admitted: the writer's point it resumes at is kept from now on
             self._take_writer_point(m.writer)
         self.clock += 1
@@ -859,4 +909,4 @@ class PrefixCache:
         t = self._tree
         return {"policy": self.policy.name, "nodes": len(t.nodes), "cached_pages": len(t.nodes),
                 "idle_pages": t.idle_pages, "checkpoints": t.checkpoints, "cached_bytes": self.cached_bytes(),
-                **self.stats.as_dict()}
+                "queued_requests": len(self._queued), **self.stats.as_dict()}

@@ -10,7 +10,9 @@ What is recounted from scratch, not read from the counters the hot paths move:
 - evictable units, per group, equal what evicting every evictable page and resume point would
   free: cache-held full pages nobody reads, cache-held SWA pages nobody reads or pins (they are
   tails of resume points on the tree: evicting those frees them), and every resume point on the
-  tree (a running request never reads a unit; it copied its rows at admission).
+  tree (a running request never reads a unit; it copied its rows at admission);
+- the waiting queue: the keys the tree's eviction counts as awaited are exactly those of the
+  requests enqueued and not yet admitted or dequeued, each with their queue orders.
 """
 
 from __future__ import annotations
@@ -23,13 +25,25 @@ from ..planning.buffers import CHECKPOINTS, FULL_PAGES, SWA_PAGES
 
 def prefix_problems(pc) -> list[str]:
     a = pc.alloc
-    out = _tree_problems(pc)
+    out = _tree_problems(pc) + _queue_problems(pc)
     pins = _pinned_tails(pc)
     if a.swa is not None:
         out += _swa_problems(pc, pins)
     if pc.ledger is not None:
         out += _evictable_problems(pc)
     return out
+
+
+def _queue_problems(pc) -> list[str]:
+    awaited: dict[int, set] = {}
+    for order, keys in pc._queued.values():
+        for k in keys:
+            awaited.setdefault(k, set()).add(order)
+    found = {k: set(orders) for k, orders in pc._tree.awaited.items()}
+    if found != awaited:
+        return [f"prefix queue: {len(found)} awaited keys in the tree's books, {len(awaited)} in the "
+                f"{len(pc._queued)} queued requests' prompts (or their queue orders differ)"]
+    return []
 
 
 def _tree_problems(pc) -> list[str]:

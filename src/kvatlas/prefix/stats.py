@@ -31,6 +31,7 @@ class PrefixStats:
     missed_partial_page: int = 0
     evicted_pages: int = 0
     evicted_checkpoints: int = 0
+    evicted_awaited_pages: int = 0   # of evicted_pages, those a waiting request would read (PrefixCache.enqueue)
     checkpoints_saved: int = 0       # resume points captured and kept by the policy
     checkpoints_dropped: int = 0     # captured, not kept (policy) or a duplicate
     writer_points_read: int = 0      # admissions that resumed at a running writer's latest point
@@ -54,6 +55,7 @@ class PrefixStats:
     def as_dict(self) -> dict:
         return {"queried_tokens": self.queried_tokens, "hit_tokens": self.hit_tokens,
                 "hit_ratio": self.hit_ratio, "missed_tokens": self.missed(),
-                "evicted_pages": self.evicted_pages, "evicted_checkpoints": self.evicted_checkpoints,
+                "evicted_pages": self.evicted_pages, "evicted_awaited_pages": self.evicted_awaited_pages,
+                "evicted_checkpoints": self.evicted_checkpoints,
                 "checkpoints_saved": self.checkpoints_saved, "checkpoints_dropped": self.checkpoints_dropped,
                 "summary": self.why_not()}

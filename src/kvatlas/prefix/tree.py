@@ -9,6 +9,13 @@ admissions where pages live briefly, thousands where they live long. A page writ
 read again goes before one a system prompt's followers keep reading, though both were last used
 at once. 0: plain LRU.
 
+Queued readers. A scheduler may tell the cache which requests wait for admission
+(`PrefixCache.enqueue`): `awaited` maps each key their prompts would hit to the queue orders of
+the requests that wait for it. Eviction takes the pages no waiting request will read first (LRU,
+as above); only when those are gone does it take awaited ones, the page whose first waiting
+reader is furthest back in the queue first (Belady's rule over the future the queue shows).
+Resume points likewise: those on awaited pages go last.
+
 Heaps with lazy deletion: an entry carries the stamp it was pushed with (and a page's entry its
 due, last use plus credit); a popped entry whose node changed since (touched, gained a child, read
 again, gone) is skipped. A node is pushed again
@@ -89,6 +96,7 @@ class Tree:
         self._ckpts: list = []     # (class, last_used, seq, checkpoint)
         self._seq = 0
         self.evicted_keys: OrderedDict = OrderedDict()
+        self.awaited: dict[int, dict] = {}   # key -> {queue order of a waiting request that reads it: None}
 
     # ---------------------------------------------------------------- lookup
     def match(self, keys) -> list[Node]:
@@ -176,7 +184,8 @@ class Tree:
         ck.last_used = now
         self._push_ckpt(ck)
 
-    def _push_page(self, node) -> None:
+    def _push_page(self, node):
+        """Push the node's heap entry if it is an idle leaf; returns the entry (else None)."""
         if node.refs == 0 and node.children == 0:
             self._seq += 1
             used = node.last_used
@@ -185,7 +194,10 @@ class Tree:
             if node.reads and self.reuse_weight:
                 used += int(self.reuse_weight * self.lifetime * min(node.reads, REUSE_CAP))
             node.due = used   # (an older entry of the same last use but less credit is stale)
-            heapq.heappush(self._pages, (used, self._seq, node.last_used, node))
+            entry = (used, self._seq, node.last_used, node)
+            heapq.heappush(self._pages, entry)
+            return entry
+        return None
 
     def _push_ckpt(self, ck) -> None:
         self._seq += 1
@@ -194,42 +206,100 @@ class Tree:
 
     # ---------------------------------------------------------------- eviction
     def evict_pages(self, need: int) -> int:
-        """Free up to `need` full pages, LRU leaves first; returns how many."""
-        freed = []
+        """Free up to `need` full pages, leaves first: those no waiting request reads in LRU
+        order, then awaited ones, furthest back in the queue first (module doc); returns how many."""
+        freed, aside, awaited = [], [], self.awaited
         while len(freed) < need and self._pages:
-            due, _, stamp, node = heapq.heappop(self._pages)
-            if self.nodes.get(node.key) is not node or node.refs or node.children or stamp != node.last_used \
-                    or due != node.due:
+            entry = heapq.heappop(self._pages)
+            node = entry[3]
+            if not self._evictable(entry):
                 continue
-            self.lifetime += _LIFE_RATE * ((self._now - stamp) - self.lifetime)
-            if node.checkpoint is not None:
-                self.drop_checkpoint(node.checkpoint)
-            self._hook(Evicted("page", node.key, node.parent.key if node.parent else 0, node.depth,
-                               full_page=node.page))
-            del self.nodes[node.key]
-            self.idle_pages -= 1
-            self._remember(node.key)
-            if node.page >= 0:
-                freed.append(node.page)
-            parent = node.parent
-            if parent is not None:
-                parent.children -= 1
-                self._push_page(parent)
+            if awaited and node.key in awaited:
+                aside.append(entry)   # (pushed back below: its entry stays live)
+                continue
+            self._evict(node, freed)
+        if aside:
+            if len(freed) < need:
+                self._evict_awaited(need, aside, freed)
+            for entry in aside:
+                heapq.heappush(self._pages, entry)
         if freed:
             self.alloc.evict_full(np.array(freed, np.int64))
         self.stats.evicted_pages += len(freed)
         return len(freed)
 
-    def evict_checkpoint(self) -> bool:
-        """Free one checkpoint unit (the allocator asks when a capture finds none free)."""
-        while self._ckpts:
-            _, stamp, _, ck = heapq.heappop(self._ckpts)
-            node = ck.node
-            if node is None or node.checkpoint is not ck or stamp != ck.last_used:
+    def _evictable(self, entry) -> bool:
+        """The heap entry is its node's live one: in the tree, an idle leaf, unchanged since."""
+        due, _, stamp, node = entry
+        return self.nodes.get(node.key) is node and not (node.refs or node.children) and stamp == node.last_used \
+            and due == node.due
+
+    def _evict_awaited(self, need: int, aside: list, freed: list) -> None:
+        """Only awaited idle leaves are left (`aside`, live entries): evict the ones whose first
+        waiting reader is latest in the queue first; a parent left a leaf joins them."""
+        awaited, far = self.awaited, []
+
+        def push(entry) -> None:
+            orders = awaited.get(entry[3].key)
+            heapq.heappush(far, (-min(orders) if orders else -(1 << 62), entry[0], entry[1], entry))
+
+        for entry in aside:
+            push(entry)
+        while len(freed) < need and far:
+            entry = heapq.heappop(far)[3]
+            node = entry[3]
+            if not self._evictable(entry):
                 continue
-            self.drop_checkpoint(ck)
-            return True
-        return False
+            self.stats.evicted_awaited_pages += node.key in awaited
+            entry = self._evict(node, freed)
+            if entry is not None:
+                push(entry)
+
+    def _evict(self, node, freed: list):
+        """Take an idle leaf off the tree (its page appended to `freed`); returns the heap entry of
+        its parent if that became an idle leaf (else None)."""
+        self.lifetime += _LIFE_RATE * ((self._now - node.last_used) - self.lifetime)
+        if node.checkpoint is not None:
+            self.drop_checkpoint(node.checkpoint)
+        self._hook(Evicted("page", node.key, node.parent.key if node.parent else 0, node.depth,
+                           full_page=node.page))
+        del self.nodes[node.key]
+        self.idle_pages -= 1
+        self._remember(node.key)
+        if node.page >= 0:
+            freed.append(node.page)
+        parent = node.parent
+        if parent is None:
+            return None
+        parent.children -= 1
+        return self._push_page(parent)
+
+    def evict_checkpoint(self) -> bool:
+        """Free one checkpoint unit (the allocator asks when a capture finds none free): the first
+        in eviction order that no waiting request would resume at, else of those, the one whose
+        first waiting reader is furthest back in the queue (module doc)."""
+        aside, awaited, found = [], self.awaited, None
+        while self._ckpts:
+            entry = heapq.heappop(self._ckpts)
+            ck = entry[3]
+            node = ck.node
+            if node is None or node.checkpoint is not ck or entry[1] != ck.last_used:
+                continue
+            if awaited and node.key in awaited:
+                aside.append(entry)
+                continue
+            found = ck
+            break
+        if found is None and aside:
+            far = max(aside, key=lambda e: min(awaited[e[3].node.key]))
+            aside.remove(far)
+            found = far[3]
+        for entry in aside:
+            heapq.heappush(self._ckpts, entry)
+        if found is None:
+            return False
+        self.drop_checkpoint(found)
+        return True
 
     def drop_checkpoint(self, ck) -> None:
         node = ck.node
