@@ -199,3 +199,28 @@ def test_the_simulator_refuses_a_queue_flag_that_is_not_a_bool():
         Simulator(_cache(), _sessions(1), queue_aware_eviction=1)
     no_prefix = kvatlas.allocate(plan("tiny-v4", "48MiB", max_model_len=2048, max_running_requests=2))
     assert not Simulator(no_prefix, _sessions(1)).queue_aware_eviction   # (nothing to tell: no prefix cache)
+
+
+@pytest.mark.parametrize("flag", [[], ["--no-queue-aware-eviction"]])
+def test_the_cli_flag_reaches_the_simulator_and_a_rejected_request_leaves_the_queue(tmp_path, flag):
+    """simulate's --no-queue-aware-eviction turns it off; on (the default), a prompt longer than
+    max_model_len is enqueued on arrival and dequeued when it is rejected: nothing is left queued."""
+    import json
+
+    from kvatlas.cli import _parse
+    from kvatlas.cli.common import plan_from_args
+    from kvatlas.cli.drive import build
+    trace = tmp_path / "too_long.jsonl"
+    lines = [{"timestamp": 0, "input_length": 4 * 512, "output_length": 4, "hash_ids": [0, 1, 2, 3]},
+             {"timestamp": 0, "input_length": 12 * 512, "output_length": 4, "hash_ids": list(range(10, 22))},
+             {"timestamp": 0, "input_length": 5 * 512, "output_length": 4, "hash_ids": [0, 1, 2, 3, 9]}]
+    trace.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    _, args = _parse(["simulate", "deepseek-v4-flash", "--memory", "32GiB", "--backend", "none",
+                      "--max-running-requests", "1", "--max-model-len", "4096", "--prefix-checkpoints", "200",
+                      "--workload", str(trace), "--no-plot", "--check-integrity", "--out", str(tmp_path / "o"), *flag])
+    cache, sim, _ = build(args, plan_from_args)
+    queued = []
+    sim.run_offline(on_step=lambda s: queued.append(cache.prefix.queued))
+    assert sim.queue_aware_eviction == (not flag)
+    assert sim.stats.rejected_too_long == 1 and sim.stats.finished == 2
+    assert max(queued) == (0 if flag else 1) and cache.prefix.queued == 0 and cache.prefix.tree.awaited == {}
