@@ -224,3 +224,25 @@ def test_the_cli_flag_reaches_the_simulator_and_a_rejected_request_leaves_the_qu
     assert sim.queue_aware_eviction == (not flag)
     assert sim.stats.rejected_too_long == 1 and sim.stats.finished == 2
     assert max(queued) == (0 if flag else 1) and cache.prefix.queued == 0 and cache.prefix.tree.awaited == {}
+
+
+def test_metrics_and_state_report_the_queue_and_awaited_evictions():
+    from kvatlas.observing.metrics import KvatlasCollector, exposition
+    from kvatlas.observing.server import state_document
+    c = _cache()
+    rng = np.random.default_rng(7)
+    first = rng.integers(0, 1000, 2000)
+    _run(c, "a", first)                               # 7 pages cached
+    c.prefix.enqueue("w1", 2000, token_ids=first)
+    c.prefix.enqueue("w2", 600, token_ids=first[:600])
+    text = exposition(KvatlasCollector(c)).decode()
+    assert "kvatlas_prefix_queued_requests 2.0" in text and "kvatlas_prefix_evicted_awaited_pages_total 0.0" in text
+    for i in range(2):   # two cold requests at once, 8 pages each, 16 usable: all 7 awaited go (nothing else is idle)
+        c.admit(f"cold{i}", 2000, 1, token_ids=rng.integers(0, 1000, 2000))
+    s = c.prefix.stats
+    assert s.evicted_awaited_pages == s.evicted_pages == 7
+    c.check_integrity()
+    text = exposition(KvatlasCollector(c)).decode()
+    assert f"kvatlas_prefix_evicted_awaited_pages_total {float(s.evicted_awaited_pages)}" in text
+    pc = state_document(KvatlasCollector(c))["caches"][0]["prefix_cache"]
+    assert pc["queued_requests"] == 2 and pc["evicted_awaited_pages"] == s.evicted_awaited_pages

@@ -70,6 +70,10 @@ HELP = {
                                     "(rounded off the partial last page) (counter)",
     "kvatlas_prefix_evicted_pages": "Full-token pages the prefix cache evicted (counter)",
     "kvatlas_prefix_evicted_checkpoints": "Resume points the prefix cache evicted (counter)",
+    "kvatlas_prefix_evicted_awaited_pages": "Of the evicted pages, those a waiting request would have hit: evicted "
+                                            "only when nothing else was evictable (counter)",
+    "kvatlas_prefix_queued_requests": "Requests waiting for admission that the scheduler enqueued with the prefix "
+                                      "cache (their pages are evicted last)",
     "kvatlas_prefix_checkpoints": "Resume points (SWA tail + compressor state at a page boundary) the cache holds",
     "kvatlas_prefix_cached_pages": "Full-token pages the prefix cache holds (shared or evictable)",
     "kvatlas_prefix_cached_bytes": "Bytes the prefix cache holds: its pages and resume points (evictable and "
@@ -306,6 +310,8 @@ def _prefix_samples(f: _Families, prefix, rv: list[str]) -> None:
         f.add("kvatlas_prefix_missed_tokens", ["reason"], [reason] + rv, n, kind=CounterMetricFamily)
     f.add("kvatlas_prefix_evicted_pages", [], rv, s.evicted_pages, kind=CounterMetricFamily)
     f.add("kvatlas_prefix_evicted_checkpoints", [], rv, s.evicted_checkpoints, kind=CounterMetricFamily)
+    f.add("kvatlas_prefix_evicted_awaited_pages", [], rv, s.evicted_awaited_pages, kind=CounterMetricFamily)
+    f.add("kvatlas_prefix_queued_requests", [], rv, prefix.queued)
     held = prefix.summary()   # (as the cache holds it: a scrape reads, never shares pages; PrefixCache reports)
     f.add("kvatlas_prefix_checkpoints", [], rv, held["checkpoints"])
     f.add("kvatlas_prefix_cached_pages", [], rv, held["cached_pages"])
