@@ -205,20 +205,8 @@ def test_the_simulator_refuses_a_queue_flag_that_is_not_a_bool():
 def test_the_cli_flag_reaches_the_simulator_and_a_rejected_request_leaves_the_queue(tmp_path, flag):
     """simulate's --no-queue-aware-eviction turns it off; on (the default), a prompt longer than
     max_model_len is enqueued on arrival and dequeued when it is rejected: nothing is left queued."""
-    import json
-
-    from kvatlas.cli import _parse
-    from kvatlas.cli.common import plan_from_args
-    from kvatlas.cli.drive import build
-    trace = tmp_path / "too_long.jsonl"
-    lines = [{"timestamp": 0, "input_length": 4 * 512, "output_length": 4, "hash_ids": [0, 1, 2, 3]},
-             {"timestamp": 0, "input_length": 12 * 512, "output_length": 4, "hash_ids": list(range(10, 22))},
-             {"timestamp": 0, "input_length": 5 * 512, "output_length": 4, "hash_ids": [0, 1, 2, 3, 9]}]
-    trace.write_text("".join(json.dumps(x) + "\n" for x in lines))
-    _, args = _parse(["simulate", "deepseek-v4-flash", "--memory", "32GiB", "--backend", "none",
-                      "--max-running-requests", "1", "--max-model-len", "4096", "--prefix-checkpoints", "200",
-                      "--workload", str(trace), "--no-plot", "--check-integrity", "--out", str(tmp_path / "o"), *flag])
-    cache, sim, _ = build(args, plan_from_args)
+    from test_prefix_written import run_with_a_too_long_prompt
+    cache, sim = run_with_a_too_long_prompt(tmp_path, "--check-integrity", *flag)
     queued = []
     sim.run_offline(on_step=lambda s: queued.append(cache.prefix.queued))
     assert sim.queue_aware_eviction == (not flag)

@@ -403,9 +403,10 @@ def test_admission_window_is_checked():
         Simulator(cache, [], admission_window=-1)
 
 
-def test_prefix_first_keeps_no_keys_of_requests_it_rejects(tmp_path):
-    """A prompt longer than max_model_len waiting in the window is hashed for the ordering, then
-    rejected: its keys go with it (the simulator holds keys only of requests still waiting)."""
+def run_with_a_too_long_prompt(tmp_path, *flags):
+    """simulate (bookkeeping, one running request, max_model_len 4,096) of three requests arriving
+    at once, the second longer than max_model_len; `flags` added to the command line. Returns the
+    cache and the simulator after the run."""
     import json
 
     from kvatlas.cli import _parse
@@ -418,8 +419,15 @@ def test_prefix_first_keeps_no_keys_of_requests_it_rejects(tmp_path):
     trace.write_text("".join(json.dumps(x) + "\n" for x in lines))
     _, args = _parse(["simulate", "deepseek-v4-flash", "--memory", "32GiB", "--backend", "none",
                       "--max-running-requests", "1", "--max-model-len", "4096", "--prefix-checkpoints", "200",
-                      "--workload", str(trace), "--no-plot", "--admission-window", "4", "--out", str(tmp_path / "o")])
+                      "--workload", str(trace), "--no-plot", "--out", str(tmp_path / "o"), *flags])
     cache, sim, _ = build(args, plan_from_args)
+    return cache, sim
+
+
+def test_prefix_first_keeps_no_keys_of_requests_it_rejects(tmp_path):
+    """A prompt longer than max_model_len waiting in the window is hashed for the ordering, then
+    rejected: its keys go with it (the simulator holds keys only of requests still waiting)."""
+    _, sim = run_with_a_too_long_prompt(tmp_path, "--admission-window", "4")
     sim.run_offline()
     assert sim.stats.rejected_too_long == 1 and sim.stats.finished == 2
     assert sim._keys == {}
