@@ -70,7 +70,7 @@ class _Match:
 
 class PrefixCache:
     def __init__(self, allocator, ledger=None, policy="kvatlas", share_as_written: bool = True,
-                 reuse_weight: float = REUSE_WEIGHT) -> None:
+                 reuse_weight: float = REUSE_WEIGHT, keep_prompt_ends: bool = True) -> None:
         if not allocator.prefix_on:
             raise KvatlasError("prefix_checkpoints: the plan has no prefix cache; plan with prefix_checkpoints > 0")
         reuse_weight = checked_reuse_weight(reuse_weight)
@@ -91,6 +91,7 @@ class PrefixCache:
         self._tent_b, self._tent_u = np.zeros(n, np.int64), np.zeros(n, np.int64)
         self._tent_pages, self._tent_div = np.zeros((tail, n), np.int64), np.zeros(n, bool)
         self._mine, self._divergence = np.zeros(n, bool), np.full(n, -1, np.int64)
+        self._prompt_end = np.full(n, -1, np.int64)
         self.publisher = None   # a tier below that writes through what a finish caches (tiers.shared)
         # share as written: a running request's prompt pages are shared once the pass that
         # completes them is over. The pass only notes that some are (_note_written); they join
@@ -121,6 +122,12 @@ class PrefixCache:
         # the tree's `awaited` maps each such key to the orders that wait for it
         self._queued: dict = {}
         self._queue_order = 0
+        # keep the resume point at each prompt's last full page boundary (as an intermediate
+        # point, evicted first by level): the next turn of a conversation resumes there when the
+        # answer's pages are not keyed (vLLM keeps the same "replay boundary")
+        if not isinstance(keep_prompt_ends, bool):
+            raise KvatlasError(f"keep_prompt_ends: {keep_prompt_ends!r} is not True or False; give a bool")
+        self.keep_prompt_ends = keep_prompt_ends
         allocator.on_capture = self._on_capture
         allocator.on_need_checkpoint = self._need_checkpoint
         allocator.on_slot_end = self._slot_end
@@ -340,6 +347,9 @@ class PrefixCache:
         # there keeps its point for the rest
         junction = self._junction(m.keys, len(m.path))
         self._divergence[slot] = junction * self.P if junction > j else -1
+        # the prompt's last full page boundary: a later turn whose prompt repeats this one resumes
+        # there when what follows is not keyed (vLLM's replay boundary); kept as an intermediate point
+        self._prompt_end[slot] = len(m.keys) * self.P if self.keep_prompt_ends and len(m.keys) > j else -1
         req = self.requests[request_id] = _Request(m.keys, list(hit), prompt_tokens, tail)
         self._count(m, prompt_tokens)
         if self.share_as_written and len(m.keys) > j and self.alloc.full is not None:
@@ -559,7 +569,9 @@ class PrefixCache:
         prev = self._tent_u.take(slots)
         if prev[prev.argmax()]:   # (argmax/argmin: cheaper than any()/all() on a few values)
             had = prev.astype(bool)
-            keep = had & self.policy.keep(self._tent_div.take(slots), self._tent_b.take(slots) // self.P)
+            before = self._tent_b.take(slots)
+            keep = had & (self.policy.keep(self._tent_div.take(slots), before // self.P)
+                          | (before == self._prompt_end.take(slots)))
             drop = had ^ keep
             if drop[drop.argmax()]:
                 self._drop_many(prev[drop], self._tent_pages.take(slots[drop], axis=1))
@@ -577,7 +589,8 @@ class PrefixCache:
                     want.discard(int(boundaries[i]))
                     self._tent_div[slot] = True
         if self.share_as_written:   # what the policy keeps anyway is kept now: readers may resume there
-            now = self.policy.keep(self._tent_div.take(slots), boundaries // self.P)
+            now = self.policy.keep(self._tent_div.take(slots), boundaries // self.P) \
+                | (boundaries == self._prompt_end.take(slots))
             if now[now.argmax()]:
                 for slot in slots[now].tolist():
                     ck = self._tentative(slot)
