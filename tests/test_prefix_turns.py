@@ -59,3 +59,20 @@ def test_the_flag_must_be_a_bool():
     c = allocate(plan("tiny-v4", "64MiB", max_model_len=4096, max_running_requests=2, prefix_checkpoints=16))
     with pytest.raises(KvatlasError, match="^keep_prompt_ends: 1 is not True or False; give a bool"):
         PrefixCache(c.allocator, keep_prompt_ends=1)
+
+
+def test_a_continuing_prompts_end_is_a_divergence_point_a_first_prompts_is_not():
+    """The point at a first turn's prompt end is intermediate (evicted first, by level); at the
+    end of a prompt that continued a cached one (a later turn: likely to go on), a divergence
+    point, evicted last."""
+    rng = np.random.default_rng(5)
+    first = rng.integers(0, 1000, 1000)
+    c = _cache(True)
+    _turn(c, "t1", first, 300, keyed_output=False)
+    second = np.concatenate((first, rng.integers(0, 1000, 700)))     # 6 full pages: the boundary at 1,536
+    assert _turn(c, "t2", second, 300, keyed_output=False) == 768
+    points = {n.checkpoint.boundary_tokens: n.checkpoint for n in c.prefix.tree.nodes.values()
+              if n.checkpoint is not None}
+    assert not points[768].divergence and points[1536].divergence
+    third = np.concatenate((second, rng.integers(0, 1000, 100)))
+    assert _turn(c, "t3", third, 8, keyed_output=False) == 1536

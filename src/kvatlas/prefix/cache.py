@@ -348,8 +348,13 @@ class PrefixCache:
         junction = self._junction(m.keys, len(m.path))
         self._divergence[slot] = junction * self.P if junction > j else -1
         # the prompt's last full page boundary: a later turn whose prompt repeats this one resumes
-        # there when what follows is not keyed (vLLM's replay boundary); kept as an intermediate point
-        self._prompt_end[slot] = len(m.keys) * self.P if self.keep_prompt_ends and len(m.keys) > j else -1
+        # there when what follows is not keyed (vLLM's replay boundary). Kept as an intermediate
+        # point; as a divergence point (evicted last) when the prompt itself continued a cached
+        # one: a conversation past its first turn is likely to go on
+        end = len(m.keys) * self.P if self.keep_prompt_ends and len(m.keys) > j else -1
+        self._prompt_end[slot] = end
+        if end > 0 and j > 0:
+            self._wanted.setdefault(slot, set()).add(end)
         req = self.requests[request_id] = _Request(m.keys, list(hit), prompt_tokens, tail)
         self._count(m, prompt_tokens)
         if self.share_as_written and len(m.keys) > j and self.alloc.full is not None:
