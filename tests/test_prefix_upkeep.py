@@ -102,7 +102,6 @@ def test_units_taken_ahead_go_back_before_a_cached_resume_point_is_evicted():
 
 def test_a_request_finished_on_the_allocator_leaves_no_resume_point_behind():
     c = cache()
-    c.prefix.keep_prompt_ends = False   # (else the point at 512, its prompt's end, is kept at once and stays cached)
     a = c.allocator
     start(c, "r", 700)
     c.flush()

@@ -91,7 +91,6 @@ class PrefixCache:
         self._tent_b, self._tent_u = np.zeros(n, np.int64), np.zeros(n, np.int64)
         self._tent_pages, self._tent_div = np.zeros((tail, n), np.int64), np.zeros(n, bool)
         self._mine, self._divergence = np.zeros(n, bool), np.full(n, -1, np.int64)
-        self._prompt_end = np.full(n, -1, np.int64)
         self.publisher = None   # a tier below that writes through what a finish caches (tiers.shared)
         # share as written: a running request's prompt pages are shared once the pass that
         # completes them is over. The pass only notes that some are (_note_written); they join
@@ -347,14 +346,11 @@ class PrefixCache:
         # there keeps its point for the rest
         junction = self._junction(m.keys, len(m.path))
         self._divergence[slot] = junction * self.P if junction > j else -1
-        # the prompt's last full page boundary: a later turn whose prompt repeats this one resumes
-        # there when what follows is not keyed (vLLM's replay boundary). Kept as an intermediate
-        # point; as a divergence point (evicted last) when the prompt itself continued a cached
-        # one: a conversation past its first turn is likely to go on
-        end = len(m.keys) * self.P if self.keep_prompt_ends and len(m.keys) > j else -1
-        self._prompt_end[slot] = end
-        if end > 0 and j > 0:
-            self._wanted.setdefault(slot, set()).add(end)
+        # the prompt's last full page boundary, where the next turn of a conversation resumes when
+        # what follows is not keyed (vLLM's replay boundary): kept as a divergence point when the
+        # prompt continues cached pages (a conversation past its first turn, likely to go on)
+        if self.keep_prompt_ends and len(m.keys) > j and m.path:
+            self._wanted.setdefault(slot, set()).add(len(m.keys) * self.P)
         req = self.requests[request_id] = _Request(m.keys, list(hit), prompt_tokens, tail)
         self._count(m, prompt_tokens)
         if self.share_as_written and len(m.keys) > j and self.alloc.full is not None:
@@ -574,9 +570,7 @@ class PrefixCache:
         prev = self._tent_u.take(slots)
         if prev[prev.argmax()]:   # (argmax/argmin: cheaper than any()/all() on a few values)
             had = prev.astype(bool)
-            before = self._tent_b.take(slots)
-            keep = had & (self.policy.keep(self._tent_div.take(slots), before // self.P)
-                          | (before == self._prompt_end.take(slots)))
+            keep = had & self.policy.keep(self._tent_div.take(slots), self._tent_b.take(slots) // self.P)
             drop = had ^ keep
             if drop[drop.argmax()]:
                 self._drop_many(prev[drop], self._tent_pages.take(slots[drop], axis=1))
@@ -594,8 +588,7 @@ class PrefixCache:
                     want.discard(int(boundaries[i]))
                     self._tent_div[slot] = True
         if self.share_as_written:   # what the policy keeps anyway is kept now: readers may resume there
-            now = self.policy.keep(self._tent_div.take(slots), boundaries // self.P) \
-                | (boundaries == self._prompt_end.take(slots))
+            now = self.policy.keep(self._tent_div.take(slots), boundaries // self.P)
             if now[now.argmax()]:
                 for slot in slots[now].tolist():
                     ck = self._tentative(slot)
