@@ -88,15 +88,18 @@ def _cache():
                          chunked_prefill_tokens=1024))
 
 
-def _run(c, rid, ids, out=1):
+def run_request(c, rid, ids, out=1, finished_with=None):
+    """Admit, prefill in 1,024-token chunks, decode `out` tokens, finish (keyed by
+    `finished_with`, else the prompt); the books checked. Returns the admission's hit."""
     adm = c.admit(rid, len(ids), out, token_ids=ids)
     done = adm.cached_tokens
     while done < len(ids):
         n = min(1024, len(ids) - done)
         c.extend(rid, n)
         done += n
-    c.step([rid])
-    c.finish(rid, token_ids=ids)
+    for _ in range(out):
+        c.step([rid])
+    c.finish(rid, token_ids=ids if finished_with is None else finished_with)
     c.check_integrity()
     return adm.cached_tokens
 
@@ -108,18 +111,18 @@ def _hit_after_cold_traffic(queue: bool) -> tuple[int, int]:
     first = rng.integers(0, 1000, 2000)
     follower = np.concatenate((first, rng.integers(0, 1000, 40)))
     c = _cache()
-    _run(c, "a", first)
+    run_request(c, "a", first)
     if queue:
         c.prefix.enqueue("f", len(follower), token_ids=follower)
         assert c.prefix.queued == 1 and c.prefix.summary()["queued_requests"] == 1
     for i in range(8):
-        _run(c, f"x{i}", rng.integers(0, 1000, 2000))
+        run_request(c, f"x{i}", rng.integers(0, 1000, 2000))
     assert c.prefix.stats.evicted_pages >= 16
-    got = _run(c, "f", follower)
+    got = run_request(c, "f", follower)
     assert c.prefix.queued == 0                        # admit dequeued it
     fresh = _cache()
-    _run(fresh, "a", first)
-    return got, _run(fresh, "f", follower)
+    run_request(fresh, "a", first)
+    return got, run_request(fresh, "f", follower)
 
 
 def test_a_waiting_follower_still_hits_after_cold_traffic_and_misses_without_the_queue():
@@ -220,7 +223,7 @@ def test_metrics_and_state_report_the_queue_and_awaited_evictions():
     c = _cache()
     rng = np.random.default_rng(7)
     first = rng.integers(0, 1000, 2000)
-    _run(c, "a", first)                               # 7 pages cached
+    run_request(c, "a", first)                               # 7 pages cached
     c.prefix.enqueue("w1", 2000, token_ids=first)
     c.prefix.enqueue("w2", 600, token_ids=first[:600])
     text = exposition(KvatlasCollector(c)).decode()

@@ -10,6 +10,7 @@ import pytest
 from kvatlas import allocate, plan
 from kvatlas.errors import KvatlasError
 from kvatlas.prefix import PrefixCache
+from test_prefix_queue import run_request
 
 
 def _cache(keep: bool):
@@ -20,18 +21,8 @@ def _cache(keep: bool):
 
 
 def _turn(c, rid, prompt, out: int, keyed_output: bool) -> int:
-    adm = c.admit(rid, len(prompt), out, token_ids=prompt)
-    done = adm.cached_tokens
-    while done < len(prompt):
-        n = min(1024, len(prompt) - done)
-        c.extend(rid, n)
-        done += n
-    for _ in range(out):
-        c.step([rid])
     answer = np.arange(out) % 997
-    c.finish(rid, token_ids=np.concatenate((prompt, answer)) if keyed_output else prompt)
-    c.check_integrity()
-    return adm.cached_tokens
+    return run_request(c, rid, prompt, out, np.concatenate((prompt, answer)) if keyed_output else prompt)
 
 
 @pytest.mark.parametrize("keep", [True, False])

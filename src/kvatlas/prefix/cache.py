@@ -121,9 +121,9 @@ class PrefixCache:
         # the tree's `awaited` maps each such key to the orders that wait for it
         self._queued: dict = {}
         self._queue_order = 0
-        # keep the resume point at each prompt's last full page boundary (as an intermediate
-        # point, evicted first by level): the next turn of a conversation resumes there when the
-        # answer's pages are not keyed (vLLM keeps the same "replay boundary")
+        # keep the resume point at the last full page boundary of each prompt that continues
+        # cached pages, as a divergence point (admit): the next turn of a conversation resumes
+        # there when the answer's pages are not keyed (vLLM keeps the same "replay boundary")
         if not isinstance(keep_prompt_ends, bool):
             raise KvatlasError(f"keep_prompt_ends: {keep_prompt_ends!r} is not True or False; give a bool")
         self.keep_prompt_ends = keep_prompt_ends
