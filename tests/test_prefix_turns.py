@@ -54,5 +54,5 @@ def test_with_the_answer_keyed_the_next_turn_resumes_past_it_either_way():
 
 def test_the_flag_must_be_a_bool():
     c = allocate(plan("tiny-v4", "64MiB", max_model_len=4096, max_running_requests=2, prefix_checkpoints=16))
-    with pytest.raises(KvatlasError, match="^keep_prompt_ends: 1 is not True or False; give a bool"):
+    with pytest.raises(KvatlasError, match="^keep_prompt_ends: 1 is not a boolean; give True or False"):
         PrefixCache(c.allocator, keep_prompt_ends=1)

@@ -149,7 +149,7 @@ ADMISSION_WINDOW = 0
 
 
 def _check_args(cache, requests, *, accept_rate, seed, writer, step_s, record, time_model, sample_s, host,
-                check_integrity) -> list:
+                check_integrity, queue_aware_eviction) -> list:
     """Every constructor argument checked before anything is built (a KvatlasError naming it);
     the requests as a list."""
     from ..cache.kvcache import KVCache
@@ -167,7 +167,8 @@ def _check_args(cache, requests, *, accept_rate, seed, writer, step_s, record, t
     real("step_s", step_s, 0.0, 3600.0, open_low=True)
     whole("seed", seed, 0, 2**63 - 1)
     real("sample_s", sample_s, 0.0, 1e12)
-    for name, flag in (("record", record), ("check_integrity", check_integrity)):
+    for name, flag in (("record", record), ("check_integrity", check_integrity),
+                       ("queue_aware_eviction", queue_aware_eviction)):
         if not isinstance(flag, bool):
             raise ConfigError(name, f"{flag!r} is not True or False", "give a bool")
     if time_model is not None and not isinstance(time_model, TimeModel):
@@ -192,7 +193,7 @@ class Simulator:
                  admission_window: int = ADMISSION_WINDOW, queue_aware_eviction: bool = True) -> None:
         requests = _check_args(cache, requests, accept_rate=accept_rate, seed=seed, writer=writer, step_s=step_s,
                                record=record, time_model=time_model, sample_s=sample_s, host=host,
-                               check_integrity=check_integrity)
+                               check_integrity=check_integrity, queue_aware_eviction=queue_aware_eviction)
         if integrity_share is not None:
             real("integrity_share", integrity_share, 0.0, 1e6, open_low=True)
         whole("hold_for_writers", hold_for_writers, 0, 1 << 20)
@@ -204,8 +205,6 @@ class Simulator:
         self._held: dict = {}     # request id -> passes it was passed over so far
         # prefix-first admission (module doc): how many waiting requests are ordered by cached prefix
         self.admission_window = admission_window if cache.prefix is not None else 0
-        if not isinstance(queue_aware_eviction, bool):
-            raise ConfigError("queue_aware_eviction", f"{queue_aware_eviction!r} is not True or False", "give a bool")
         # queue-aware eviction (module doc): the prefix cache knows the waiting requests
         self.queue_aware_eviction = queue_aware_eviction and cache.prefix is not None
         # debug mode: counters compared after every pass, every book recounted paced by CPU (module doc)
@@ -336,15 +335,16 @@ class Simulator:
 
     def _arrive(self, now_s: float) -> None:
         while self.pending and self.pending[0].arrival_s <= now_s:
-            self._queue(self.pending.popleft(), None)
+            r = self.pending.popleft()
+            self._queue(r, r.arrival_s)
         while self._released and self._released[0][0] <= now_s:
             t, _, r = heapq.heappop(self._released)
             self._queue(r, t)
 
-    def _queue(self, r, t) -> None:
-        """The request joins the waiting queue (at t; None: its arrival time)."""
+    def _queue(self, r, t: float) -> None:
+        """The request joins the waiting queue at time t."""
         self.waiting.append(r)
-        self.latency.arrived(r, r.arrival_s if t is None else t)
+        self.latency.arrived(r, t)
         self.stats.arrived += 1
         if self.queue_aware_eviction:
             keys = self._prompt_keys(r)

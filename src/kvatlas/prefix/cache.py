@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..checks import request_id as check_request_id, whole
+from ..checks import boolean, request_id as check_request_id, whole
 from ..errors import KvatlasError, PoolExhaustedError, RequestStateError
 from ..planning.buffers import CHECKPOINTS, FULL_PAGES, SWA_PAGES
 from ..units import cdiv
@@ -124,9 +124,7 @@ class PrefixCache:
         # keep the resume point at the last full page boundary of each prompt that continues
         # cached pages, as a divergence point (admit): the next turn of a conversation resumes
         # there when the answer's pages are not keyed (vLLM keeps the same "replay boundary")
-        if not isinstance(keep_prompt_ends, bool):
-            raise KvatlasError(f"keep_prompt_ends: {keep_prompt_ends!r} is not True or False; give a bool")
-        self.keep_prompt_ends = keep_prompt_ends
+        self.keep_prompt_ends = boolean("keep_prompt_ends", keep_prompt_ends)
         allocator.on_capture = self._on_capture
         allocator.on_need_checkpoint = self._need_checkpoint
         allocator.on_slot_end = self._slot_end
