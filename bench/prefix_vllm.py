@@ -16,9 +16,10 @@ concurrency, in one run.
   instead, as before issue 34). `--hold-for-writers N`: the simulator's cache-aware admission
   (a waiting request whose next pages running requests are writing is passed over for up to N
   passes; default the Simulator's), the concurrent mode's TTFT (mean, p50, p90, on the virtual
-  clock) printed beside its hits. Queue-aware eviction on (the Simulator's default: arrivals
-  enqueued with the prefix cache, whose eviction keeps what waiting requests would hit;
-  `--no-kvatlas-queue-aware-eviction` turns it off, as before).
+  clock) printed beside its hits; vLLM's concurrent rows print theirs too (arrival to the end of
+  the pass whose outputs carry the request's first token, on the same clock). Queue-aware
+  eviction on (the Simulator's default: arrivals enqueued with the prefix cache, whose eviction
+  keeps what waiting requests would hit; `--no-kvatlas-queue-aware-eviction` turns it off).
 - vLLM as shipped: `VLLM_PLUGINS` is set empty before vLLM is imported, so no plugin installed in
   the venv (kvatlas's own among them) loads inside the vLLM side. vLLM 0.34's
   `cache_aware_admission_window` (`--admission-window N`, 0.34 only; its threshold left at its
@@ -43,14 +44,14 @@ keys of the same blocks (sequential, as prefix_hit.py). Modes:
   decode), kvatlas's Simulator (its own passes).
 
 The same serving limits for both: 256 running requests (vLLM's max_num_seqs default, kvatlas's
-max_running_requests), 8,192 tokens per pass (max_num_batched_tokens, chunked prefill on;
+max_running_requests; `--max-running N` sets both), 8,192 tokens per pass (max_num_batched_tokens, chunked prefill on;
 chunked_prefill_tokens), max_model_len the model's (1,048,576), no speculative decoding.
 Hit ratio: hit prompt tokens / prompt tokens, and in 512-token blocks (hit tokens / 512 over the
 trace's blocks) as prefix_hit.py counts it.
 
     .venv-vllm/bin/python bench/prefix_vllm.py [--budgets 16,32,64,120] [--retention 0,4096,8192,16384,None]
         [--modes sequential,concurrent] [--engines kvatlas,vllm] [--admission-window 0,64] [--kvatlas-admission-window W] [--hold-for-writers N]
-        [--limit N] [--json FILE]
+        [--max-running N] [--limit N] [--json FILE]
     .venv-vllm/bin/python bench/prefix_vllm.py --merge A.json B.json ...   (runs made apart, one table)
 """
 
@@ -159,6 +160,8 @@ class VllmReplay:
         self.passes = self.prefill_tokens = self.decode_tokens = self.preempted_lookups = 0
         self.stats_hits = self.stats_queries = 0
         self.pending_s = 0.0        # pass time of the batches scheduled since the clock last moved
+        self.first_s = np.full(len(requests), np.nan)   # virtual time of each request's first output token
+        self._firsts: list = []     # requests whose first token the last step put out
         self._hook()
 
     def _hook(self) -> None:
@@ -207,6 +210,11 @@ class VllmReplay:
             if st is not None and st.prefix_cache_stats is not None:
                 self.stats_hits += st.prefix_cache_stats.hits
                 self.stats_queries += st.prefix_cache_stats.queries
+            for o in out.outputs:
+                i = self.index[o.request_id]
+                if o.new_token_ids and np.isnan(self.first_s[i]):
+                    self.first_s[i] = -1.0   # (its time: the clock once the pass is counted, concurrent)
+                    self._firsts.append(i)
         self.eng.outputs.clear()
 
     def sequential(self) -> dict:
@@ -231,8 +239,14 @@ class VllmReplay:
             queue = eng.core.batch_queue
             # a step that scheduled nothing while nothing is in flight: an idle pass, so that time moves
             clock += self.pending_s or (0.0 if queue else self.tm.pass_s)
+            for j in self._firsts:   # the first token comes out at the end of the pass that made it
+                self.first_s[j] = clock
+            self._firsts.clear()
         out = self._result(t0)
         out["virtual_s"] = clock
+        ttft = self.first_s - np.array([r.arrival_s for r in self.requests])
+        assert not np.isnan(ttft).any(), "a request never put out a token"
+        out["ttft_s"] = {"mean": float(ttft.mean()), **{f"p{q}": float(np.percentile(ttft, q)) for q in (50, 90, 99)}}
         return out
 
     def _result(self, t0: float) -> dict:
@@ -253,7 +267,8 @@ def run_budget(gib: int, trace, requests, retentions, modes, engines, tm, rows: 
                share: str = "written", hold: int | None = None, kv_window: int | None = None,
                checkpoint_share: float = 0.25, online_c128: bool = False, queue_aware: bool = True) -> None:
     """Every run at one budget, appended to rows; save() after each (a long run keeps what it has)."""
-    p = prefix_hit.make_plan(gib, checkpoint_share, **(dict(online_c128=True) if online_c128 else {}))
+    p = prefix_hit.make_plan(gib, checkpoint_share, max_running_requests=SERVING["max_num_seqs"],
+                             **(dict(online_c128=True) if online_c128 else {}))
     for mode in modes:
         if "kvatlas" in engines:
             r = kvatlas_sequential(p, trace) if mode == "sequential" else \
@@ -281,7 +296,8 @@ def finish_row(r: dict, gib: int, mode: str, requests) -> dict:
     prompt = sum(x.prompt_tokens for x in requests)
     blocks = sum(-(-x.prompt_tokens // 512) for x in requests)
     hits = np.asarray(r.pop("hits"))
-    r.update(budget_gib=gib, mode=mode, hit_tokens=int(hits.sum()), prompt_tokens=prompt, blocks=blocks,
+    r.update(budget_gib=gib, mode=mode, max_running=SERVING["max_num_seqs"], hit_tokens=int(hits.sum()),
+             prompt_tokens=prompt, blocks=blocks,
              hit_ratio=float(hits.sum() / prompt), hit_ratio_blocks=float(hits.sum() / 512 / blocks),
              hits=hits.tolist())
     name = "kvatlas" if r["engine"] == "kvatlas" else f"vLLM {setting(r)}"
@@ -289,6 +305,7 @@ def finish_row(r: dict, gib: int, mode: str, requests) -> dict:
     extra += (f", TTFT mean {r['ttft_s']['mean']:.2f} s p50 {r['ttft_s']['p50']:.2f} s p90 {r['ttft_s']['p90']:.2f} s"
               if "ttft_s" in r else "")
     extra += f", {r['preempted_lookups']} lookups after preemption" if r.get("preempted_lookups") else ""
+    extra += f", {SERVING['max_num_seqs']} running at most" if SERVING["max_num_seqs"] != 256 else ""
     print(f"{gib:>4} GiB {mode:>10} {name:>26}: hit {r['hit_ratio']:7.2%} of prompt tokens, "
           f"{r['hit_ratio_blocks']:7.2%} in blocks  ({r['seconds']:.0f} s{extra})", flush=True)
     return r
@@ -433,11 +450,17 @@ def main() -> None:
                          "waiting requests would hit (default on; --no-kvatlas-queue-aware-eviction: as before)")
     ap.add_argument("--vllm-plugins", default="",
                     help="VLLM_PLUGINS for the vLLM side (default empty: vLLM as shipped, no plugin loads)")
+    ap.add_argument("--max-running", type=int, default=SERVING["max_num_seqs"],
+                    help="running requests at most, for both: vLLM's max_num_seqs and kvatlas's max_running_requests "
+                         f"(default {SERVING['max_num_seqs']}, vLLM's default)")
     ap.add_argument("--limit", type=int, default=0, help="first N requests only (0: all)")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--merge", type=Path, nargs="+", help="print the table of earlier --json runs")
     args = ap.parse_args()
     os.environ["VLLM_PLUGINS"] = args.vllm_plugins   # before vLLM is imported (build_engine imports it)
+    if args.max_running < 1:
+        ap.error(f"--max-running: {args.max_running} is not a count of requests; give 1 or more")
+    SERVING["max_num_seqs"] = args.max_running
     if args.merge:
         rows = [r for p in args.merge for r in json.loads(p.read_text())["results"]]
     else:
