@@ -73,6 +73,7 @@ def test_a_share_the_budget_cannot_hold_is_refused_not_fitted():
     big = fit.trials[-1]
     assert big.share == 0.45 and big.refused and "prefix_checkpoints" in big.refused
     assert fit.best.share == 0.1 and "does not fit the budget" in fit.table()
+    assert big.running == 8 and not fit.running_fitted and fit.table().split()[0] == "share"   # one count: no column
 
 
 @pytest.mark.parametrize("kwargs,field", [({"shares": (0.0, 0.2)}, "shares"), ({"shares": (1.5,)}, "shares"),
@@ -160,3 +161,82 @@ def test_a_tie_goes_to_more_pages_then_to_more_resume_points():
     # pages capped by what requests address: more points cost nothing the pages could use
     assert _best([t(0.1, 10, 90, 500), t(0.2, 20, 90, 500), t(0.3, 30, 90, 500)]).share == 0.3
     assert _best([t(0.1, 10, 90, 500), t(0.2, 20, 80, 501)]).share == 0.2
+
+
+# ---------------------------------------------------------------- running requests fitted beside the share
+def replay_of(running: int, checkpoints: int, requests) -> tuple[int, float]:
+    """A replay of its own at that running count: hit tokens and mean TTFT."""
+    opts = {**OPTS, "max_running_requests": running}
+    cache = kvatlas.allocate(kvatlas.plan(MODEL, **opts, prefix_checkpoints=checkpoints), backend="none")
+    sim = Simulator(cache, requests, record=False)
+    sim.run_offline()
+    return cache.prefix.stats.hit_tokens, sim.latency.summary()["all"]["ttft_s"]["mean"]
+
+
+def test_running_counts_are_fitted_each_with_its_share_then_the_count_by_hits_within_the_ttft_slack():
+    reqs = workload()
+    opts = {k: v for k, v in OPTS.items() if k != "max_running_requests"}
+    fit = fit_checkpoints(MODEL, reqs, shares=(0.05, 0.15), running=(4, 8, 2), **opts)
+    assert [(t.running, t.share) for t in fit.trials] == [(2, 0.05), (2, 0.1), (2, 0.15), (4, 0.05), (4, 0.1),
+                                                          (4, 0.15), (8, 0.05), (8, 0.1), (8, 0.15)]
+    for t in (fit.trials[0], fit.trials[5], fit.trials[7]):   # each trial is the replay at its own count
+        assert (t.hit_tokens, t.ttft_mean_s) == replay_of(t.running, t.checkpoints, reqs), t
+    per = {n: max((t for t in fit.trials if t.running == n), key=lambda t: (t.hit_tokens, t.full_pages, t.checkpoints))
+           for n in (2, 4, 8)}
+    low = min(t.ttft_mean_s for t in per.values())
+    assert fit.best == max((t for t in per.values() if t.ttft_mean_s <= 1.1 * low), key=lambda t: t.hit_tokens)
+    assert fit.best.running == 8 and fit.to_dict()["max_running_requests"] == 8
+    table = fit.table()
+    assert table.splitlines()[0].split()[0] == "running" and "TTFT mean" in table and "<- fitted" in table
+
+
+def test_a_count_that_hits_more_but_waits_beyond_the_slack_is_passed_over():
+    from kvatlas.driving.fit import _best_running, Trial
+    few = Trial(share=0.1, checkpoints=10, full_pages=900, hit_tokens=600, queried_tokens=1000, running=32,
+                ttft_mean_s=130.0)
+    mid = Trial(share=0.1, checkpoints=10, full_pages=800, hit_tokens=560, queried_tokens=1000, running=64,
+                ttft_mean_s=109.0)
+    many = Trial(share=0.1, checkpoints=10, full_pages=500, hit_tokens=520, queried_tokens=1000, running=256,
+                 ttft_mean_s=100.0)
+    assert _best_running([few, mid, many], 0.1) is mid      # 130 s is past 110 s; 109 s is within
+    assert _best_running([few, mid, many], 0.3) is few      # a wider slack takes the most hits
+    assert _best_running([few, mid, many], 0.0) is many     # no slack: the lowest TTFT
+    assert _best_running([few], 0.0) is few
+
+
+@pytest.mark.parametrize("kwargs,field", [({"running": ()}, "running"), ({"running": (0, 8)}, "running"),
+                                          ({"running": "8"}, "running"), ({"running": 8}, "running"),
+                                          ({"running": (4.0,)}, "running"), ({"running": (4, True)}, "running"),
+                                          ({"running": (4, 8), "max_running_requests": 8}, "max_running_requests"),
+                                          ({"running": (4, 8), "ttft_slack": -0.1}, "ttft_slack")])
+def test_bad_running_counts_are_named(kwargs, field):
+    opts = {k: v for k, v in OPTS.items() if k != "max_running_requests"}
+    with pytest.raises(ConfigError) as e:
+        fit_checkpoints(MODEL, workload(), **{**opts, **kwargs})
+    assert e.value.field == field
+
+
+def test_simulate_fits_the_running_count_then_runs_with_it(tmp_path, capsys):
+    sim = [a for a in SIM if a not in ("--max-running-requests", "8")]
+    assert main([*sim, "--prefix-checkpoints", "fit", "--fit-running", "8,4", "--out", str(tmp_path / "f")]) == 0
+    out = capsys.readouterr().out
+    opts = {k: v for k, v in OPTS.items() if k != "max_running_requests"}
+    fit = fit_checkpoints(MODEL, workload(), simulator={"time_model": default_time_model(), "seed": 3},
+                          running=(4, 8), **opts)
+    assert fit.table() in out and f"fitted: --max-running-requests {fit.best.running} " in out
+    assert f"fitted: --prefix-checkpoints {fit.best.checkpoints} " in out
+    assert main([*sim, "--max-running-requests", str(fit.best.running), "--prefix-checkpoints",
+                 str(fit.best.checkpoints), "--out", str(tmp_path / "n")]) == 0
+    plain = capsys.readouterr().out
+    line = lambda text: next(ln for ln in text.splitlines() if ln.startswith("prefix cache"))
+    assert line(out) == line(plain)   # the run after the fit is the run with both counts given
+
+
+@pytest.mark.parametrize("extra,needle", [(["--fit-running", "4,8", "--prefix-checkpoints", "16"], "--fit-running"),
+                                          (["--prefix-checkpoints", "fit", "--fit-running", "4,x"], "not a whole number"),
+                                          (["--prefix-checkpoints", "fit", "--fit-running", "0"], "out of range"),
+                                          (["--prefix-checkpoints", "fit", "--fit-running", ","], "no count given")])
+def test_bad_fit_running_flags_are_named(extra, needle, tmp_path, capsys):
+    assert main([*SIM, *extra, "--out", str(tmp_path / "b")]) == 2
+    err = capsys.readouterr().err
+    assert needle in err, err

@@ -25,11 +25,27 @@ def add_parser(p) -> None:
                    "per pass) and PREFIX.requests.csv (latency per request) (default kvatlas-sim)")
     g.add_argument("--no-plot", action="store_true", help="write the CSV only")
     g.add_argument("--max-steps", type=count(1), default=None, help="stop after this many forward passes")
+    p.add_argument("--fit-running", type=counts_arg, default=None, metavar="N,N,...",
+                   help="with --prefix-checkpoints fit: also fit --max-running-requests among these counts (each "
+                        "slot's fixed state comes out of the budget): the count that hits most among those whose "
+                        "mean time to first token is within 10%% of the lowest, its share fitted as for one count")
     p.add_argument("--ranks", type=count(1, 64), default=1, help="run N rank processes, requests dealt round-robin, "
                    "each writing PREFIX.rankR.*, sharing --shared-tier (mooncake:// or redis://) (default 1)")
     if os.environ.get(RANK_CHILD_ENV) == "1":   # a rank process simulate --ranks started: only it takes these
         p.add_argument("--rank", type=count(0, 63), required=True, help=argparse.SUPPRESS)
         p.add_argument("--ranks-of", type=count(2, 64), required=True, help=argparse.SUPPRESS)
+
+
+def counts_arg(text: str) -> list[int]:
+    """--fit-running: a comma list of running-request counts, each a whole number from 1."""
+    parse = count(1, 1 << 20)
+    parts = [x.strip() for x in text.split(",")]
+    if not any(parts):
+        raise argparse.ArgumentTypeError("no count given; give a comma list such as 64,128,256")
+    return sorted({parse(x) for x in parts})
+
+
+counts_arg.__name__ = "comma list of counts"
 
 
 def run(args) -> int:
@@ -41,6 +57,9 @@ def run(args) -> int:
     if args.prefix_checkpoints == FIT and (args.ranks > 1 or args.ranks_of > 1):
         raise ConfigError("--prefix-checkpoints", "fit with --ranks (each rank would fit to its share of the "
                           "workload)", "fit on one rank first, then give every rank the count it prints")
+    if args.fit_running is not None and args.prefix_checkpoints != FIT:
+        raise ConfigError("--fit-running", "fits the running count beside the resume points", "give it with "
+                          "--prefix-checkpoints fit, or give --max-running-requests alone")
     if args.ranks > 1 and args.ranks_of > 1:
         raise ConfigError("--ranks", "given to a rank process", "drop --ranks")
     if args.ranks > 1:
@@ -79,24 +98,33 @@ def fit_from_args(args):
     from dataclasses import replace
 
     from ..driving.fit import SHARES, checkpoints_for_share, default_jobs, fit_checkpoints
+    running = args.fit_running
+    if running is not None:
+        args.max_running_requests = running[0]   # provisional, as the count below: the fewest
     opts = options_from_args(args, prefix_checkpoints=0)
     model = args.model
     args.prefix_checkpoints = checkpoints_for_share(model, SHARES[0], **opts)   # provisional: the checks below
     pr = prepare(args, plan_from_args)
+    if running is not None:
+        opts.pop("max_running_requests")   # (fitted among those counts)
     jobs = default_jobs()
     print(f"fitting --prefix-checkpoints: the {len(pr.requests):,} requests replayed at shares "
-          f"{', '.join(f'{s:g}' for s in SHARES)} of the budget, then around the best (bookkeeping only; "
-          f"{jobs} replays at once)", flush=True)
+          f"{', '.join(f'{s:g}' for s in SHARES)} of the budget, then around the best"
+          + (f", at {', '.join(map(str, running))} running requests each" if running else "")
+          + f" (bookkeeping only; {jobs} replays at once)", flush=True)
     t0 = time.perf_counter()
     sim = {"time_model": pr.time_model, "accept_rate": args.accept_rate, "seed": args.seed,
            "hold_for_writers": args.hold_for_writers, "admission_window": args.admission_window,
            "queue_aware_eviction": args.queue_aware_eviction}
-    fit = fit_checkpoints(model, pr.requests, simulator=sim, jobs=jobs, progress=lambda t: print(
-        f"  share {t.share:g}: " + ("does not fit the budget" if t.refused else
+    fit = fit_checkpoints(model, pr.requests, simulator=sim, jobs=jobs, running=running, progress=lambda t: print(
+        (f"  {t.running} running," if running else " ") + f" share {t.share:g}: " + ("does not fit the budget" if t.refused else
                                     f"{t.checkpoints:,} resume points, hit {t.hit_ratio:.2%}")
         + f" ({time.perf_counter() - t0:.0f} s)", flush=True), **opts)
     print(fit.table())
     args.prefix_checkpoints = fit.best.checkpoints
+    if running:
+        args.max_running_requests = fit.best.running
+        print(f"fitted: --max-running-requests {fit.best.running} (mean TTFT {fit.best.ttft_mean_s:.2f} s)", flush=True)
     print(f"fitted: --prefix-checkpoints {fit.best.checkpoints} ({fit.best.share:g} of the budget); the run "
           "below uses it\n", flush=True)
     p = plan_from_args(args)
