@@ -218,12 +218,14 @@ def test_bad_running_counts_are_named(kwargs, field):
 
 def test_simulate_fits_the_running_count_then_runs_with_it(tmp_path, capsys):
     sim = [a for a in SIM if a not in ("--max-running-requests", "8")]
-    assert main([*sim, "--prefix-checkpoints", "fit", "--fit-running", "8,4", "--out", str(tmp_path / "f")]) == 0
+    assert main([*sim, "--prefix-checkpoints", "fit", "--fit-running", "8,4", "--fit-ttft-slack", "0.5", "--out",
+                 str(tmp_path / "f")]) == 0
     out = capsys.readouterr().out
     opts = {k: v for k, v in OPTS.items() if k != "max_running_requests"}
     fit = fit_checkpoints(MODEL, workload(), simulator={"time_model": default_time_model(), "seed": 3},
-                          running=(4, 8), **opts)
+                          running=(4, 8), ttft_slack=0.5, **opts)
     assert fit.table() in out and f"fitted: --max-running-requests {fit.best.running} " in out
+    assert "at 4, 8 running requests each (the count: the most hits within 50% of the lowest mean TTFT)" in out
     assert f"fitted: --prefix-checkpoints {fit.best.checkpoints} " in out
     assert main([*sim, "--max-running-requests", str(fit.best.running), "--prefix-checkpoints",
                  str(fit.best.checkpoints), "--out", str(tmp_path / "n")]) == 0
@@ -235,7 +237,10 @@ def test_simulate_fits_the_running_count_then_runs_with_it(tmp_path, capsys):
 @pytest.mark.parametrize("extra,needle", [(["--fit-running", "4,8", "--prefix-checkpoints", "16"], "--fit-running"),
                                           (["--prefix-checkpoints", "fit", "--fit-running", "4,x"], "not a whole number"),
                                           (["--prefix-checkpoints", "fit", "--fit-running", "0"], "out of range"),
-                                          (["--prefix-checkpoints", "fit", "--fit-running", ","], "no count given")])
+                                          (["--prefix-checkpoints", "fit", "--fit-running", ","], "no count given"),
+                                          (["--prefix-checkpoints", "fit", "--fit-ttft-slack", "0.2"], "--fit-ttft-slack"),
+                                          (["--prefix-checkpoints", "fit", "--fit-running", "4,8", "--fit-ttft-slack",
+                                            "-1"], "--fit-ttft-slack")])
 def test_bad_fit_running_flags_are_named(extra, needle, tmp_path, capsys):
     assert main([*SIM, *extra, "--out", str(tmp_path / "b")]) == 2
     err = capsys.readouterr().err

@@ -28,7 +28,11 @@ def add_parser(p) -> None:
     p.add_argument("--fit-running", type=counts_arg, default=None, metavar="N,N,...",
                    help="with --prefix-checkpoints fit: also fit --max-running-requests among these counts (each "
                         "slot's fixed state comes out of the budget): the count that hits most among those whose "
-                        "mean time to first token is within 10%% of the lowest, its share fitted as for one count")
+                        "mean time to first token is within --fit-ttft-slack of the lowest, its share fitted as for "
+                        "one count")
+    p.add_argument("--fit-ttft-slack", type=number(0.0, 1e6), default=None, metavar="F",
+                   help="with --fit-running: how much more mean TTFT than the lowest a count may cost, as a fraction "
+                        "(default 0.1: 10%%)")
     p.add_argument("--ranks", type=count(1, 64), default=1, help="run N rank processes, requests dealt round-robin, "
                    "each writing PREFIX.rankR.*, sharing --shared-tier (mooncake:// or redis://) (default 1)")
     if os.environ.get(RANK_CHILD_ENV) == "1":   # a rank process simulate --ranks started: only it takes these
@@ -57,6 +61,9 @@ def run(args) -> int:
     if args.prefix_checkpoints == FIT and (args.ranks > 1 or args.ranks_of > 1):
         raise ConfigError("--prefix-checkpoints", "fit with --ranks (each rank would fit to its share of the "
                           "workload)", "fit on one rank first, then give every rank the count it prints")
+    if args.fit_ttft_slack is not None and args.fit_running is None:
+        raise ConfigError("--fit-ttft-slack", "weighs the running counts --fit-running tries", "give it with "
+                          "--fit-running, or drop it")
     if args.fit_running is not None and args.prefix_checkpoints != FIT:
         raise ConfigError("--fit-running", "fits the running count beside the resume points", "give it with "
                           "--prefix-checkpoints fit, or give --max-running-requests alone")
@@ -97,7 +104,7 @@ def fit_from_args(args):
     and the run prepared with the count that hit most."""
     from dataclasses import replace
 
-    from ..driving.fit import SHARES, checkpoints_for_share, default_jobs, fit_checkpoints
+    from ..driving.fit import SHARES, TTFT_SLACK, checkpoints_for_share, default_jobs, fit_checkpoints
     running = args.fit_running
     if running is not None:
         args.max_running_requests = running[0]   # provisional, as the count below: the fewest
@@ -108,18 +115,23 @@ def fit_from_args(args):
     if running is not None:
         opts.pop("max_running_requests")   # (fitted among those counts)
     jobs = default_jobs()
+    slack = TTFT_SLACK if args.fit_ttft_slack is None else args.fit_ttft_slack
     print(f"fitting --prefix-checkpoints: the {len(pr.requests):,} requests replayed at shares "
           f"{', '.join(f'{s:g}' for s in SHARES)} of the budget, then around the best"
-          + (f", at {', '.join(map(str, running))} running requests each" if running else "")
+          + (f", at {', '.join(map(str, running))} running requests each (the count: the most hits within "
+             f"{slack:.0%} of the lowest mean TTFT)" if running else "")
           + f" (bookkeeping only; {jobs} replays at once)", flush=True)
     t0 = time.perf_counter()
     sim = {"time_model": pr.time_model, "accept_rate": args.accept_rate, "seed": args.seed,
            "hold_for_writers": args.hold_for_writers, "admission_window": args.admission_window,
            "queue_aware_eviction": args.queue_aware_eviction}
-    fit = fit_checkpoints(model, pr.requests, simulator=sim, jobs=jobs, running=running, progress=lambda t: print(
-        (f"  {t.running} running," if running else " ") + f" share {t.share:g}: " + ("does not fit the budget" if t.refused else
-                                    f"{t.checkpoints:,} resume points, hit {t.hit_ratio:.2%}")
-        + f" ({time.perf_counter() - t0:.0f} s)", flush=True), **opts)
+
+    def progress(t) -> None:
+        print((f"  {t.running} running," if running else " ") + f" share {t.share:g}: "
+              + ("does not fit the budget" if t.refused else f"{t.checkpoints:,} resume points, hit {t.hit_ratio:.2%}")
+              + f" ({time.perf_counter() - t0:.0f} s)", flush=True)
+    fit = fit_checkpoints(model, pr.requests, simulator=sim, jobs=jobs, running=running, ttft_slack=slack,
+                          progress=progress, **opts)
     print(fit.table())
     args.prefix_checkpoints = fit.best.checkpoints
     if running:

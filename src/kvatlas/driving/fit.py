@@ -18,7 +18,7 @@ Running requests (`running=`, optional). Each request slot holds its compressor 
 from the start whether a request uses it or not, so a small budget spends much of itself on slots:
 V4-Flash at 16 GiB holds 8,462 full pages with 256 slots and 12,822 with 64, and on the Mooncake
 trace 64 slots hit 56.0% of prompt tokens against 51.9% with 256, with about the same time to
-first token (bench/RESULTS.md, "Running requests as a setting"). Fewer slots also mean more passes,
+first token, 128 slots 53.9% with less (bench/RESULTS.md, "Running requests as a setting"). Fewer slots also mean more passes,
 so below some count the queue grows: the share is fitted for each candidate count as above, and the
 count chosen is the one that hits most among those whose mean time to first token (the
 simulator's virtual clock) is within `ttft_slack` of the lowest any candidate reached.
