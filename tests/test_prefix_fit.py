@@ -245,3 +245,30 @@ def test_bad_fit_running_flags_are_named(extra, needle, tmp_path, capsys):
     assert main([*SIM, *extra, "--out", str(tmp_path / "b")]) == 2
     err = capsys.readouterr().err
     assert needle in err, err
+
+
+def test_tune_fits_the_running_count_too_and_measures_the_fitted_flags(capsys):
+    import json
+
+    assert main([*TUNE, "--fit-checkpoints", "--fit-running", "16,4,8", "--simulate", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    got = doc["fitted_checkpoints"]
+    kv = doc["engines"][0]["tuned"]["flags"]
+    # by hand: tune's other flags for kvatlas, each count replayed with the model's context as max_model_len
+    fit = fit_checkpoints(MODEL, workload(), simulator={"time_model": default_time_model()}, memory_bytes=1 << 30,
+                          chunked_prefill_tokens=kv["--chunked-prefill-tokens"], max_model_len=4096, running=(4, 8, 16))
+    assert got == fit.to_dict() and got["max_running_requests"] in (4, 8, 16)
+    assert {t["max_running_requests"] for t in got["trials"]} == {4, 8, 16}
+    fitted = doc["simulated"]["fitted"]
+    assert fitted["hit_tokens"] == fit.best.hit_tokens and fitted["peak_running"] <= fit.best.running
+    assert main([*TUNE, "--fit-checkpoints", "--fit-running", "4,8,16"]) == 0
+    out = capsys.readouterr().out
+    assert fit.table() in out
+    assert (f"start kvatlas with --max-running-requests {fit.best.running} --max-model-len 4096 --prefix-checkpoints "
+            f"{fit.best.checkpoints} ") in out
+
+
+@pytest.mark.parametrize("extra", [["--fit-running", "4,8"], ["--fit-checkpoints", "--fit-ttft-slack", "0.3"]])
+def test_tune_fit_running_flags_need_what_they_weigh(extra, capsys):
+    assert main([*TUNE, *extra]) == 2
+    assert extra[-2] in capsys.readouterr().err

@@ -116,12 +116,14 @@ class Tuning:
         flags = getattr(self.engine("kvatlas"), which).flags
         return {names[k]: v for k, v in flags.items() if k in names}
 
-    def kvatlas_plan(self, which: str = "tuned", checkpoints: int | None = None):
+    def kvatlas_plan(self, which: str = "tuned", checkpoints: int | None = None, running: int | None = None):
         """The plan kvatlas's `which` flags make, for this budget (with `checkpoints` resume points
-        instead of theirs, if given)."""
+        instead of theirs, if given; and `running` requests, each of the model's context, if given)."""
         opts = self.kvatlas_options(which)
         if checkpoints is not None:
             opts["prefix_checkpoints"] = checkpoints
+        if running is not None:
+            opts.update(max_running_requests=running, max_model_len=self.model.max_position_embeddings)
         return plan(self.model, self.budget_bytes, **opts)
 
     def to_dict(self) -> dict:

@@ -234,6 +234,41 @@ def _checkpoints(value):
     return value
 
 
+def counts_arg(text: str) -> list[int]:
+    """--fit-running: a comma list of running-request counts, each a whole number from 1."""
+    parse = count(1, 1 << 20)
+    parts = [x.strip() for x in text.split(",")]
+    if not any(parts):
+        raise argparse.ArgumentTypeError("no count given; give a comma list such as 64,128,256")
+    return sorted({parse(x) for x in parts})
+
+
+counts_arg.__name__ = "comma list of counts"
+
+
+def add_fit_running_args(p, fit_flag: str) -> None:
+    """--fit-running and --fit-ttft-slack (kvatlas.driving.fit), given beside `fit_flag`."""
+    p.add_argument("--fit-running", type=counts_arg, default=None, metavar="N,N,...",
+                   help=f"with {fit_flag}: also fit --max-running-requests among these counts (each slot's fixed "
+                        "state comes out of the budget): the count that hits most among those whose mean time to "
+                        "first token is within --fit-ttft-slack of the lowest, its share fitted as for one count")
+    p.add_argument("--fit-ttft-slack", type=number(0.0, 1e6), default=None, metavar="F",
+                   help="with --fit-running: how much more mean TTFT than the lowest a count may cost, as a fraction "
+                        "(default 0.1: 10%%)")
+
+
+def check_fit_running_args(args, fitting: bool, fit_flag: str) -> float:
+    """The two flags' checks (`fitting`: `fit_flag` was given); returns the slack to fit with."""
+    if args.fit_ttft_slack is not None and args.fit_running is None:
+        raise ConfigError("--fit-ttft-slack", "weighs the running counts --fit-running tries", "give it with "
+                          "--fit-running, or drop it")
+    if args.fit_running is not None and not fitting:
+        raise ConfigError("--fit-running", "fits the running count beside the resume points", f"give it with "
+                          f"{fit_flag}, or give --max-running-requests alone")
+    from ..driving.fit import TTFT_SLACK
+    return TTFT_SLACK if args.fit_ttft_slack is None else args.fit_ttft_slack
+
+
 def weights_arg(text: str):
     """--weights as plan() takes it: "auto", 0 (none: the whole fraction is KV) or bytes."""
     w = text.strip()

@@ -9,7 +9,8 @@ import time
 
 from ..errors import ConfigError
 from ..observing.progress import Bar, wanted
-from .common import FIT, add_deployment_args, check_output_file, count, number, options_from_args, plan_from_args
+from .common import (FIT, add_deployment_args, add_fit_running_args, check_fit_running_args, check_output_file, count,
+                     number, options_from_args, plan_from_args)
 from .drive import add_drive_args, build, host_memory, prepare, summary
 from .ranks import RANK_CHILD_ENV
 
@@ -25,31 +26,12 @@ def add_parser(p) -> None:
                    "per pass) and PREFIX.requests.csv (latency per request) (default kvatlas-sim)")
     g.add_argument("--no-plot", action="store_true", help="write the CSV only")
     g.add_argument("--max-steps", type=count(1), default=None, help="stop after this many forward passes")
-    p.add_argument("--fit-running", type=counts_arg, default=None, metavar="N,N,...",
-                   help="with --prefix-checkpoints fit: also fit --max-running-requests among these counts (each "
-                        "slot's fixed state comes out of the budget): the count that hits most among those whose "
-                        "mean time to first token is within --fit-ttft-slack of the lowest, its share fitted as for "
-                        "one count")
-    p.add_argument("--fit-ttft-slack", type=number(0.0, 1e6), default=None, metavar="F",
-                   help="with --fit-running: how much more mean TTFT than the lowest a count may cost, as a fraction "
-                        "(default 0.1: 10%%)")
+    add_fit_running_args(p, "--prefix-checkpoints fit")
     p.add_argument("--ranks", type=count(1, 64), default=1, help="run N rank processes, requests dealt round-robin, "
                    "each writing PREFIX.rankR.*, sharing --shared-tier (mooncake:// or redis://) (default 1)")
     if os.environ.get(RANK_CHILD_ENV) == "1":   # a rank process simulate --ranks started: only it takes these
         p.add_argument("--rank", type=count(0, 63), required=True, help=argparse.SUPPRESS)
         p.add_argument("--ranks-of", type=count(2, 64), required=True, help=argparse.SUPPRESS)
-
-
-def counts_arg(text: str) -> list[int]:
-    """--fit-running: a comma list of running-request counts, each a whole number from 1."""
-    parse = count(1, 1 << 20)
-    parts = [x.strip() for x in text.split(",")]
-    if not any(parts):
-        raise argparse.ArgumentTypeError("no count given; give a comma list such as 64,128,256")
-    return sorted({parse(x) for x in parts})
-
-
-counts_arg.__name__ = "comma list of counts"
 
 
 def run(args) -> int:
@@ -61,12 +43,7 @@ def run(args) -> int:
     if args.prefix_checkpoints == FIT and (args.ranks > 1 or args.ranks_of > 1):
         raise ConfigError("--prefix-checkpoints", "fit with --ranks (each rank would fit to its share of the "
                           "workload)", "fit on one rank first, then give every rank the count it prints")
-    if args.fit_ttft_slack is not None and args.fit_running is None:
-        raise ConfigError("--fit-ttft-slack", "weighs the running counts --fit-running tries", "give it with "
-                          "--fit-running, or drop it")
-    if args.fit_running is not None and args.prefix_checkpoints != FIT:
-        raise ConfigError("--fit-running", "fits the running count beside the resume points", "give it with "
-                          "--prefix-checkpoints fit, or give --max-running-requests alone")
+    check_fit_running_args(args, args.prefix_checkpoints == FIT, "--prefix-checkpoints fit")
     if args.ranks > 1 and args.ranks_of > 1:
         raise ConfigError("--ranks", "given to a rank process", "drop --ranks")
     if args.ranks > 1:
@@ -104,8 +81,8 @@ def fit_from_args(args):
     and the run prepared with the count that hit most."""
     from dataclasses import replace
 
-    from ..driving.fit import SHARES, TTFT_SLACK, checkpoints_for_share, default_jobs, fit_checkpoints
-    running = args.fit_running
+    from ..driving.fit import SHARES, checkpoints_for_share, default_jobs, fit_checkpoints
+    running, slack = args.fit_running, check_fit_running_args(args, True, "")
     if running is not None:
         args.max_running_requests = running[0]   # provisional, as the count below: the fewest
     opts = options_from_args(args, prefix_checkpoints=0)
@@ -115,7 +92,6 @@ def fit_from_args(args):
     if running is not None:
         opts.pop("max_running_requests")   # (fitted among those counts)
     jobs = default_jobs()
-    slack = TTFT_SLACK if args.fit_ttft_slack is None else args.fit_ttft_slack
     print(f"fitting --prefix-checkpoints: the {len(pr.requests):,} requests replayed at shares "
           f"{', '.join(f'{s:g}' for s in SHARES)} of the budget, then around the best"
           + (f", at {', '.join(map(str, running))} running requests each (the count: the most hits within "

@@ -9,7 +9,7 @@ import json
 
 from ..observing.table import render
 from ..units import fmt_bytes, parse_bytes
-from .common import count, number, weights_arg
+from .common import add_fit_running_args, check_fit_running_args, count, number, weights_arg
 from .drive import add_time_model_args, add_workload_args, requests_from_args, time_model
 
 ENGINES = ("sglang", "vllm", "kvatlas")
@@ -40,6 +40,7 @@ def add_parser(p) -> None:
     p.add_argument("--fit-checkpoints", action="store_true", help="replay the workload with kvatlas's tuned flags "
                    "at several shares of the budget in resume points and advise the count that hit most instead of "
                    "a quarter (bookkeeping backend; kvatlas simulate --prefix-checkpoints fit does the same)")
+    add_fit_running_args(p, "--fit-checkpoints")
     p.add_argument("--json", action="store_true", help="print the advice as JSON (schema kvatlas.tune v1)")
 
 
@@ -54,6 +55,7 @@ def run(args) -> int:
     for flag, on in (("--simulate", args.simulate), ("--fit-checkpoints", args.fit_checkpoints)):
         if on and "kvatlas" not in engines:
             raise ConfigError(flag, "runs kvatlas's cache, and kvatlas is not in --engines", "add kvatlas")
+    slack = check_fit_running_args(args, args.fit_checkpoints, "--fit-checkpoints")
     tm = time_model(args)
     pace = Pace(pass_s=tm.pass_s, prefill_s_per_token=tm.prefill_s_per_token, decode_s_per_token=tm.decode_s_per_token)
     from ..planning.model import load_model
@@ -75,11 +77,12 @@ def run(args) -> int:
         raise ConfigError("--simulate", "kvatlas refuses to start with its default flags on this budget, so "
                           "there is no default run to measure", "raise --memory, or drop --simulate")
     if args.fit_checkpoints:
-        fitted = fit_tuned(t, requests, tm)
+        fitted = fit_tuned(t, requests, tm, args.fit_running, slack)
     if args.simulate:
         simulated = {w: run_setting(t, w, requests, tm) for w in ("default", "tuned")}
         if fitted is not None:
-            simulated["fitted"] = run_setting(t, "tuned", requests, tm, fitted.best.checkpoints)
+            simulated["fitted"] = run_setting(t, "tuned", requests, tm, fitted.best.checkpoints,
+                                              fitted.best.running if args.fit_running else None)
     if args.json:
         doc = t.to_dict()
         doc["simulated"] = simulated
@@ -91,11 +94,17 @@ def run(args) -> int:
     return 0
 
 
-def fit_tuned(t, requests, tm):
-    """kvatlas's resume points fitted to the workload with its other tuned flags (driving.fit)."""
-    from ..driving.fit import default_jobs, fit_checkpoints
+def fit_tuned(t, requests, tm, running=None, slack: float | None = None):
+    """kvatlas's resume points fitted to the workload with its other tuned flags (driving.fit);
+    `running`: candidate running counts fitted too, each replayed with the model's context as
+    --max-model-len (the tuned one is sized so the tuned count addresses every page)."""
+    from ..driving.fit import TTFT_SLACK, default_jobs, fit_checkpoints
     opts = {**t.kvatlas_options("tuned"), "prefix_checkpoints": 0, "memory_bytes": t.budget_bytes}
-    return fit_checkpoints(t.model, requests, simulator={"time_model": tm}, jobs=default_jobs(), **opts)
+    if running:
+        del opts["max_running_requests"]
+        opts["max_model_len"] = t.model.max_position_embeddings
+    return fit_checkpoints(t.model, requests, simulator={"time_model": tm}, jobs=default_jobs(), running=running,
+                           ttft_slack=TTFT_SLACK if slack is None else slack, **opts)
 
 
 # the flags that describe a workload: with none of them given, tune assumes its built-in one
@@ -129,11 +138,11 @@ def check_runnable(args, model, requests) -> None:
                                                                else ", or raise --max-model-len"))
 
 
-def run_setting(t, which: str, requests, tm, checkpoints: int | None = None) -> dict:
+def run_setting(t, which: str, requests, tm, checkpoints: int | None = None, running: int | None = None) -> dict:
     """The workload through kvatlas's cache planned with its `which` ("default"/"tuned") flags
-    (and `checkpoints` resume points instead of theirs, if given)."""
+    (and `checkpoints` resume points, `running` requests instead of theirs, if given)."""
     from ..driving.measure import measure
-    return measure(t.kvatlas_plan(which, checkpoints), requests, tm).to_dict()
+    return measure(t.kvatlas_plan(which, checkpoints, running), requests, tm).to_dict()
 
 
 def _ctx(c: int) -> str:
@@ -168,10 +177,20 @@ def text_report(t, simulated=None, assumed: str | None = None, fitted=None) -> s
         parts.append(table + "\n" + "\n".join(f"- {w}" for w in e.why))
     if fitted is not None:
         tuned = t.engine("kvatlas").tuned.flags["--prefix-checkpoints"]
-        parts.append(f"kvatlas resume points fitted to this workload (replayed with the tuned flags, bookkeeping "
-                     f"backend):\n{fitted.table()}\n- start kvatlas with --prefix-checkpoints {fitted.best.checkpoints} "
-                     f"({fitted.best.share:g} of the budget) instead of {tuned:,}: it hit {fitted.best.hit_ratio:.2%} of "
-                     "the prompt tokens here, the most of the shares replayed")
+        if fitted.running_fitted:
+            b = fitted.best
+            parts.append(f"kvatlas resume points and running requests fitted to this workload (replayed with the tuned "
+                         f"flags, --max-model-len the model's, bookkeeping backend):\n{fitted.table()}\n- start kvatlas "
+                         f"with --max-running-requests {b.running} --max-model-len {t.model.max_position_embeddings} "
+                         f"--prefix-checkpoints {b.checkpoints} ({b.share:g} of the budget) instead of "
+                         f"{t.engine('kvatlas').tuned.max_running_requests:,} and {tuned:,}: it hit {b.hit_ratio:.2%} "
+                         f"of the prompt tokens here with a mean TTFT of {b.ttft_mean_s:.2f} s, the most hits of the "
+                         "counts whose TTFT was near the lowest")
+        else:
+            parts.append(f"kvatlas resume points fitted to this workload (replayed with the tuned flags, bookkeeping "
+                         f"backend):\n{fitted.table()}\n- start kvatlas with --prefix-checkpoints "
+                         f"{fitted.best.checkpoints} ({fitted.best.share:g} of the budget) instead of {tuned:,}: it hit "
+                         f"{fitted.best.hit_ratio:.2%} of the prompt tokens here, the most of the shares replayed")
     if simulated:
         cols = [c for c in ("default", "tuned", "fitted") if c in simulated]
         rows = [[k.replace("_", " "), *(_v(simulated[c][k]) for c in cols)] for k in simulated["tuned"]]
