@@ -268,6 +268,14 @@ def test_tune_fits_the_running_count_too_and_measures_the_fitted_flags(capsys):
             f"{fit.best.checkpoints} ") in out
 
 
+def test_tune_fitting_one_running_count_advises_it(capsys):
+    """One count given is still a count fitted: the advice names it and the context it was replayed with."""
+    assert main([*TUNE, "--fit-checkpoints", "--fit-running", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "start kvatlas with --max-running-requests 8 --max-model-len 4096 --prefix-checkpoints " in out
+    assert out.split("fitted to this workload")[1].split("\n")[1].split()[:2] == ["running", "share"]
+
+
 @pytest.mark.parametrize("extra", [["--fit-running", "4,8"], ["--fit-checkpoints", "--fit-ttft-slack", "0.3"]])
 def test_tune_fit_running_flags_need_what_they_weigh(extra, capsys):
     assert main([*TUNE, *extra]) == 2

@@ -94,17 +94,18 @@ def run(args) -> int:
     return 0
 
 
-def fit_tuned(t, requests, tm, running=None, slack: float | None = None):
+def fit_tuned(t, requests, tm, running, slack: float):
     """kvatlas's resume points fitted to the workload with its other tuned flags (driving.fit);
-    `running`: candidate running counts fitted too, each replayed with the model's context as
-    --max-model-len (the tuned one is sized so the tuned count addresses every page)."""
-    from ..driving.fit import TTFT_SLACK, default_jobs, fit_checkpoints
+    `running` (None: the tuned count): candidate running counts fitted too, each replayed with the
+    model's context as --max-model-len (the tuned one is sized so the tuned count addresses every
+    page), the count chosen within `slack` of the lowest mean TTFT."""
+    from ..driving.fit import default_jobs, fit_checkpoints
     opts = {**t.kvatlas_options("tuned"), "prefix_checkpoints": 0, "memory_bytes": t.budget_bytes}
     if running:
         del opts["max_running_requests"]
         opts["max_model_len"] = t.model.max_position_embeddings
     return fit_checkpoints(t.model, requests, simulator={"time_model": tm}, jobs=default_jobs(), running=running,
-                           ttft_slack=TTFT_SLACK if slack is None else slack, **opts)
+                           ttft_slack=slack, **opts)
 
 
 # the flags that describe a workload: with none of them given, tune assumes its built-in one

@@ -55,25 +55,26 @@ class Trial:
 
 @dataclass(frozen=True, slots=True)
 class Fit:
-    trials: tuple[Trial, ...]      # in the order of their shares
+    trials: tuple[Trial, ...]      # in the order of their running counts, then of their shares
     best: Trial
+    counts: tuple[int, ...] = ()   # the running counts fitted (none: the plan's own only)
 
     @property
     def running_fitted(self) -> bool:
-        """Whether several running counts were tried (then the table shows them and their TTFT)."""
-        return len({t.running for t in self.trials}) > 1
+        """Whether the running count was fitted (then the table shows each trial's and its TTFT)."""
+        return bool(self.counts)
 
     def table(self) -> str:
-        several = self.running_fitted
-        rows = [(f"{'running':>7} " if several else "") + f"{'share':>6} {'resume points':>13} {'full pages':>10} "
-                f"{'hit':>7}" + (f" {'TTFT mean':>9}" if several else "")]
+        with_counts = self.running_fitted
+        rows = [(f"{'running':>7} " if with_counts else "") + f"{'share':>6} {'resume points':>13} {'full pages':>10} "
+                f"{'hit':>7}" + (f" {'TTFT mean':>9}" if with_counts else "")]
         for t in self.trials:
             hit = "does not fit the budget" if t.refused else f"{t.hit_ratio:7.2%}"
-            if several and not t.refused:
+            if with_counts and not t.refused:
                 hit += f" {t.ttft_mean_s:8.2f}s"
             mark = "  <- fitted" if t is self.best else ""
             n, pages = ("-", "-") if t.refused else (f"{t.checkpoints:,}", f"{t.full_pages:,}")
-            rows.append((f"{t.running:>7} " if several else "") + f"{t.share:6.3f} {n:>13} {pages:>10} {hit}{mark}")
+            rows.append((f"{t.running:>7} " if with_counts else "") + f"{t.share:6.3f} {n:>13} {pages:>10} {hit}{mark}")
         return "\n".join(rows)
 
     def to_dict(self) -> dict:
@@ -164,7 +165,7 @@ def fit_checkpoints(model, requests, *, shares=SHARES, refine: bool = True, simu
     if not fitting:
         raise BudgetError(f"prefix_checkpoints: no candidate share fits the budget ({trials[0].refused}); "
                           "give a larger budget or fewer running requests")
-    return Fit(trials, _best_running(fitting, ttft_slack))
+    return Fit(trials, _best_running(fitting, ttft_slack), tuple(n for n in counts if n is not None))
 
 
 def _running_counts(running, options) -> list:
