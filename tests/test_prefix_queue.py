@@ -30,8 +30,10 @@ def _tree() -> Tree:
 
 
 def _await(t: Tree, order: int, *keys: int) -> None:
+    """The `order`-th waiting request reads `keys`; each key's orders kept in queue order, as
+    PrefixCache.enqueue keeps them (Tree.awaited)."""
     for k in keys:
-        t.awaited.setdefault(k, {})[order] = None
+        t.awaited[k] = dict.fromkeys(sorted({*t.awaited.get(k, {}), order}))
 
 
 def test_an_awaited_page_outlives_later_pages_nobody_waits_for():
@@ -164,6 +166,19 @@ def test_the_recount_finds_a_queue_book_that_disagrees():
     k = next(iter(c.prefix.tree.awaited))
     c.prefix.tree.awaited[k][99] = None   # a claim no queued request makes
     assert any(p.startswith("prefix queue: 2 awaited keys") for p in c.prefix.problems()), c.prefix.problems()
+
+
+def test_the_recount_finds_queue_orders_out_of_order():
+    """Eviction reads a key's first waiting reader as its first entry: the recount checks the order."""
+    c = _cache()
+    ids = np.arange(600) % 1000
+    c.prefix.enqueue("a", 600, token_ids=ids)
+    c.prefix.enqueue("b", 600, token_ids=ids)
+    assert c.prefix.problems() == []
+    k = next(iter(c.prefix.tree.awaited))
+    first, second = c.prefix.tree.awaited[k]
+    c.prefix.tree.awaited[k] = {second: None, first: None}   # the same claims, the later reader first
+    assert c.prefix.problems() == ["prefix queue: 1 awaited keys hold their queue orders out of order"]
 
 
 def _sessions(n_cold: int) -> list[Request]:

@@ -43,13 +43,13 @@ def run(args) -> int:
     if args.prefix_checkpoints == FIT and (args.ranks > 1 or args.ranks_of > 1):
         raise ConfigError("--prefix-checkpoints", "fit with --ranks (each rank would fit to its share of the "
                           "workload)", "fit on one rank first, then give every rank the count it prints")
-    check_fit_running_args(args, args.prefix_checkpoints == FIT, "--prefix-checkpoints fit")
+    slack = check_fit_running_args(args, args.prefix_checkpoints == FIT, "--prefix-checkpoints fit")
     if args.ranks > 1 and args.ranks_of > 1:
         raise ConfigError("--ranks", "given to a rank process", "drop --ranks")
     if args.ranks > 1:
         from .ranks import run_ranks
         return run_ranks(args, prepare)   # drive's checks, passed down: drive imports ranks (deal)
-    fitted = fit_from_args(args) if args.prefix_checkpoints == FIT else None
+    fitted = fit_from_args(args, slack) if args.prefix_checkpoints == FIT else None
     cache, sim, writer = build(args, plan_from_args, prepared=fitted)
     t0 = time.perf_counter()
     total = len(sim.pending)
@@ -75,14 +75,14 @@ def run(args) -> int:
     return 0
 
 
-def fit_from_args(args):
+def fit_from_args(args, slack: float):
     """--prefix-checkpoints fit: every other argument checked first (with a provisional count),
     then the workload replayed at each candidate share (kvatlas.driving.fit), the table printed,
     and the run prepared with the count that hit most."""
     from dataclasses import replace
 
     from ..driving.fit import SHARES, checkpoints_for_share, default_jobs, fit_checkpoints
-    running, slack = args.fit_running, check_fit_running_args(args, True, "")
+    running = args.fit_running
     if running is not None:
         args.max_running_requests = running[0]   # provisional, as the count below: the fewest
     opts = options_from_args(args, prefix_checkpoints=0)

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from ..checks import real, whole
 from ..errors import BudgetError, ConfigError
 from ..planning.capacity import resume_points
+from ..planning.options import ServeOptions
 from ..planning.planner import plan as make_plan
 
 SHARES = (0.05, 0.1, 0.15, 0.25, 0.4)
@@ -203,21 +204,13 @@ def _best_running(trials, slack: float) -> Trial:
     return max(ok, key=lambda t: (t.hit_tokens, -t.running))
 
 
-def _default_running() -> int:
-    """The plan's max_running_requests where none is given."""
-    from dataclasses import fields
-
-    from ..planning.options import ServeOptions
-    return next(f.default for f in fields(ServeOptions) if f.name == "max_running_requests")
-
-
 def _trial(model, share: float, requests, sim_kwargs: dict, options: dict) -> Trial:
     from .measure import replay
     try:
         n = checkpoints_for_share(model, share, **options)
         p = make_plan(model, **{**options, "prefix_checkpoints": n})
     except BudgetError as exc:
-        running = options.get("max_running_requests") or _default_running()
+        running = options.get("max_running_requests") or ServeOptions().max_running_requests   # (the plan's default)
         return Trial(share=share, checkpoints=0, full_pages=0, hit_tokens=0, queried_tokens=0, running=running,
                      refused=str(exc))
     cache, sim = replay(p, requests, **sim_kwargs)

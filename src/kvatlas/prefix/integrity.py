@@ -12,7 +12,7 @@ What is recounted from scratch, not read from the counters the hot paths move:
   tails of resume points on the tree: evicting those frees them), and every resume point on the
   tree (a running request never reads a unit; it copied its rows at admission);
 - the waiting queue: the keys the tree's eviction counts as awaited are exactly those of the
-  requests enqueued and not yet admitted or dequeued, each with their queue orders.
+  requests enqueued and not yet admitted or dequeued, each with their queue orders, in order.
 """
 
 from __future__ import annotations
@@ -43,6 +43,9 @@ def _queue_problems(pc) -> list[str]:
     if found != awaited:
         return [f"prefix queue: {len(found)} awaited keys in the tree's books, {len(awaited)} in the "
                 f"{len(pc._queued)} queued requests' prompts (or their queue orders differ)"]
+    unordered = sum(1 for orders in pc._tree.awaited.values() if list(orders) != sorted(orders))
+    if unordered:   # (eviction reads a key's first waiting reader as its first entry)
+        return [f"prefix queue: {unordered} awaited keys hold their queue orders out of order"]
     return []
 
 

@@ -44,6 +44,11 @@ def checked_reuse_weight(value, field: str = "reuse_weight") -> float:
     return real(field, value, 0.0, REUSE_WEIGHT_MAX)
 
 
+def _first(orders: dict) -> int:
+    """The earliest queue order of an `awaited` entry: its first key (Tree.awaited)."""
+    return next(iter(orders))
+
+
 class Checkpoint:
     __slots__ = ("boundary_tokens", "unit", "swa_pages", "end", "divergence", "node", "last_used")
 
@@ -96,7 +101,9 @@ class Tree:
         self._ckpts: list = []     # (class, last_used, seq, checkpoint)
         self._seq = 0
         self.evicted_keys: OrderedDict = OrderedDict()
-        self.awaited: dict[int, dict] = {}   # key -> {queue order of a waiting request that reads it: None}
+        # key -> {queue order of a waiting request that reads it: None}, in queue order (orders only
+        # grow, PrefixCache.enqueue): a key's first waiting reader is its first entry
+        self.awaited: dict[int, dict] = {}
 
     # ---------------------------------------------------------------- lookup
     def match(self, keys) -> list[Node]:
@@ -241,7 +248,7 @@ class Tree:
 
         def push(entry) -> None:
             orders = awaited.get(entry[3].key)
-            heapq.heappush(far, (-min(orders) if orders else -(1 << 62), entry[0], entry[1], entry))
+            heapq.heappush(far, (-_first(orders) if orders else -(1 << 62), entry[0], entry[1], entry))
 
         for entry in aside:
             push(entry)
@@ -291,7 +298,7 @@ class Tree:
             found = ck
             break
         if found is None and aside:
-            far = max(aside, key=lambda e: min(awaited[e[3].node.key]))
+            far = max(aside, key=lambda e: _first(awaited[e[3].node.key]))
             aside.remove(far)
             found = far[3]
         for entry in aside:
