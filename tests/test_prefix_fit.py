@@ -240,11 +240,26 @@ def test_simulate_fits_the_running_count_then_runs_with_it(tmp_path, capsys):
                                           (["--prefix-checkpoints", "fit", "--fit-running", ","], "no count given"),
                                           (["--prefix-checkpoints", "fit", "--fit-ttft-slack", "0.2"], "--fit-ttft-slack"),
                                           (["--prefix-checkpoints", "fit", "--fit-running", "4,8", "--fit-ttft-slack",
-                                            "-1"], "--fit-ttft-slack")])
+                                            "-1"], "--fit-ttft-slack"),
+                                          (["--prefix-checkpoints", "fit", "--fit-running", "4,8"],
+                                           "--max-running-requests: 8 is the count --fit-running chooses among 4,8")])
 def test_bad_fit_running_flags_are_named(extra, needle, tmp_path, capsys):
+    assert "--max-running-requests" in SIM   # (given: the fit would override it without a word)
     assert main([*SIM, *extra, "--out", str(tmp_path / "b")]) == 2
     err = capsys.readouterr().err
     assert needle in err, err
+    assert not (tmp_path / "b").exists()
+
+
+def test_the_running_count_given_is_told_apart_from_its_default():
+    import argparse
+    from kvatlas.cli.common import given
+    from kvatlas.cli.simulate import add_parser
+    p = argparse.ArgumentParser()
+    add_parser(p)
+    assert not given(p.parse_args(["--workload", "w.jsonl"]), "max_running_requests")
+    args = p.parse_args(["--workload", "w.jsonl", "--max-running-requests", "256"])
+    assert given(args, "max_running_requests") and args.max_running_requests == 256
 
 
 def test_tune_fits_the_running_count_too_and_measures_the_fitted_flags(capsys):

@@ -168,7 +168,7 @@ def add_deployment_args(p: argparse.ArgumentParser) -> None:
                    "(default 256)")
     g.add_argument("--swa-page-tokens", type=count(1), default=64, help="SWA page size, a multiple of 64 (default 64)")
     g = p.add_argument_group("serving")
-    g.add_argument("--max-running-requests", type=count(1), default=256,
+    g.add_argument("--max-running-requests", type=count(1), default=256, action=StoreGiven,
                    help="requests running at once, all data-parallel ranks together (default 256)")
     g.add_argument("--max-model-len", type=count(1), help="longest request in tokens, at most the model's "
                    "max_position_embeddings (default: that)")
@@ -234,6 +234,20 @@ def _checkpoints(value):
     return value
 
 
+class StoreGiven(argparse.Action):
+    """A plain store that also notes, in the namespace's `given` set, that the flag was on the
+    command line (its default cannot tell: a flag that another one fits must not be given too)."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        setattr(namespace, self.dest, values)
+        namespace.given = getattr(namespace, "given", frozenset()) | {self.dest}
+
+
+def given(args, dest: str) -> bool:
+    """Whether the StoreGiven flag `dest` was on the command line."""
+    return dest in getattr(args, "given", ())
+
+
 def counts_arg(text: str) -> list[int]:
     """--fit-running: a comma list of running-request counts, each a whole number from 1."""
     parse = count(1, 1 << 20)
@@ -265,6 +279,10 @@ def check_fit_running_args(args, fitting: bool, fit_flag: str) -> float:
     if args.fit_running is not None and not fitting:
         raise ConfigError("--fit-running", "fits the running count beside the resume points", f"give it with "
                           f"{fit_flag}, or give --max-running-requests alone")
+    if args.fit_running is not None and given(args, "max_running_requests"):
+        raise ConfigError("--max-running-requests", f"{args.max_running_requests} is the count --fit-running "
+                          "chooses among " + ",".join(map(str, args.fit_running)),
+                          "drop --max-running-requests to fit it, or drop --fit-running to run with it")
     from ..driving.fit import TTFT_SLACK
     return TTFT_SLACK if args.fit_ttft_slack is None else args.fit_ttft_slack
 
