@@ -448,7 +448,7 @@ class PrefixCache:
                 rest.append((slot, end))   # (a page cached already, or a kept point to place)
                 continue
             keys = req.key_list[len(req.path):end]
-            batch.append((req, keys))
+            batch.append((keys, req.path))
             fast.append(j)
             every += keys
         # (no other writer, no cached page: `_twice` marks those; checked, for the tree's sake)
@@ -458,15 +458,12 @@ class PrefixCache:
         if batch:
             if rest:
                 slots, ends = slots[fast], ends[fast]
-            starts = ends - np.fromiter((len(keys) for _, keys in batch), np.int64, len(batch))
-            pages = self.alloc.share_written_runs(slots, starts, ends).tolist()
-            at, clock, add, unexpect = 0, self.clock, tree.add_chain, self._unexpect
-            for req, keys in batch:
-                path = req.path
-                add(keys, path[-1] if path else None, pages[at:at + len(keys)], clock, path)
-                at += len(keys)
-            for k in every:
-                unexpect(k, coming)
+            starts = ends - np.fromiter((len(keys) for keys, _ in batch), np.int64, len(batch))
+            tree.add_runs(batch, self.alloc.share_written_runs(slots, starts, ends).tolist(), self.clock)
+            for k in every:   # (_unexpect, inline: most keys have one writer)
+                left = coming.pop(k, 0) - 1
+                if left > 0:
+                    coming[k] = left
             if self._unplaced:   # (its kept points were dropped meanwhile)
                 self._unplaced.difference_update(slots.tolist())
             done = ends == self._fill_keys[slots]

@@ -150,25 +150,59 @@ class Tree:
     def add_chain(self, keys, parent, pages, now: int, out: list, read: bool = True) -> None:
         """A node for each key in turn, each below the one before (the first below `parent`),
         appended to `out`. read: each one's first reader comes with it (a writer sharing the
-        pages it completed); its heap entry, pushed as for an idle leaf, is skipped while read."""
+        pages it completed): none is evictable, so none gets a heap entry until its last reader
+        leaves (unref); else only the last, an idle leaf, gets one (the others have a child)."""
         nodes, evicted = self.nodes, self.evicted_keys
         depth = parent.depth if parent is not None else 0
+        node = None
         for k, page in zip(keys, pages):
             if parent is not None:
                 parent.children += 1
             depth += 1
             node = Node(k, parent, depth, page)
             node.last_used = now
-            self._push_page(node)
-            if read:
-                node.refs = 1
-            else:
-                self.idle_pages += 1
             nodes[k] = node
-            if evicted:
-                evicted.pop(k, None)
             out.append(node)
             parent = node
+        if node is None:
+            return
+        if now > self._now:   # (as a push would: the clock eviction measures lifetimes against)
+            self._now = now
+        if evicted:
+            for k in keys:
+                evicted.pop(k, None)
+        if read:
+            for node in out[len(out) - len(keys):]:
+                node.refs = 1
+        else:
+            self.idle_pages += len(keys)
+            self._push_page(node)
+
+    def add_runs(self, runs, pages, now: int) -> None:
+        """add_chain(read=True) for each (keys, path) of `runs` in turn: the keys' nodes below the
+        path's last node (the root if none), appended to the path; `pages`, one per key, in the
+        same order. One call for a pass's writers (most complete one page each)."""
+        nodes, at = self.nodes, 0
+        for keys, path in runs:
+            parent = path[-1] if path else None
+            depth = parent.depth if parent is not None else 0
+            for k in keys:
+                if parent is not None:
+                    parent.children += 1
+                depth += 1
+                node = Node(k, parent, depth, pages[at])
+                at += 1
+                node.last_used, node.refs = now, 1
+                nodes[k] = node
+                path.append(node)
+                parent = node
+        if now > self._now:
+            self._now = now
+        evicted = self.evicted_keys
+        if evicted:
+            for keys, _ in runs:
+                for k in keys:
+                    evicted.pop(k, None)
 
     def attach(self, node, ck, now: int) -> None:
         node.checkpoint, ck.node, ck.last_used = ck, node, now
