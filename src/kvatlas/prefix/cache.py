@@ -481,8 +481,7 @@ class PrefixCache:
         for k in req.key_list[i:end]:
             node = tree.nodes.get(k)
             if node is None:
-                tree.add_chain((k,), req.path[-1] if req.path else None, (a.share_written(slot, i),), self.clock,
-                               req.path)
+                tree.add_runs((((k,), req.path),), (a.share_written(slot, i),), self.clock)
             else:
                 a.share_written(slot, i, node.page)
                 tree.ref((node,))

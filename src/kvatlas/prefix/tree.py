@@ -142,46 +142,24 @@ class Tree:
                 self._push_page(node)
 
     def add(self, key, parent, page, now: int) -> Node:
-        """A node no request reads yet (an idle leaf)."""
-        out: list = []
-        self.add_chain((key,), parent, (page,), now, out, read=False)
-        return out[0]
-
-    def add_chain(self, keys, parent, pages, now: int, out: list, read: bool = True) -> None:
-        """A node for each key in turn, each below the one before (the first below `parent`),
-        appended to `out`. read: each one's first reader comes with it (a writer sharing the
-        pages it completed): none is evictable, so none gets a heap entry until its last reader
-        leaves (unref); else only the last, an idle leaf, gets one (the others have a child)."""
-        nodes, evicted = self.nodes, self.evicted_keys
-        depth = parent.depth if parent is not None else 0
-        node = None
-        for k, page in zip(keys, pages):
-            if parent is not None:
-                parent.children += 1
-            depth += 1
-            node = Node(k, parent, depth, page)
-            node.last_used = now
-            nodes[k] = node
-            out.append(node)
-            parent = node
-        if node is None:
-            return
-        if now > self._now:   # (as a push would: the clock eviction measures lifetimes against)
-            self._now = now
-        if evicted:
-            for k in keys:
-                evicted.pop(k, None)
-        if read:
-            for node in out[len(out) - len(keys):]:
-                node.refs = 1
-        else:
-            self.idle_pages += len(keys)
-            self._push_page(node)
+        """A node no request reads yet (an idle leaf, so it gets a heap entry)."""
+        if parent is not None:
+            parent.children += 1
+        node = Node(key, parent, parent.depth + 1 if parent is not None else 1, page)
+        node.last_used = now
+        self.idle_pages += 1
+        self.nodes[key] = node
+        if self.evicted_keys:
+            self.evicted_keys.pop(key, None)
+        self._push_page(node)
+        return node
 
     def add_runs(self, runs, pages, now: int) -> None:
-        """add_chain(read=True) for each (keys, path) of `runs` in turn: the keys' nodes below the
-        path's last node (the root if none), appended to the path; `pages`, one per key, in the
-        same order. One call for a pass's writers (most complete one page each)."""
+        """The pages writers completed: for each (keys, path) of `runs` in turn, a node per key,
+        each below the one before (the first below the path's last node, or the root), appended
+        to the path; `pages`, one per key, in the same order. Each node's first reader comes with
+        it (its writer), so none is evictable and none gets a heap entry until its last reader
+        leaves (unref pushes one). One call for a pass's writers (most complete one page each)."""
         nodes, at = self.nodes, 0
         for keys, path in runs:
             parent = path[-1] if path else None
