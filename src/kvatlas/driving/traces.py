@@ -294,3 +294,42 @@ def write_trace(path: str, requests) -> None:
             if r.after is not None:
                 obj["after"], obj["think_s"] = r.after, r.think_s
             fh.write(json.dumps(obj) + "\n")
+
+
+_ID_MASK = (1 << 63) - 1              # block ids are 0 .. 2**63 - 1
+_PIECE = 0x9E3779B97F4A7C15           # a piece of a page longer than a block: its key mixed with its index
+_TAIL = 0x5851F42D4C957F2D            # prompts' partial last pages: ids no key maps to (but by chance)
+
+
+def served_requests(rows) -> list[Request]:
+    """Requests for what a prefix cache served (`PrefixCache.served()`: kvatlas.prefix.record.Served
+    rows), in kvatlas's format, content included: each full page's key becomes the id of its tokens
+    (pages longer than a block, several ids), so two requests share exactly the pages whose keys
+    they shared (keys are chained: a key names its page's whole prefix), and each prompt's partial
+    last page gets tokens of its own. Requests admitted without keys get none (length only).
+    Output tokens are at least 1 (a request cut at its prompt is replayed writing one)."""
+    out = []
+    for n, r in enumerate(rows):
+        blocks = lens = None
+        keys = [int(k) for k in r.page_keys]
+        if keys:
+            blocks, lens = [], []
+            for k in keys:
+                left, piece = r.page_tokens, 0
+                while left > 0:
+                    take = min(left, BLOCK_TOKENS)
+                    blocks.append((k if piece == 0 else k ^ (piece * _PIECE)) & _ID_MASK)
+                    lens.append(take)
+                    left -= take
+                    piece += 1
+            tail, piece = r.prompt_tokens - len(keys) * r.page_tokens, 0
+            while tail > 0:
+                take = min(tail, BLOCK_TOKENS)
+                blocks.append((_TAIL + (n << 16) + piece) & _ID_MASK)
+                lens.append(take)
+                tail -= take
+                piece += 1
+        out.append(Request(id=f"served{n}", arrival_s=float(r.arrival_s), prompt_tokens=int(r.prompt_tokens),
+                           output_tokens=max(int(r.output_tokens), 1), blocks=None if blocks is None else tuple(blocks),
+                           block_lens=None if lens is None else tuple(lens)))
+    return out

@@ -10,6 +10,7 @@ already there (the same content, cached meanwhile) are freed.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -22,6 +23,7 @@ from ..units import cdiv
 from .keys import (ContentMismatchError, PromptKeys, as_tokens, check_keys, page_keys, prompt_keys, prompt_tail,
                    verified_keys)
 from .policy import fitted, policy_named, refitted
+from .record import Recorder
 from .stats import PrefixStats
 from .tree import REUSE_WEIGHT, Checkpoint, Tree, checked_reuse_weight
 
@@ -125,6 +127,7 @@ class PrefixCache:
         # cached pages, as a divergence point (admit): the next turn of a conversation resumes
         # there when the answer's pages are not keyed (vLLM keeps the same "replay boundary")
         self.keep_prompt_ends = boolean("keep_prompt_ends", keep_prompt_ends)
+        self._recorder: Recorder | None = None   # what it served, for a refit (record())
         allocator.on_capture = self._on_capture
         allocator.on_need_checkpoint = self._need_checkpoint
         allocator.on_slot_end = self._slot_end
@@ -306,6 +309,20 @@ class PrefixCache:
         """Requests waiting for admission (enqueue)."""
         return len(self._queued)
 
+    # ---------------------------------------------------------------- what it served
+    def record(self, max_requests: int = 100_000, clock=time.monotonic) -> None:
+        """Keep what the requests admitted from now on ask for (kvatlas.prefix.record): their
+        arrival by `clock` (seconds), prompt length and page keys, and the tokens they write; the
+        latest `max_requests` finished ones. `served()` returns them; kvatlas.driving.traces
+        turns them into a trace the fit replays. Called again, it starts over."""
+        self._recorder = Recorder(max_requests, clock, self.P)
+
+    def served(self) -> list:
+        """The finished requests recorded since record(), oldest first (kvatlas.prefix.record.Served)."""
+        if self._recorder is None:
+            raise RequestStateError("served: nothing is being recorded; call record() first")
+        return list(self._recorder.served)
+
     # ---------------------------------------------------------------- admission
     def admit(self, request_id, prompt_tokens, max_new_tokens=0, *, token_ids=None, page_keys=None):
         check_request_id(request_id)   # before the match: a refused id must not evict anything
@@ -354,6 +371,8 @@ class PrefixCache:
         if self.share_as_written and len(m.keys) > j and self.alloc.full is not None:
             self._fill(slot, req, m.keys[j:])
         self._count_tiers(hit)
+        if self._recorder is not None:
+            self._recorder.admitted(request_id, prompt_tokens, m.keys)
         return adm
 
     def _count_tiers(self, hit) -> None:
@@ -620,7 +639,10 @@ class PrefixCache:
             self._drop_many(self._tent_u[slot:slot + 1], self._tent_pages[:, slot:slot + 1])
         self._tent_u[slot] = self._tent_b[slot] = 0
         self._mine[slot] = False
-        req = self.requests.pop(self.alloc.rid_of[slot], None)
+        rid = self.alloc.rid_of[slot]
+        req = self.requests.pop(rid, None)
+        if self._recorder is not None:   # (served all the same: its prompt was asked for)
+            self._recorder.finished(rid, int(self.alloc.length[slot]))
         if req is not None:   # finished past the cache: its prefix stops being read
             for ck in req.kept:
                 self._drop(ck)
@@ -768,6 +790,8 @@ class PrefixCache:
             self._tent_u[slot] = self._tent_b[slot] = 0
         else:
             self._mark_end(req, L // self.P)
+        if self._recorder is not None:
+            self._recorder.finished(request_id, L)
         keep_cols, nodes = self._publish(slot, keys[: min(L // self.P, len(keys))])
         self._cached_now(keys[: len(nodes)].tolist())
         a.finish(request_id, keep_pages=keep_cols)

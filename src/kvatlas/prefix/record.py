@@ -1,0 +1,58 @@
+"""What the prefix cache served, kept for a refit: each finished request's arrival at the cache,
+prompt length, prompt page keys and the tokens it then wrote.
+
+How many resume points a plan should hold is fitted by replaying a workload
+(kvatlas.driving.fit), and the pools are fixed once allocated; the workload that matters is the one
+the cache is serving. `PrefixCache.record()` keeps the latest requests it served as `Served` rows,
+and `kvatlas.driving.traces.served_requests()` turns them into a trace that shares exactly what
+they shared: page keys are chained (a page's key names its whole prefix), so giving each key its
+own content reproduces every shared prefix, page for page, and nothing more. The fit (or
+`kvatlas simulate --workload`) replays that trace; the count it finds is for the next start.
+
+Bounded: the latest `max_requests` finished requests (a deque), the keys of those still running
+until they finish. Neutral data only (no import of `driving/`, which sits above).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..checks import whole
+from ..errors import ConfigError
+
+MAX_RECORDED = 1 << 24
+
+
+@dataclass(frozen=True, slots=True)
+class Served:
+    arrival_s: float        # seconds after recording began, by the recorder's clock, at admission
+    prompt_tokens: int
+    output_tokens: int      # tokens written after the prompt by the finish (0: cut at the prompt)
+    page_keys: np.ndarray   # the prompt's full pages' keys (int64; empty: admitted without content)
+    page_tokens: int        # tokens a key covers (the plan's page)
+
+
+class Recorder:
+    def __init__(self, max_requests: int, clock, page_tokens: int) -> None:
+        self.max_requests = whole("max_requests", max_requests, 1, MAX_RECORDED)
+        if not callable(clock):
+            raise ConfigError("clock", f"{type(clock).__name__} is not callable",
+                              "give a function of no arguments that returns seconds, e.g. time.monotonic")
+        self.clock, self.P = clock, page_tokens
+        self.t0 = float(clock())
+        self.running: dict = {}                     # request id -> (arrival, prompt tokens, keys)
+        self.served: deque = deque(maxlen=self.max_requests)
+
+    def admitted(self, request_id, prompt_tokens: int, keys) -> None:
+        self.running[request_id] = (float(self.clock()) - self.t0, int(prompt_tokens),
+                                    np.asarray(keys, np.int64).copy())
+
+    def finished(self, request_id, length: int) -> None:
+        row = self.running.pop(request_id, None)
+        if row is not None:
+            arrival, prompt, keys = row
+            self.served.append(Served(max(arrival, 0.0), prompt, max(int(length) - prompt, 0), keys, self.P))
+

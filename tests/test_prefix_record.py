@@ -1,0 +1,120 @@
+"""What the prefix cache served, recorded for a refit (kvatlas.prefix.record): the trace made of it
+shares exactly what the served requests shared, so replaying it hits the same tokens, request by
+request; bounded; bad arguments named."""
+
+from itertools import count
+from pathlib import Path
+
+import pytest
+
+import kvatlas
+from kvatlas.driving.traces import read_trace, served_requests, write_trace
+from kvatlas.errors import ConfigError, RequestStateError
+
+SLICE = str(Path(__file__).parent / "data" / "mooncake_shared3.jsonl")
+
+
+def plan(page_tokens=256):
+    return kvatlas.plan("deepseek-v4-flash", "16GiB", max_running_requests=4, prefix_checkpoints=200,
+                        max_model_len=131072, page_tokens=page_tokens)
+
+
+def replay(p, requests, record=None):
+    """One request at a time: admit with its token ids, write the rest of it, finish."""
+    cache = kvatlas.allocate(p, backend="none")
+    if record is not None:
+        cache.prefix.record(**record)
+    chunk, hits = p.options.chunked_prefill_tokens, []
+    for r in requests:
+        adm = cache.admit(r.id, r.prompt_tokens, r.output_tokens, token_ids=r.token_ids())
+        hits.append(adm.cached_tokens)
+        done, total = adm.cached_tokens, r.prompt_tokens + r.output_tokens
+        while done < total:
+            n = min(chunk, total - done)
+            cache.extend(r.id, n)
+            done += n
+        cache.finish(r.id)
+    cache.check_integrity()
+    return cache, hits
+
+
+@pytest.mark.parametrize("page_tokens", [256, 1024])
+def test_the_served_trace_hits_what_the_served_requests_hit(tmp_path, page_tokens):
+    p = plan(page_tokens)
+    requests, problems = read_trace(SLICE)
+    assert not problems
+    tick = count()
+    cache, hits = replay(p, requests, {"clock": lambda: float(next(tick))})
+    rows = cache.prefix.served()
+    assert len(rows) == len(requests) == 69
+    assert [r.prompt_tokens for r in rows] == [r.prompt_tokens for r in requests]
+    assert [r.output_tokens for r in rows] == [r.output_tokens for r in requests]
+    assert [r.arrival_s for r in rows] == [float(i) for i in range(1, 70)]   # (the clock read at record() is 0)
+    assert all(len(r.page_keys) == r.prompt_tokens // page_tokens for r in rows)
+    path = tmp_path / "served.jsonl"
+    write_trace(str(path), served_requests(rows))
+    back, problems = read_trace(str(path))
+    assert not problems and [r.prompt_tokens for r in back] == [r.prompt_tokens for r in requests]
+    _, again = replay(p, back)
+    assert sum(hits) > 0.5 * sum(r.prompt_tokens for r in requests)   # (the slice shares most of itself)
+    assert again == hits   # request by request, to the token
+
+
+def test_no_more_than_asked_is_kept_and_the_latest_stay():
+    p = plan()
+    requests, _ = read_trace(SLICE)
+    cache, _ = replay(p, requests[:12], {"max_requests": 5})
+    rows = cache.prefix.served()
+    assert [r.prompt_tokens for r in rows] == [r.prompt_tokens for r in requests[7:12]]
+
+
+def test_requests_without_content_are_recorded_by_length_and_a_request_ended_past_the_cache_too():
+    p = plan()
+    cache = kvatlas.allocate(p, backend="none")
+    cache.prefix.record()
+    cache.admit("plain", 1000, 10)
+    cache.extend("plain", 1005)
+    cache.finish("plain")
+    cache.admit("cut", 700, 10, token_ids=list(range(700)))
+    cache.extend("cut", 700)
+    cache.allocator.finish("cut")   # ended on the allocator: nothing cached, but it was served
+    plain, cut = cache.prefix.served()
+    assert (plain.prompt_tokens, plain.output_tokens, len(plain.page_keys)) == (1000, 5, 0)
+    assert (cut.prompt_tokens, cut.output_tokens, len(cut.page_keys)) == (700, 0, 2)
+    a, b = served_requests([plain, cut])
+    assert a.blocks is None and a.output_tokens == 5
+    assert b.output_tokens == 1 and sum(b.block_lens) == 700 and len(b.blocks) == 3   # two pages and the tail
+    cache.check_integrity()
+
+
+@pytest.mark.parametrize("kwargs,field", [({"max_requests": 0}, "max_requests"), ({"max_requests": "10"}, "max_requests"),
+                                          ({"max_requests": True}, "max_requests"), ({"clock": 3.0}, "clock")])
+def test_bad_recording_arguments_are_named(kwargs, field):
+    cache = kvatlas.allocate(plan(), backend="none")
+    with pytest.raises(ConfigError) as e:
+        cache.prefix.record(**kwargs)
+    assert e.value.field == field
+    with pytest.raises(RequestStateError, match="call record"):
+        cache.prefix.served()
+
+
+def test_a_concurrent_run_recorded_is_a_workload_the_fit_replays(tmp_path, capsys):
+    """Requests admitted and finished interleaved (the simulator, many running at once) are recorded
+    as they finish; the trace made of them feeds `kvatlas simulate --prefix-checkpoints fit`."""
+    from kvatlas.cli import main
+    from kvatlas.driving.sim import Simulator
+    requests, _ = read_trace(SLICE)
+    cache = kvatlas.allocate(plan(), backend="none")
+    cache.prefix.record()
+    sim = Simulator(cache, requests, record=False)
+    sim.run_offline()
+    assert sim.stats.finished == 69 and sim.stats.peak_running > 1
+    rows = cache.prefix.served()
+    assert sorted(r.prompt_tokens for r in rows) == sorted(r.prompt_tokens for r in requests)
+    assert all(r.arrival_s >= 0 for r in rows)
+    path = tmp_path / "served.jsonl"
+    write_trace(str(path), served_requests(rows))
+    assert main(["simulate", "deepseek-v4-flash", "--memory", "16GiB", "--max-running-requests", "4",
+                 "--backend", "none", "--workload", str(path), "--prefix-checkpoints", "fit", "--no-plot",
+                 "--out", str(tmp_path / "fit")]) == 0
+    assert "fitted: --prefix-checkpoints" in capsys.readouterr().out
