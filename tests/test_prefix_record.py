@@ -38,21 +38,24 @@ def replay(p, requests, record=None):
     return cache, hits
 
 
-@pytest.mark.parametrize("page_tokens", [256, 1024])
-def test_the_served_trace_hits_what_the_served_requests_hit(tmp_path, page_tokens):
+@pytest.mark.parametrize("page_tokens,ticking", [(256, True), (1024, True), (256, False)])
+def test_the_served_trace_hits_what_the_served_requests_hit(tmp_path, page_tokens, ticking):
+    """ticking False: every request arrives at once (a clock that stands still), so only the
+    admission order the rows keep puts the replay in the served order."""
     p = plan(page_tokens)
     requests, problems = read_trace(SLICE)
     assert not problems
     tick = count()
-    cache, hits = replay(p, requests, {"clock": lambda: float(next(tick))})
+    cache, hits = replay(p, requests, {"clock": (lambda: float(next(tick))) if ticking else (lambda: 7.0)})
     rows = cache.prefix.served()
     assert len(rows) == len(requests) == 69
     assert [r.prompt_tokens for r in rows] == [r.prompt_tokens for r in requests]
     assert [r.output_tokens for r in rows] == [r.output_tokens for r in requests]
-    assert [r.arrival_s for r in rows] == [float(i) for i in range(1, 70)]   # (the clock read at record() is 0)
+    assert [r.order for r in rows] == list(range(69))
+    assert [r.arrival_s for r in rows] == ([float(i) for i in range(1, 70)] if ticking else [0.0] * 69)
     assert all(len(r.page_keys) == r.prompt_tokens // page_tokens for r in rows)
     path = tmp_path / "served.jsonl"
-    write_trace(str(path), served_requests(rows))
+    write_trace(str(path), served_requests(rows[::-1]))   # (any order: arrival, then admission, puts it right)
     back, problems = read_trace(str(path))
     assert not problems and [r.prompt_tokens for r in back] == [r.prompt_tokens for r in requests]
     _, again = replay(p, back)
@@ -118,3 +121,24 @@ def test_a_concurrent_run_recorded_is_a_workload_the_fit_replays(tmp_path, capsy
                  "--backend", "none", "--workload", str(path), "--prefix-checkpoints", "fit", "--no-plot",
                  "--out", str(tmp_path / "fit")]) == 0
     assert "fitted: --prefix-checkpoints" in capsys.readouterr().out
+
+
+def test_a_queued_request_arrives_when_it_began_to_wait():
+    """A scheduler that enqueues its waiting requests (queue-aware eviction) gives the recorder
+    their arrival; one that left the queue unadmitted leaves nothing behind."""
+    now = [0.0]
+    cache = kvatlas.allocate(plan(), backend="none")
+    cache.prefix.record(clock=lambda: now[0])
+    now[0] = 2.0
+    cache.prefix.enqueue("a", 600, token_ids=list(range(600)))
+    cache.prefix.enqueue("gone", 600, token_ids=list(range(600)))
+    now[0] = 5.0
+    assert cache.prefix.dequeue("gone")
+    now[0] = 9.0
+    cache.admit("a", 600, 4, token_ids=list(range(600)))
+    cache.admit("b", 600, 4, token_ids=list(range(600)))   # never queued: it arrives as admitted
+    for rid in ("a", "b"):
+        cache.extend(rid, 604)
+        cache.finish(rid)
+    assert [(r.arrival_s, r.output_tokens) for r in cache.prefix.served()] == [(2.0, 4), (9.0, 4)]
+    assert not cache.prefix._recorder.waiting and not cache.prefix._recorder.running

@@ -307,9 +307,10 @@ def served_requests(rows) -> list[Request]:
     (pages longer than a block, several ids), so two requests share exactly the pages whose keys
     they shared (keys are chained: a key names its page's whole prefix), and each prompt's partial
     last page gets tokens of its own. Requests admitted without keys get none (length only).
-    Output tokens are at least 1 (a request cut at its prompt is replayed writing one)."""
+    Output tokens are at least 1 (a request cut at its prompt is replayed writing one). In order
+    of arrival, requests that arrived together in the order they were admitted."""
     out = []
-    for n, r in enumerate(rows):
+    for n, r in enumerate(sorted(rows, key=lambda r: (r.arrival_s, r.order))):
         blocks = lens = None
         keys = [int(k) for k in r.page_keys]
         if keys:

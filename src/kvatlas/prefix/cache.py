@@ -282,6 +282,8 @@ class PrefixCache:
         self._queue_order += 1
         order, awaited = self._queue_order, self._tree.awaited
         self._queued[request_id] = (order, keys)
+        if self._recorder is not None:   # (its arrival: when it began to wait)
+            self._recorder.queued(request_id)
         for k in keys:
             waiting = awaited.get(k)
             if waiting is None:
@@ -292,6 +294,11 @@ class PrefixCache:
     def dequeue(self, request_id) -> bool:
         """The request left the queue without being admitted (rejected, cancelled); False if it
         was not queued. admit() dequeues the request it admits itself."""
+        if self._recorder is not None:
+            self._recorder.left_queue(request_id)
+        return self._dequeue(request_id)
+
+    def _dequeue(self, request_id) -> bool:
         entry = self._queued.pop(request_id, None)
         if entry is None:
             return False
@@ -347,7 +354,7 @@ class PrefixCache:
             self.tree.unref(hit, self.clock)
             raise
         if self._queued:
-            self.dequeue(request_id)
+            self._dequeue(request_id)   # (the recorder keeps its arrival until admitted() below)
         if m.writer is not None:   # admitted: the writer's point it resumes at is kept from now on
             self._take_writer_point(m.writer)
         self.clock += 1

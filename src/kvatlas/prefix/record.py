@@ -1,5 +1,6 @@
-"""What the prefix cache served, kept for a refit: each finished request's arrival at the cache,
-prompt length, prompt page keys and the tokens it then wrote.
+"""What the prefix cache served, kept for a refit: each finished request's arrival at the cache
+(when a scheduler enqueued it, else when it was admitted), prompt length, prompt page keys and the
+tokens it then wrote.
 
 How many resume points a plan should hold is fitted by replaying a workload
 (kvatlas.driving.fit), and the pools are fixed once allocated; the workload that matters is the one
@@ -28,11 +29,13 @@ MAX_RECORDED = 1 << 24
 
 @dataclass(frozen=True, slots=True)
 class Served:
-    arrival_s: float        # seconds after recording began, by the recorder's clock, at admission
+    arrival_s: float        # seconds after recording began, by the recorder's clock: when it was
+                            # enqueued (PrefixCache.enqueue), else when it was admitted
     prompt_tokens: int
     output_tokens: int      # tokens written after the prompt by the finish (0: cut at the prompt)
     page_keys: np.ndarray   # the prompt's full pages' keys (int64; empty: admitted without content)
     page_tokens: int        # tokens a key covers (the plan's page)
+    order: int = 0          # admissions recorded before it (ties of arrival_s replay in this order)
 
 
 class Recorder:
@@ -43,16 +46,26 @@ class Recorder:
                               "give a function of no arguments that returns seconds, e.g. time.monotonic")
         self.clock, self.P = clock, page_tokens
         self.t0 = float(clock())
+        self.waiting: dict = {}                     # request id -> arrival, while queued (PrefixCache.enqueue)
         self.running: dict = {}                     # request id -> (arrival, prompt tokens, keys)
         self.served: deque = deque(maxlen=self.max_requests)
+        self.admissions = 0
+
+    def queued(self, request_id) -> None:
+        self.waiting[request_id] = float(self.clock()) - self.t0
+
+    def left_queue(self, request_id) -> None:
+        self.waiting.pop(request_id, None)
 
     def admitted(self, request_id, prompt_tokens: int, keys) -> None:
-        self.running[request_id] = (float(self.clock()) - self.t0, int(prompt_tokens),
-                                    np.asarray(keys, np.int64).copy())
+        arrival = self.waiting.pop(request_id, None)
+        self.running[request_id] = (float(self.clock()) - self.t0 if arrival is None else arrival,
+                                    int(prompt_tokens), np.asarray(keys, np.int64).copy(), self.admissions)
+        self.admissions += 1
 
     def finished(self, request_id, length: int) -> None:
         row = self.running.pop(request_id, None)
         if row is not None:
-            arrival, prompt, keys = row
-            self.served.append(Served(max(arrival, 0.0), prompt, max(int(length) - prompt, 0), keys, self.P))
+            arrival, prompt, keys, order = row
+            self.served.append(Served(max(arrival, 0.0), prompt, max(int(length) - prompt, 0), keys, self.P, order))
 
