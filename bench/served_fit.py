@@ -2,10 +2,11 @@
 served (`PrefixCache.record`), the fit replays the trace made of that (`served_requests`), and the
 share it finds is set against the fit on the trace itself.
 
-One concurrent run of the trace through the simulator at `--share` (arrivals enqueued, so the
-recorder sees when each request began to wait; the recorder's clock is the simulator's virtual
-clock), then `fit_checkpoints` on the served trace and, with `--against-trace`, on the trace:
-both tables printed, with the same simulator options (time model, admission window).
+One concurrent run of the trace through the simulator at `--share`, recorded on the simulator's
+virtual clock (arrivals are enqueued, and `Simulator.now_s` reads each request's arrival while it
+joins the queue, so the served trace keeps the trace's arrivals), then `fit_checkpoints` on the
+served trace and, with `--against-trace`, on the trace: both tables printed, with the same
+simulator options (time model, admission window).
 
     python bench/served_fit.py --trace ../shared/traces/mooncake_synthetic.jsonl --budget 16 \
         [--share 0.25] [--admission-window 0] [--against-trace]
@@ -32,16 +33,8 @@ def served_run(requests, gib: int, share: float, window: int):
     p = kvatlas.plan(MODEL, prefix_checkpoints=checkpoints_for_share(MODEL, share, **opts), **opts)
     cache = kvatlas.allocate(p, backend="none")
     sim = Simulator(cache, requests, record=False, time_model=default_time_model(), admission_window=window)
-    now = [0.0]
-    cache.prefix.record(max_requests=len(requests), clock=lambda: now[0])
-    t = 0.0
-    while not sim.done:   # run_offline's loop, with the virtual time the recorder reads
-        if not (sim.waiting or sim.running) and sim.next_arrival_s is not None:
-            t = max(t, sim.next_arrival_s)
-        now[0] = t
-        sim.step(t)
-        t += sim.last_pass_s
-    cache.flush()
+    cache.prefix.record(max_requests=len(requests), clock=lambda: sim.now_s)   # (the virtual clock)
+    sim.run_offline()
     cache.check_integrity()
     return cache.prefix.stats.hit_ratio, served_requests(cache.prefix.served())
 

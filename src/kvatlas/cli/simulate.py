@@ -25,6 +25,10 @@ def add_parser(p) -> None:
     g.add_argument("--out", default="kvatlas-sim", help="output prefix: writes PREFIX.png, PREFIX.csv (memory "
                    "per pass) and PREFIX.requests.csv (latency per request) (default kvatlas-sim)")
     g.add_argument("--no-plot", action="store_true", help="write the CSV only")
+    g.add_argument("--record-served", action="store_true",
+                   help="also write PREFIX.served.jsonl: what the prefix cache served, as a trace that --workload "
+                        "replays with the same sharing (each page key the id of its tokens) and --prefix-checkpoints "
+                        "fit fits to (needs the prefix cache)")
     g.add_argument("--max-steps", type=count(1), default=None, help="stop after this many forward passes")
     add_fit_running_args(p, "--prefix-checkpoints fit")
     p.add_argument("--ranks", type=count(1, 64), default=1, help="run N rank processes, requests dealt round-robin, "
@@ -44,6 +48,12 @@ def run(args) -> int:
         raise ConfigError("--prefix-checkpoints", "fit with --ranks (each rank would fit to its share of the "
                           "workload)", "fit on one rank first, then give every rank the count it prints")
     slack = check_fit_running_args(args, args.prefix_checkpoints == FIT, "--prefix-checkpoints fit")
+    if args.record_served and not args.prefix_checkpoints:
+        raise ConfigError("--record-served", "records what the prefix cache served, and it is off",
+                          "add --prefix-checkpoints N (or fit), or drop --record-served")
+    if args.record_served and (args.ranks > 1 or args.ranks_of > 1):
+        raise ConfigError("--record-served", "with --ranks (each rank serves its share of the workload)",
+                          "record a run of one rank")
     if args.ranks > 1 and args.ranks_of > 1:
         raise ConfigError("--ranks", "given to a rank process", "drop --ranks")
     if args.ranks > 1:
@@ -51,6 +61,8 @@ def run(args) -> int:
         return run_ranks(args, prepare)   # drive's checks, passed down: drive imports ranks (deal)
     fitted = fit_from_args(args, slack) if args.prefix_checkpoints == FIT else None
     cache, sim, writer = build(args, plan_from_args, prepared=fitted)
+    if args.record_served:   # on the simulator's virtual clock, every request it was given
+        cache.prefix.record(max_requests=max(len(sim.unarrived()), 1), clock=lambda: sim.now_s)
     t0 = time.perf_counter()
     total = len(sim.pending)
     with Bar(total, "simulate", wanted(), unit="requests") as bar:
@@ -63,6 +75,10 @@ def run(args) -> int:
     csv_path, png_path = f"{args.out}.csv", f"{args.out}.png"
     write_csv(csv_path, sim.timeline)
     written = [csv_path, write_requests(args.out, sim)]
+    if args.record_served:
+        from ..driving.traces import served_requests, write_trace
+        write_trace(f"{args.out}.served.jsonl", served_requests(cache.prefix.served()))
+        written.append(f"{args.out}.served.jsonl")
     if not args.no_plot:
         write_png(png_path, sim.timeline, title=f"kvatlas simulate — {cache.plan.model.name}")
         written.append(png_path)
@@ -126,6 +142,8 @@ def output_paths(prefix: str, args) -> list[str]:
         paths.append(f"{prefix}.png")
     if args.ranks_of > 1 or args.ranks > 1:
         paths.append(f"{prefix}.json")
+    if args.record_served:
+        paths.append(f"{prefix}.served.jsonl")
     return paths
 
 

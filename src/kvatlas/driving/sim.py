@@ -247,6 +247,7 @@ class Simulator:
         self.timeline: list[TimelinePoint] = []
         self._rr = 0   # round-robin start of the decode batch when it exceeds the token budget
         self.clock_s = 0.0   # run_offline: virtual time when the run ended
+        self.now_s = 0.0     # the time of the pass in progress, or of the last one
         # per-request latency and the limits passes waited on (driving.latency, driving.limits)
         self.latency = LatencyLog()
         self.limits = LimitLog()
@@ -265,6 +266,7 @@ class Simulator:
     # ------------------------------------------------------------------ one pass
     def step(self, now_s: float) -> None:
         real("now_s", now_s, 0.0, 1e12)
+        self.now_s = now_s   # (the pass's time, for what reads the clock during it: a recorder)
         cpu0 = time.process_time() if self.check_integrity else 0.0
         self._arrive(now_s)
         with self.lock:
@@ -334,12 +336,17 @@ class Simulator:
         return first if first > now_s else None
 
     def _arrive(self, now_s: float) -> None:
+        """The requests arrived by now join the queue, each at its arrival time: while it joins,
+        `now_s` reads that time (a recorder enqueued with it sees when it arrived, not the pass)."""
         while self.pending and self.pending[0].arrival_s <= now_s:
             r = self.pending.popleft()
+            self.now_s = r.arrival_s
             self._queue(r, r.arrival_s)
         while self._released and self._released[0][0] <= now_s:
             t, _, r = heapq.heappop(self._released)
+            self.now_s = t
             self._queue(r, t)
+        self.now_s = now_s
 
     def _queue(self, r, t: float) -> None:
         """The request joins the waiting queue at time t."""
