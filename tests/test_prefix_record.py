@@ -41,7 +41,7 @@ def replay(p, requests, record=None):
 @pytest.mark.parametrize("page_tokens,ticking", [(256, True), (1024, True), (256, False)])
 def test_the_served_trace_hits_what_the_served_requests_hit(tmp_path, page_tokens, ticking):
     """ticking False: every request arrives at once (a clock that stands still), so only the
-    admission order the rows keep puts the replay in the served order."""
+    arrival order the rows keep puts the replay in the served order."""
     p = plan(page_tokens)
     requests, problems = read_trace(SLICE)
     assert not problems
@@ -55,7 +55,7 @@ def test_the_served_trace_hits_what_the_served_requests_hit(tmp_path, page_token
     assert [r.arrival_s for r in rows] == ([float(i) for i in range(1, 70)] if ticking else [0.0] * 69)
     assert all(len(r.page_keys) == r.prompt_tokens // page_tokens for r in rows)
     path = tmp_path / "served.jsonl"
-    write_trace(str(path), served_requests(rows[::-1]))   # (any order: arrival, then admission, puts it right)
+    write_trace(str(path), served_requests(rows[::-1]))   # (any order: arrival, then the order of arriving, puts it right)
     back, problems = read_trace(str(path))
     assert not problems and [r.prompt_tokens for r in back] == [r.prompt_tokens for r in requests]
     _, again = replay(p, back)
@@ -141,14 +141,28 @@ def test_a_queued_request_arrives_when_it_began_to_wait():
     for rid in ("a", "b"):
         cache.extend(rid, 604)
         cache.finish(rid)
-    assert [(r.arrival_s, r.output_tokens) for r in cache.prefix.served()] == [(2.0, 4), (9.0, 4)]
+    assert [(r.arrival_s, r.output_tokens, r.order) for r in cache.prefix.served()] == [(2.0, 4, 0), (9.0, 4, 2)]
     assert not cache.prefix._recorder.waiting and not cache.prefix._recorder.running
+
+
+def test_requests_that_arrive_together_replay_in_the_order_they_arrived_not_admitted():
+    now = [3.0]
+    cache = kvatlas.allocate(plan(), backend="none")
+    cache.prefix.record(clock=lambda: now[0])
+    for rid, n in (("first", 700), ("second", 900)):
+        cache.prefix.enqueue(rid, n, token_ids=list(range(n)))
+    for rid, n in (("second", 900), ("first", 700)):   # admitted the other way round (held, reordered)
+        cache.admit(rid, n, 2, token_ids=list(range(n)))
+        cache.extend(rid, n + 2)
+        cache.finish(rid)
+    assert [r.prompt_tokens for r in cache.prefix.served()] == [900, 700]   # (finish order)
+    assert [r.prompt_tokens for r in served_requests(cache.prefix.served())] == [700, 900]
 
 
 def test_simulate_records_what_it_served_and_its_replay_hits_the_same(tmp_path, capsys):
     """`simulate --record-served` writes PREFIX.served.jsonl; simulating that trace with the same
     deployment hits what the recorded run hit (the same sharing, the same arrivals on the
-    simulator's clock, ties in admission order)."""
+    simulator's clock, ties in the order they arrived)."""
     from kvatlas.cli import main
     run = ["simulate", "deepseek-v4-flash", "--memory", "16GiB", "--max-running-requests", "8", "--backend", "none",
            "--prefix-checkpoints", "200", "--no-plot"]

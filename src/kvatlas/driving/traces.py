@@ -308,7 +308,8 @@ def served_requests(rows) -> list[Request]:
     they shared (keys are chained: a key names its page's whole prefix), and each prompt's partial
     last page gets tokens of its own. Requests admitted without keys get none (length only).
     Output tokens are at least 1 (a request cut at its prompt is replayed writing one). In order
-    of arrival, requests that arrived together in the order they were admitted."""
+    of arrival, requests that arrived together in the order they arrived in (were enqueued, or
+    admitted if never queued)."""
     out = []
     for n, r in enumerate(sorted(rows, key=lambda r: (r.arrival_s, r.order))):
         blocks = lens = None

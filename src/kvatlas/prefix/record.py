@@ -35,7 +35,8 @@ class Served:
     output_tokens: int      # tokens written after the prompt by the finish (0: cut at the prompt)
     page_keys: np.ndarray   # the prompt's full pages' keys (int64; empty: admitted without content)
     page_tokens: int        # tokens a key covers (the plan's page)
-    order: int = 0          # admissions recorded before it (ties of arrival_s replay in this order)
+    order: int = 0          # requests that arrived before it (enqueued, else admitted): ties of
+                            # arrival_s replay in this order
 
 
 class Recorder:
@@ -46,22 +47,24 @@ class Recorder:
                               "give a function of no arguments that returns seconds, e.g. time.monotonic")
         self.clock, self.P = clock, page_tokens
         self.t0 = float(clock())
-        self.waiting: dict = {}                     # request id -> arrival, while queued (PrefixCache.enqueue)
-        self.running: dict = {}                     # request id -> (arrival, prompt tokens, keys)
+        self.waiting: dict = {}   # request id -> (arrival, order), while queued (PrefixCache.enqueue)
+        self.running: dict = {}   # request id -> (arrival, prompt tokens, keys, order)
         self.served: deque = deque(maxlen=self.max_requests)
-        self.admissions = 0
+        self.arrivals = 0         # requests seen arriving (enqueued, or admitted unqueued)
+
+    def _arrival(self) -> tuple[float, int]:
+        self.arrivals += 1
+        return float(self.clock()) - self.t0, self.arrivals - 1
 
     def queued(self, request_id) -> None:
-        self.waiting[request_id] = float(self.clock()) - self.t0
+        self.waiting[request_id] = self._arrival()
 
     def left_queue(self, request_id) -> None:
         self.waiting.pop(request_id, None)
 
     def admitted(self, request_id, prompt_tokens: int, keys) -> None:
-        arrival = self.waiting.pop(request_id, None)
-        self.running[request_id] = (float(self.clock()) - self.t0 if arrival is None else arrival,
-                                    int(prompt_tokens), np.asarray(keys, np.int64).copy(), self.admissions)
-        self.admissions += 1
+        arrival, order = self.waiting.pop(request_id, None) or self._arrival()
+        self.running[request_id] = (arrival, int(prompt_tokens), np.asarray(keys, np.int64).copy(), order)
 
     def finished(self, request_id, length: int) -> None:
         row = self.running.pop(request_id, None)
