@@ -184,3 +184,36 @@ def test_simulate_record_served_needs_the_prefix_cache_and_one_rank(extra, needl
                  "--backend", "none", "--no-plot", "--record-served", *extra, "--out", str(tmp_path / "r")]) == 2
     assert needle in capsys.readouterr().err
     assert not list(tmp_path.iterdir())
+
+
+def test_pages_written_after_the_prompt_and_keyed_are_served_content_too():
+    """A request whose finish keys what it generated (token ids given) made those pages shareable:
+    the served trace carries them, so the next turn that repeats the answer hits them in the
+    replay as it did when served."""
+    import numpy as np
+    p = plan()
+    ids = np.arange(1000, 1800)   # A's prompt (600) and what it generates (200): three full pages
+    turn = np.concatenate([ids, np.arange(5000, 5100)])
+
+    def run(reqs, record):
+        cache = kvatlas.allocate(p, backend="none")
+        if record:
+            cache.prefix.record()
+        hits = []
+        for rid, prompt, out, tokens in reqs:
+            adm = cache.admit(rid, prompt, out, token_ids=tokens[:prompt])
+            hits.append(adm.cached_tokens)
+            cache.extend(rid, prompt + out - adm.cached_tokens)
+            cache.finish(rid, token_ids=tokens[:prompt + out] if len(tokens) >= prompt + out else None)
+        return cache, hits
+
+    cache, hits = run([("a", 600, 200, ids), ("b", 900, 10, np.concatenate([turn, np.arange(10)]))], True)
+    assert hits == [0, 768]
+    a, b = cache.prefix.served()
+    assert len(a.page_keys) == 3 and a.prompt_tokens == 600 and a.output_tokens == 200
+    served = served_requests([a, b])
+    assert sum(served[0].block_lens) == 800   # its output is content now: the replay keys its pages
+    assert served[1].output_token_ids() is None   # (b's output completed no page: not content)
+    _, again = run([(r.id, r.prompt_tokens, r.output_tokens, r.token_ids() if r.output_token_ids() is None
+                     else np.concatenate([r.token_ids(), r.output_token_ids()])) for r in served], False)
+    assert again == hits

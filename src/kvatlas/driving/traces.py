@@ -305,8 +305,9 @@ def served_requests(rows) -> list[Request]:
     """Requests for what a prefix cache served (`PrefixCache.served()`: kvatlas.prefix.record.Served
     rows), in kvatlas's format, content included: each full page's key becomes the id of its tokens
     (pages longer than a block, several ids), so two requests share exactly the pages whose keys
-    they shared (keys are chained: a key names its page's whole prefix), and each prompt's partial
-    last page gets tokens of its own. Requests admitted without keys get none (length only).
+    they shared (keys are chained: a key names its page's whole prefix), pages written after the
+    prompt included where they were keyed, and each request's partial last page gets tokens of
+    its own. Requests admitted without keys get none (length only).
     Output tokens are at least 1 (a request cut at its prompt is replayed writing one). In order
     of arrival, requests that arrived together in the order they arrived in (were enqueued, or
     admitted if never queued)."""
@@ -324,7 +325,10 @@ def served_requests(rows) -> list[Request]:
                     lens.append(take)
                     left -= take
                     piece += 1
-            tail, piece = r.prompt_tokens - len(keys) * r.page_tokens, 0
+            # the rest of the prompt, and when pages past it were keyed (its output was known), the
+            # rest of the output: the replay then keys the same pages
+            end = r.prompt_tokens + (max(r.output_tokens, 1) if len(keys) * r.page_tokens > r.prompt_tokens else 0)
+            tail, piece = end - len(keys) * r.page_tokens, 0
             while tail > 0:
                 take = min(tail, BLOCK_TOKENS)
                 blocks.append((_TAIL + (n << 16) + piece) & _ID_MASK)

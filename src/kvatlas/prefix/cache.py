@@ -798,7 +798,7 @@ class PrefixCache:
         else:
             self._mark_end(req, L // self.P)
         if self._recorder is not None:
-            self._recorder.finished(request_id, L)
+            self._recorder.finished(request_id, L, keys[: min(L // self.P, len(keys))])
         keep_cols, nodes = self._publish(slot, keys[: min(L // self.P, len(keys))])
         self._cached_now(keys[: len(nodes)].tolist())
         a.finish(request_id, keep_pages=keep_cols)

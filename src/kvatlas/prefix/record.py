@@ -33,7 +33,8 @@ class Served:
                             # enqueued (PrefixCache.enqueue), else when it was admitted
     prompt_tokens: int
     output_tokens: int      # tokens written after the prompt by the finish (0: cut at the prompt)
-    page_keys: np.ndarray   # the prompt's full pages' keys (int64; empty: admitted without content)
+    page_keys: np.ndarray   # its full pages' keys (int64): the prompt's, and those it wrote after
+                            # when its finish keyed them; empty: admitted without content
     page_tokens: int        # tokens a key covers (the plan's page)
     order: int = 0          # requests that arrived before it (enqueued, else admitted): ties of
                             # arrival_s replay in this order
@@ -66,9 +67,14 @@ class Recorder:
         arrival, order = self.waiting.pop(request_id, None) or self._arrival()
         self.running[request_id] = (arrival, int(prompt_tokens), np.asarray(keys, np.int64).copy(), order)
 
-    def finished(self, request_id, length: int) -> None:
+    def finished(self, request_id, length: int, keys=None) -> None:
+        """`keys`: the finish's keys of every full page it wrote, when it keyed more than the
+        prompt's (the generated tokens given): those pages were shareable too."""
         row = self.running.pop(request_id, None)
         if row is not None:
-            arrival, prompt, keys, order = row
-            self.served.append(Served(max(arrival, 0.0), prompt, max(int(length) - prompt, 0), keys, self.P, order))
+            arrival, prompt, prompt_keys, order = row
+            if keys is not None and len(keys) > len(prompt_keys):
+                prompt_keys = np.asarray(keys, np.int64).copy()
+            self.served.append(Served(max(arrival, 0.0), prompt, max(int(length) - prompt, 0), prompt_keys,
+                                      self.P, order))
 
