@@ -82,7 +82,7 @@ def run(args) -> int:
         simulated = {w: run_setting(t, w, requests, tm) for w in ("default", "tuned")}
         if fitted is not None:
             simulated["fitted"] = run_setting(t, "tuned", requests, tm, fitted.best.checkpoints,
-                                              fitted.best.running if args.fit_running else None)
+                                              fitted.best.running if fitted.running_fitted else None)
     if args.json:
         doc = t.to_dict()
         doc["simulated"] = simulated

@@ -266,7 +266,6 @@ class Simulator:
     # ------------------------------------------------------------------ one pass
     def step(self, now_s: float) -> None:
         real("now_s", now_s, 0.0, 1e12)
-        self.now_s = now_s   # (the pass's time, for what reads the clock during it: a recorder)
         cpu0 = time.process_time() if self.check_integrity else 0.0
         self._arrive(now_s)
         with self.lock:
@@ -337,7 +336,8 @@ class Simulator:
 
     def _arrive(self, now_s: float) -> None:
         """The requests arrived by now join the queue, each at its arrival time: while it joins,
-        `now_s` reads that time (a recorder enqueued with it sees when it arrived, not the pass)."""
+        `now_s` reads that time (a recorder enqueued with it sees when it arrived, not the pass),
+        and the pass's time after (what reads the clock during the pass: a recorder)."""
         while self.pending and self.pending[0].arrival_s <= now_s:
             r = self.pending.popleft()
             self.now_s = r.arrival_s

@@ -28,6 +28,7 @@ bytes or MAX_TRACE_LINES lines, then refused (a stream that never ends cannot be
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -301,6 +302,13 @@ _PIECE = 0x9E3779B97F4A7C15           # a piece of a page longer than a block: i
 _TAIL = 0x5851F42D4C957F2D            # prompts' partial last pages: ids no key maps to (but by chance)
 
 
+def _cut(blocks: list, lens: list, tokens: int, ids) -> None:
+    """`tokens` as blocks of at most BLOCK_TOKENS appended to blocks/lens, their ids from `ids`."""
+    for at, block in zip(range(0, tokens, BLOCK_TOKENS), ids):
+        blocks.append(block & _ID_MASK)
+        lens.append(min(BLOCK_TOKENS, tokens - at))
+
+
 def served_requests(rows) -> list[Request]:
     """Requests for what a prefix cache served (`PrefixCache.served()`: kvatlas.prefix.record.Served
     rows), in kvatlas's format, content included: each full page's key becomes the id of its tokens
@@ -318,23 +326,11 @@ def served_requests(rows) -> list[Request]:
         if keys:
             blocks, lens = [], []
             for k in keys:
-                left, piece = r.page_tokens, 0
-                while left > 0:
-                    take = min(left, BLOCK_TOKENS)
-                    blocks.append((k if piece == 0 else k ^ (piece * _PIECE)) & _ID_MASK)
-                    lens.append(take)
-                    left -= take
-                    piece += 1
+                _cut(blocks, lens, r.page_tokens, (k ^ (j * _PIECE) for j in itertools.count()))
             # the rest of the prompt, and when pages past it were keyed (its output was known), the
             # rest of the output: the replay then keys the same pages
             end = r.prompt_tokens + (max(r.output_tokens, 1) if len(keys) * r.page_tokens > r.prompt_tokens else 0)
-            tail, piece = end - len(keys) * r.page_tokens, 0
-            while tail > 0:
-                take = min(tail, BLOCK_TOKENS)
-                blocks.append((_TAIL + (n << 16) + piece) & _ID_MASK)
-                lens.append(take)
-                tail -= take
-                piece += 1
+            _cut(blocks, lens, end - len(keys) * r.page_tokens, itertools.count(_TAIL + (n << 16)))
         out.append(Request(id=f"served{n}", arrival_s=float(r.arrival_s), prompt_tokens=int(r.prompt_tokens),
                            output_tokens=max(int(r.output_tokens), 1), blocks=None if blocks is None else tuple(blocks),
                            block_lens=None if lens is None else tuple(lens)))

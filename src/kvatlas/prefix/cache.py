@@ -797,9 +797,10 @@ class PrefixCache:
             self._tent_u[slot] = self._tent_b[slot] = 0
         else:
             self._mark_end(req, L // self.P)
+        written = keys[: min(L // self.P, len(keys))]   # the keys of its full pages
         if self._recorder is not None:
-            self._recorder.finished(request_id, L, keys[: min(L // self.P, len(keys))])
-        keep_cols, nodes = self._publish(slot, keys[: min(L // self.P, len(keys))])
+            self._recorder.finished(request_id, L, written)
+        keep_cols, nodes = self._publish(slot, written)
         self._cached_now(keys[: len(nodes)].tolist())
         a.finish(request_id, keep_pages=keep_cols)
         placed = [ck for ck in req.kept if self._place(ck, nodes, req)]
