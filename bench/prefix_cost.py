@@ -10,8 +10,9 @@
    The two allocators step one after the other (which goes first alternating), each step timed;
    the figure is the median, over windows of 256 steps (whole upkeep cycles), of the on time
    summed over the window against the off time. Target: ≤ 1.10×. The batch is steady (the same
-   requests every step), so the resume rows come from the schedule made at each upkeep;
-   `--scan` times what a batch that changes every step pays instead (a scan of the batch).
+   requests every step), so the resume rows come from a schedule (made once a page of progress,
+   patched where units change); `--scan` times what a batch that changes every step pays
+   instead (a scan of the batch).
 3. `--scaling`: the same step at 64 / 256 / 1,024 / 4,096 running requests, with 256 and 4,096
    resume-point units, on against off: µs per step and per request. With more running requests
    than free units, the tails short of a unit take one as they are written, so the step must

@@ -176,7 +176,7 @@ def named_rows(w) -> set:
 
 
 def test_a_steady_batch_reads_its_rows_from_a_schedule_that_matches_the_pending_points():
-    """Decode steps of an unchanged batch take their rows from a schedule made once per upkeep;
+    """Decode steps of an unchanged batch take their rows from a schedule made once per page of progress;
     disruptions (a rollback, another request's chunk, an admission, a finish) end it. Every step
     names exactly the rows of the units pending for the tails its tokens are in."""
     c = cache(requests=6, checkpoints=16)
@@ -197,6 +197,73 @@ def test_a_steady_batch_reads_its_rows_from_a_schedule_that_matches_the_pending_
             c.finish(f"x{step}")
         c.check_integrity()
     assert scheduled > 500   # the schedule served most steps
+
+
+def test_a_steady_batch_short_of_units_keeps_its_schedule_and_names_the_rows_of_the_units_it_took():
+    """More tails about to be written than spare units (20 requests a few tokens apart): the
+    tails no unit was taken ahead for take one as they are first written, or get none, between
+    upkeeps. The schedule survives that (its rows are patched where row_base changes), and every
+    step names exactly the rows of the units pending for the tails its tokens are in."""
+    c = allocate(plan("tiny-v4", "256MiB", max_model_len=1024, max_running_requests=20, prefix_checkpoints=2,
+                      chunked_prefill_tokens=1024), backend="none")
+    a = c.allocator
+    rng = np.random.default_rng(11)
+    for i in range(20):
+        start(c, f"r{i}", int(rng.integers(200, 215)), seed=i)
+    batch = [f"r{i}" for i in range(20)]
+    touched, touch = [], a._touch
+
+    def counted(s, bnd, units, miss):   # (tails first written with no unit taken ahead)
+        got = touch(s, bnd, units, miss)
+        touched.append((a._schedule is not None, int(np.count_nonzero(got[miss])), int(miss.sum())))
+        return got
+
+    a._touch = counted
+    scheduled = 0
+    for _ in range(400):
+        w = c.step(batch)
+        scheduled += a._schedule is not None
+        assert named_rows(w) == expected_rows(a, w)
+        c.check_integrity()
+    assert len(touched) >= 8 and all(on for on, _, _ in touched)   # on the schedule, each time
+    assert 0 < sum(got for _, got, _ in touched) < sum(n for _, _, n in touched)   # some got a unit, some none
+    assert scheduled > 390
+
+
+def test_the_schedule_takes_the_units_the_scan_takes_step_by_step():
+    """The same steady batch, short of units, stepped twice: once from the schedule, once by the
+    scan every step (the schedule off). Every step names the same rows, and after every step the
+    pending boundaries, units, rows and free units agree: the schedule changes the cost of a
+    step, never which tail gets which unit. Disruptions (a rollback, a finish and an admission)
+    end the schedule now and then."""
+    runs = []
+    for scheduled in (True, False):
+        c = allocate(plan("tiny-v4", "256MiB", max_model_len=1024, max_running_requests=20, prefix_checkpoints=2,
+                          chunked_prefill_tokens=1024), backend="none")
+        a = c.allocator
+        if not scheduled:
+            a._steady_rows = lambda *args: None
+        rng = np.random.default_rng(3)
+        for i in range(18):
+            start(c, f"r{i}", int(rng.integers(200, 230)), seed=i)
+        batch, seen, used = [f"r{i}" for i in range(18)], [], 0
+        for step in range(420):
+            w = c.step(batch)
+            used += a._schedule is not None
+            seen.append((sorted(named_rows(w)), a.pend_b.tolist(), a.pend_u.tolist(), a.row_base.tolist(),
+                         a.ckpt.free))
+            if step == 150:
+                a.rollback(batch[3], 1)
+            if step == 300:
+                c.finish(batch.pop(5))
+                start(c, "late", 240, seed=99)
+                batch.append("late")
+            c.check_integrity()
+        runs.append((seen, used))
+    (on, used_on), (off, used_off) = runs
+    assert used_on > 380 and used_off == 0
+    for step, (x, y) in enumerate(zip(on, off)):
+        assert x == y, f"step {step}"
 
 
 def test_units_short_within_a_write_capture_nothing_that_write_reached():

@@ -25,7 +25,9 @@ kvatlas.prefix; this mixin only hands out and takes back units.
   no capture ever misses its tail. Progress is counted per pass as the most tokens one request
   wrote (in a grouped pass, the sum of its writes'), which bounds every request's. A steady
   batch (the same one stepping one token per request, nothing else in between) skips even the
-  comparison: its tokens reach their tails on a schedule made once per upkeep (_Schedule).
+  comparison: its tokens reach their tails on a schedule made once every page_tokens - k steps
+  (_Schedule), whose rows follow every change of `row_base` (an upkeep's units, a unit a tail
+  took as it was first written, a capture made).
 - A released resume point whose SWA pages a running request still reads leaves them orphaned:
   freed when the last reader lets go.
 """
@@ -152,25 +154,52 @@ class Sharing:
     def _steady_rows(self, batch, tok_slots, pos, within):
         """A steady batch: the same slots array stepping one token per request, nothing else
         written, rolled back, admitted or finished in between. Its tokens then reach their tails
-        on a known schedule, made once per upkeep (_Schedule), so a step's resume rows cost one
-        slice and one add instead of a comparison over the whole batch. None: no schedule (the
-        caller scans)."""
+        on a known schedule, made once per page of progress (_Schedule), so a step's resume rows
+        cost one slice and one add instead of a comparison over the whole batch. None: no
+        schedule (the caller scans)."""
         w, epoch = self._writes, self._epoch
         sched = self._schedule
         if sched is not None and sched.batch is batch and sched.epoch == epoch and sched.writes == w - 1:
             sched.writes = w
             sched.t += 1
             if sched.t < sched.horizon:
-                return sched.rows_at(sched.t, self.ckpt_buffers)
+                return self._scheduled_rows(sched, sched.t)
             self._schedule = None
         last, self._steady = self._steady, (batch, epoch, w)
         if last is None or last[0] is not batch or last[1] != epoch or last[2] != w - 1:
             return None   # a schedule pays off from the second step of the same batch on
-        sched = _Schedule.make(self, batch, tok_slots, pos, within, epoch, w)
-        if sched is None:
-            return None
-        self._schedule = sched
-        return sched.rows_at(0, self.ckpt_buffers)
+        self._schedule = sched = _Schedule.make(self, batch, tok_slots, pos, within, epoch, w)
+        return self._scheduled_rows(sched, 0)
+
+    def _scheduled_rows(self, sched, t: int) -> dict:
+        """The step's resume rows from the schedule. Its tokens first in a tail that has no unit
+        yet (more running requests than units taken ahead) take one as on the general path
+        (_touch, in token order: they share one e, so their run is in token order), which
+        patches the schedule's rows; a token that gets none saves no row, nor do its tail's
+        later tokens (its pending boundary says so: only the first touch takes a unit)."""
+        lo, hi = sched.lo[t], sched.hi[t]
+        if lo == hi:
+            return {}
+        rows = sched.rows[lo:hi] + t
+        order = sched.order[lo:hi]
+        if rows[rows.argmin()] < 0:
+            new = 0 if t == 0 else max(sched.hi[t - 1] - lo, 0)   # (tokens first in their tail now)
+            bad = (rows[new:] < 0).nonzero()[0] + new
+            if len(bad):
+                P, k = self.P, self.resume_tokens
+                s = sched.slots[lo:hi].take(bad)
+                p = sched.pos[lo:hi].take(bad) + t
+                w = mod(p, P)
+                bnd = p + (P - w)
+                units, miss = self.pend_u.take(s), self.pend_b.take(s) != bnd
+                if miss.any():
+                    units = self._touch(s, bnd, units, miss)
+                    rows[bad] = np.where(units > 0, units * k + (w - (P - k)), -1)
+            ok = rows >= 0
+            order, rows = order[ok], rows[ok]
+            if not len(rows):
+                return {}
+        return dict.fromkeys(self.ckpt_buffers, (order, rows))
 
     def _touch(self, s, bnd, units, miss) -> np.ndarray:
         """Units for the tails first written now: popped at once when each is a fresh slot's only
@@ -185,7 +214,19 @@ class Sharing:
                 self.ledger.add_units(CHECKPOINTS, m)
             units[i] = got
             return units
-        for j, slot, b in zip(i.tolist(), ms.tolist(), bnd[i].tolist()):
+        now = (self._passes, self._epoch)
+        for n, (j, slot, b) in enumerate(zip(i.tolist(), ms.tolist(), bnd[i].tolist())):
+            if self.ckpt.free == 0 and self._spared == now and self._no_eviction == now and not self.older:
+                # none can come within this pass (spared, nothing to evict: _take_checkpoint_unit),
+                # so the rest get none: noted as _pending_unit notes each, in one call when they
+                # are fresh slots' only tails (more running requests than units: every step)
+                rest = ms[n:]
+                if not self.pend_b[rest].any() and (len(rest) == 1 or (rest[1:] != rest[:-1]).all()):
+                    self._set_pending(rest, bnd[i[n:]], 0)
+                    if self.ledger is not None:
+                        self.ledger.checkpoints_skipped += len(rest)
+                    units[i[n:]] = 0
+                    break
             units[j] = self._pending_unit(slot, b)
         return units
 
@@ -208,15 +249,22 @@ class Sharing:
         return unit
 
     def _set_pending(self, slots, boundaries, units) -> None:
-        self._schedule = None   # (every change of row_base ends a steady batch's schedule)
         self.pend_b[slots], self.pend_u[slots] = boundaries, units
-        base = np.asarray(units) * self.resume_tokens - (np.asarray(boundaries) - self.resume_tokens)
-        self.row_base[slots] = np.where(np.asarray(units) > 0, base, NO_ROW)
+        k = self.resume_tokens
+        if isinstance(slots, int):   # (one slot: Python scalars, not numpy's per-call costs)
+            base = units * k - (boundaries - k) if units > 0 else NO_ROW
+        else:
+            base = np.asarray(units) * k - (np.asarray(boundaries) - k)
+            base = np.where(np.asarray(units) > 0, base, NO_ROW)
+        self.row_base[slots] = base
+        if self._schedule is not None:   # (every change of row_base reaches a steady batch's schedule)
+            self._schedule.patch(slots, self.row_base)
 
     def _clear_pending(self, slots) -> None:
-        self._schedule = None
         self.pend_b[slots] = self.pend_u[slots] = 0
         self.row_base[slots] = NO_ROW
+        if self._schedule is not None:
+            self._schedule.patch(slots, self.row_base)
 
     def _take_checkpoint_unit(self, slot: int) -> int:
         """Best effort: a resume point not saved is a miss later, never a refused write. Within
@@ -687,10 +735,12 @@ class _Schedule:
     its row: at step t after the one it was made at, token j is at pos_j + t, in the tail of the
     next boundary while t - k < e_j <= t (e_j = page_tokens - k - within_j), and its row is
     row_base + pos_j + t. Tokens sorted by e_j, each step's hits are one contiguous run. It holds
-    until row_base changes (the next upkeep, or a unit taken on the general path), or up to the
-    first step at which a token without a unit (NO_ROW) would reach its tail."""
+    for page_tokens - k steps (within them a token meets one tail at most); every change of
+    row_base meanwhile (an upkeep's units, a unit taken or given back between upkeeps) patches
+    the rows of the slots it changes (`patch`), so a batch short of units keeps its schedule."""
 
-    __slots__ = ("batch", "epoch", "writes", "t", "horizon", "order", "rows", "lo", "hi")
+    __slots__ = ("batch", "epoch", "writes", "t", "horizon", "order", "slots", "pos", "rows", "where",
+                 "lo", "hi")
 
     @classmethod
     def make(cls, alloc, batch, tok_slots, pos, within, epoch: int, writes: int):
@@ -698,24 +748,29 @@ class _Schedule:
         e = (P - k) - within
         order = np.argsort(e.astype(np.int16) if P < 1 << 15 else e, kind="stable")   # (16-bit: a radix sort)
         e = e.take(order)
-        rows = alloc.row_base.take(tok_slots.take(order))
-        rows += pos.take(order)
-        horizon = P - k   # within it a token meets one tail at most
-        bad = (rows < 0).nonzero()[0]
-        if len(bad):   # tokens without a unit: the schedule ends before the first reaches its tail
-            horizon = min(horizon, int(e[bad].min()))
-            if horizon <= 0:
-                return None
         sched = cls()
-        sched.batch, sched.epoch, sched.writes, sched.t, sched.horizon = batch, epoch, writes, 0, horizon
-        steps = np.arange(horizon, dtype=np.int64)
-        sched.order, sched.rows = order, rows
+        sched.slots = tok_slots.take(order)
+        sched.pos = pos.take(order)
+        sched.rows = alloc.row_base.take(sched.slots)
+        sched.rows += sched.pos
+        sched.where = np.full(len(alloc.row_base), -1, np.int64)   # slot -> its token's place in order
+        sched.where[sched.slots] = np.arange(len(order))
+        sched.batch, sched.epoch, sched.writes, sched.t, sched.horizon = batch, epoch, writes, 0, P - k
+        steps = np.arange(P - k, dtype=np.int64)
+        sched.order = order
         sched.lo = np.searchsorted(e, steps - k, side="right").tolist()
         sched.hi = np.searchsorted(e, steps, side="right").tolist()
         return sched
 
-    def rows_at(self, t: int, names) -> dict:
-        lo, hi = self.lo[t], self.hi[t]
-        if lo == hi:
-            return {}
-        return dict.fromkeys(names, (self.order[lo:hi], self.rows[lo:hi] + t))
+    def patch(self, slots, row_base) -> None:
+        """row_base changed at `slots` (one slot or an array): their tokens' rows follow."""
+        if isinstance(slots, int):
+            i = int(self.where[slots])
+            if i >= 0:
+                self.rows[i] = int(row_base[slots]) + int(self.pos[i])
+            return
+        i = self.where[slots]
+        if i[i.argmin()] < 0:   # (slots not in the batch)
+            keep = i >= 0
+            i, slots = i[keep], np.asarray(slots)[keep]
+        self.rows[i] = row_base.take(slots) + self.pos.take(i)
