@@ -217,3 +217,53 @@ def test_pages_written_after_the_prompt_and_keyed_are_served_content_too():
     _, again = run([(r.id, r.prompt_tokens, r.output_tokens, r.token_ids() if r.output_token_ids() is None
                      else np.concatenate([r.token_ids(), r.output_token_ids()])) for r in served], False)
     assert again == hits
+
+
+def _shape(requests) -> list:
+    """Each request's lengths and blocks, the block ids renamed in order of first use: the sharing
+    between requests, whatever ids name the pages."""
+    names: dict = {}
+    return sorted((r.prompt_tokens, r.output_tokens, tuple(names.setdefault(b, len(names)) for b in r.blocks),
+                   r.block_lens) for r in requests)
+
+
+SERVE = ["serve", "tiny-v4", "--memory", "96MiB", "--max-model-len", "2048", "--max-running-requests", "8",
+         "--backend", "none", "--port", "0", "--step-ms", "2", "--duration", "1", "--rate", "12",
+         "--system-prompts", "2", "--system-prompt-len", "512", "--prompt-len", "uniform:64:256",
+         "--output-len", "uniform:8:32", "--progress-s", "60"]
+
+
+def test_serve_records_what_it_served_for_the_next_fit(tmp_path, capsys):
+    """`serve --record-served PATH` writes, when it stops, what the prefix cache served: every
+    request that finished, the system prompts' pages shared between them as they were served.
+    `simulate` replays that trace with the same sharing: recorded again, its requests have the
+    same lengths and the same pages in common."""
+    from kvatlas.cli import main
+    path = tmp_path / "served.jsonl"
+    assert main([*SERVE, "--prefix-checkpoints", "16", "--record-served", str(path)]) == 0
+    out = capsys.readouterr().out
+    served, problems = read_trace(str(path))
+    assert not problems and len(served) >= 8
+    assert f"written: {path} ({len(served)} requests served)" in out
+    firsts = [r.blocks[0] for r in served]
+    assert len(set(firsts)) == 2 and len(set(r.blocks[1] for r in served)) == 2   # two system prompts, two pages each
+    assert all(r.prompt_tokens > 512 for r in served)
+    again = tmp_path / "again"
+    assert main(["simulate", *SERVE[1:10], "--prefix-checkpoints", "16", "--no-plot", "--workload", str(path),
+                 "--record-served", "--out", str(again)]) == 0
+    replayed, _ = read_trace(f"{again}.served.jsonl")
+    assert _shape(replayed) == _shape(served)
+
+
+@pytest.mark.parametrize("extra,where,needle", [
+    ([], "served.jsonl", "--record-served: records what the prefix cache served, and it is off"),
+    (["--prefix-checkpoints", "16"], "missing/served.jsonl", "--record-served: directory"),
+])
+def test_serve_record_served_is_refused_before_it_starts(extra, where, needle, tmp_path, capsys):
+    """Refused with the flag named before the port is taken or anything allocated."""
+    from kvatlas.cli import main
+    path = tmp_path / where
+    assert main([*SERVE, *extra, "--record-served", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and "starting" not in err
+    assert not path.exists()

@@ -349,6 +349,30 @@ def sample_s(args, requests) -> float:
     return span / 2000
 
 
+def check_record_served(args, flag: str, path: str | None) -> None:
+    """A run asked to record what the prefix cache served (`flag`, writing `path`): refused before
+    any work when the cache is off or the file cannot be written."""
+    if not args.prefix_checkpoints:
+        raise ConfigError(flag, "records what the prefix cache served, and it is off",
+                          f"add --prefix-checkpoints N (or fit), or drop {flag}")
+    if path is not None:
+        from .common import check_output_file
+        check_output_file(flag, path, extensions=None)
+
+
+def record_served(cache, sim, max_requests: int) -> None:
+    """From now on the cache keeps what it serves, its arrivals on the driver's clock."""
+    cache.prefix.record(max_requests=max(max_requests, 1), clock=lambda: sim.now_s)
+
+
+def write_served(cache, path: str) -> str:
+    """The requests recorded (record_served) as a kvatlas trace at `path`: --workload replays it
+    with the same sharing and --prefix-checkpoints fit fits to it."""
+    from ..driving.traces import served_requests, write_trace
+    write_trace(path, served_requests(cache.prefix.served()))
+    return path
+
+
 def summary(cache, sim, writer, wall_s: float, how: str) -> str:
     s, snap = sim.stats, cache.ledger.snapshot()
     addr = max(snap.addressable_bytes, 1)

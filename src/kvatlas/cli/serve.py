@@ -19,7 +19,7 @@ import time
 from ..units import fmt_bytes
 from . import EXIT_INTERRUPTED
 from .common import add_deployment_args, count, number, plan_from_args
-from .drive import add_drive_args, build, summary
+from .drive import add_drive_args, build, check_record_served, record_served, summary, write_served
 
 
 def add_parser(p) -> None:
@@ -32,6 +32,13 @@ def add_parser(p) -> None:
                    help="seconds to keep serving after the workload ends (default 0; -1: until a signal)")
     g.add_argument("--progress-s", type=number(0.0, 3600.0, open_low=True), default=1.0,
                    help="seconds between progress updates")
+    g = p.add_argument_group("output")
+    g.add_argument("--record-served", default=None, metavar="PATH",
+                   help="when it stops, write what the prefix cache served to PATH (JSONL): a trace that --workload "
+                        "replays with the same sharing and `simulate --prefix-checkpoints fit` fits the resume-point "
+                        "count to, for the next start (the latest --record-max requests; needs the prefix cache)")
+    g.add_argument("--record-max", type=count(1, 10_000_000), default=100_000, metavar="N",
+                   help="requests --record-served keeps, the latest (default 100000)")
 
 
 def _linger(text: str) -> float:
@@ -174,6 +181,8 @@ def run(args) -> int:
     with _Stop() as stop:      # signals first: SIGTERM stops it cleanly in every phase
         # every check that cannot block, before the port is taken: bad input is refused first
         prepared = prepare(args, plan_from_args, defer_pipe=True)
+        if args.record_served is not None:
+            check_record_served(args, "--record-served", args.record_served)
         if stop.event.is_set():
             print(_not_started(args, "checking the arguments", time.monotonic() - t0, stop), flush=True)
             return EXIT_INTERRUPTED if stop.reason == "SIGINT" else 0
@@ -191,6 +200,8 @@ def run(args) -> int:
                 print(_not_started(args, phase, time.monotonic() - t0, stop), flush=True)
                 return _leave(EXIT_INTERRUPTED if stop.reason == "SIGINT" else 0, stop)
             cache, sim, writer = built
+            if args.record_served is not None:
+                record_served(cache, sim, args.record_max)
             handle.attach(cache, lock=lock, extra_state=sim.state, request_state=sim.progress)
             print(f"kvatlas serve: {cache.plan.model.name}, {fmt_bytes(cache.plan.total_bytes)} on {cache.device}; "
                   f"{len(sim.pending)} requests; endpoints at {handle.url}/metrics /state /healthz", flush=True)
@@ -204,6 +215,9 @@ def run(args) -> int:
         with lock:
             cache.check_integrity()
     print(summary(cache, sim, writer, time.monotonic() - t0, how + "; endpoint closed"), flush=True)
+    if args.record_served is not None:
+        print(f"\nwritten: {write_served(cache, args.record_served)} ({len(cache.prefix.served()):,} requests "
+              "served)", flush=True)
     return EXIT_INTERRUPTED if stop.reason == "SIGINT" else 0
 
 

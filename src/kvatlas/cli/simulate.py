@@ -11,7 +11,8 @@ from ..errors import ConfigError
 from ..observing.progress import Bar, wanted
 from .common import (FIT, add_deployment_args, add_fit_running_args, check_fit_running_args, check_output_file, count,
                      number, options_from_args, plan_from_args)
-from .drive import add_drive_args, build, host_memory, prepare, summary
+from .drive import (add_drive_args, build, check_record_served, host_memory, prepare, record_served, summary,
+                    write_served)
 from .ranks import RANK_CHILD_ENV
 
 
@@ -48,9 +49,8 @@ def run(args) -> int:
         raise ConfigError("--prefix-checkpoints", "fit with --ranks (each rank would fit to its share of the "
                           "workload)", "fit on one rank first, then give every rank the count it prints")
     slack = check_fit_running_args(args, args.prefix_checkpoints == FIT, "--prefix-checkpoints fit")
-    if args.record_served and not args.prefix_checkpoints:
-        raise ConfigError("--record-served", "records what the prefix cache served, and it is off",
-                          "add --prefix-checkpoints N (or fit), or drop --record-served")
+    if args.record_served:
+        check_record_served(args, "--record-served", None)   # (the file: output_paths, above)
     if args.record_served and (args.ranks > 1 or args.ranks_of > 1):
         raise ConfigError("--record-served", "with --ranks (each rank serves its share of the workload)",
                           "record a run of one rank")
@@ -62,7 +62,7 @@ def run(args) -> int:
     fitted = fit_from_args(args, slack) if args.prefix_checkpoints == FIT else None
     cache, sim, writer = build(args, plan_from_args, prepared=fitted)
     if args.record_served:   # on the simulator's virtual clock, every request it was given
-        cache.prefix.record(max_requests=max(len(sim.unarrived()), 1), clock=lambda: sim.now_s)
+        record_served(cache, sim, len(sim.unarrived()))
     t0 = time.perf_counter()
     total = len(sim.pending)
     with Bar(total, "simulate", wanted(), unit="requests") as bar:
@@ -76,9 +76,7 @@ def run(args) -> int:
     write_csv(csv_path, sim.timeline)
     written = [csv_path, write_requests(args.out, sim)]
     if args.record_served:
-        from ..driving.traces import served_requests, write_trace
-        write_trace(f"{args.out}.served.jsonl", served_requests(cache.prefix.served()))
-        written.append(f"{args.out}.served.jsonl")
+        written.append(write_served(cache, f"{args.out}.served.jsonl"))
     if not args.no_plot:
         write_png(png_path, sim.timeline, title=f"kvatlas simulate — {cache.plan.model.name}")
         written.append(png_path)
