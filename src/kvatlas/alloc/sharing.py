@@ -195,6 +195,8 @@ class Sharing:
                 if miss.any():
                     units = self._touch(s, bnd, units, miss)
                     rows[bad] = np.where(units > 0, units * k + (w - (P - k)), -1)
+                    if self.older:   # (a unit kept aside, not in row_base: the scan finds it, the schedule not)
+                        self._schedule = None
             ok = rows >= 0
             order, rows = order[ok], rows[ok]
             if not len(rows):
