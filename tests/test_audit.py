@@ -184,16 +184,20 @@ def _linked_list(n):
 
 def test_huge_graph_is_fast_and_caps_truncate():
     # Linear, not quadratic, in the graph's size (paths built by concatenation once went
-    # quadratic): 10x the nodes may cost at most 30x the time, measured in the same run, so a
-    # busy machine slows both sides alike (an absolute time limit failed under load).
+    # quadratic: 100x): 10x the nodes may cost at most 30x the time, measured in the same run, so
+    # a busy machine slows both sides alike (an absolute time limit failed under load); the
+    # larger side's best of two runs, as one run once met a burst of load (2.5 s against 2.3 s)
     small = _linked_list(20_000)
     start = time.perf_counter()
     audit(small, max_depth=10**6)
     small_s = time.perf_counter() - start
     head = _linked_list(200_000)
-    start = time.perf_counter()
-    r = audit(head, max_depth=10**6)
-    assert time.perf_counter() - start < 30 * small_s + 0.5
+    large_s = []
+    for _ in range(2):
+        start = time.perf_counter()
+        r = audit(head, max_depth=10**6)
+        large_s.append(time.perf_counter() - start)
+    assert min(large_s) < 30 * small_s + 0.5
     assert r.total_bytes == 7 and not r.truncated
     assert r.entries[0].path == ".next" * 199_999 + ".tail"
     capped = audit(head, max_objects=1000, max_depth=10**6)
