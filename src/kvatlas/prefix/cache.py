@@ -465,17 +465,6 @@ class PrefixCache:
         if not self._filling:
             self.alloc.on_pass_over = None
 
-    def _sync_slot(self, slot: int) -> None:
-        """_sync of one slot's pages, the others' left noted for the next reader. Only the pages of
-        slots that share nothing with another writer or the tree wait past their pass's end
-        (`_twice` and `_unplaced` slots are shared then, _note_written), so the order they join
-        in changes nothing; a `_twice` slot gets the whole _sync all the same."""
-        if slot in self._twice:
-            self._sync()
-        elif slot in self._filling and self._fill_due[slot] <= self._passed[slot]:
-            self._share_due(np.array([slot]), np.minimum(self._passed[slot:slot + 1] // self.P,
-                                                         self._fill_keys[slot:slot + 1]))
-
     def _share_due(self, slots, ends) -> None:
         tree, filling, coming, twice = self._tree, self._filling, self._coming, self._twice
         batch, fast, rest, every = [], [], [], []
@@ -638,7 +627,7 @@ class PrefixCache:
     def _keep_intermediate(self, slot: int, ck) -> None:
         req = self.requests[self.alloc.rid_of[slot]]
         if self._noted and ck.boundary_tokens // self.P > len(req.path):
-            self._sync_slot(slot)   # its page may be one a pass over has noted: shared first, as at the pass's end
+            self._sync()   # its page may be one a pass over has noted: shared first, as at the pass's end
         if ck.boundary_tokens // self.P <= len(req.path) and self.share_as_written:
             self._place(ck, req.path, req)   # its page is shared already: readers may resume there now
             return
