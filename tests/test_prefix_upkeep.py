@@ -266,6 +266,45 @@ def test_the_schedule_takes_the_units_the_scan_takes_step_by_step():
         assert x == y, f"step {step}"
 
 
+def test_units_taken_ahead_go_to_the_nearest_tails_in_slot_order_among_ties():
+    """Short of units, an upkeep gives the spare ones to the tails nearest to being written
+    (ties: the lower slot first) and sets the next interval from the nearest tail left without
+    one. Checked at every upkeep of a batch of 20 requests spread over a page, against the rule
+    restated here, with none, few and many units to spare."""
+    c = allocate(plan("tiny-v4", "256MiB", max_model_len=1024, max_running_requests=20, prefix_checkpoints=2,
+                      chunked_prefill_tokens=1024), backend="none")
+    a = c.allocator
+    rng = np.random.default_rng(4)
+    for i in range(20):
+        start(c, f"r{i}", int(rng.integers(150, 400)), seed=i)
+    take, checked, spares = a._take_ahead, [], set()
+
+    def checked_take():
+        P, k, most, slack = a.P, a.resume_tokens, a._interval_most, a._ahead_slack
+        spare = max(a.ckpt.free - a._unit_reserve, 0)
+        before = {s: (P - k) - int(a.length[s]) % P for s in range(len(a.length))}
+        want = [s for s, b in before.items() if 0 <= b <= most + slack - k and a.length[s] < a._last_boundary
+                and a.pend_b[s] == 0]
+        near = sorted(want, key=lambda s: (before[s], s))
+        given = near[:spare]
+        interval = most if len(want) <= spare else max(before[near[spare]] + k - slack - 1, min(16, most))
+        was = a.pend_b.copy()
+        take()
+        got = sorted(s for s in range(len(was)) if was[s] == 0 and a.pend_b[s] != 0)
+        assert got == sorted(given) and a._defer_limit == interval
+        checked.append(len(want) > spare)
+        spares.add(min(spare, 2))
+
+    a._take_ahead = checked_take
+    held = [a._take_checkpoint_unit(0) for _ in range(a.ckpt.free - a._unit_reserve - 2)]   # (few left to spare)
+    batch = [f"r{i}" for i in range(20)]
+    for _ in range(400):
+        c.step(batch)
+    a.release_checkpoints(np.array(held), np.zeros((len(held), 0), np.int64))
+    c.check_integrity()
+    assert sum(checked) >= 8 and spares == {0, 1, 2}   # short of units at some upkeeps: none, one, several spare
+
+
 def test_units_short_within_a_write_capture_nothing_that_write_reached():
     """A chunk crossing several boundaries with no free unit: sparing units within the write
     must not capture the boundaries the same (not yet final) write reached; their rows are still

@@ -338,9 +338,13 @@ class Sharing:
         want = (want & (self.pend_b == 0)).nonzero()[0]
         interval = most
         if len(want) > spare:
-            near = want[np.argsort(before.take(want), kind="stable")]
-            want = near[:spare]
-            interval = max(int(before[near[spare]]) + k - slack - 1, min(16, most))
+            ahead = before.take(want)   # (0 .. most + slack - k: 16 bits, a radix sort)
+            if spare:
+                near = want[np.argsort(ahead.astype(np.int16) if most + slack < 1 << 15 else ahead, kind="stable")]
+                want, first = near[:spare], near[spare]
+            else:   # (none to give: only the nearest tail sets the interval)
+                want, first = want[:0], want[ahead.argmin()]
+            interval = max(int(before[first]) + k - slack - 1, min(16, most))
         self._defer_limit = interval
         if len(want):
             self._set_pending(want, L.take(want) + before.take(want) + k,   # the next boundary
