@@ -267,3 +267,63 @@ def test_serve_record_served_is_refused_before_it_starts(extra, where, needle, t
     err = capsys.readouterr().err
     assert needle in err and "starting" not in err
     assert not path.exists()
+
+
+def test_the_count_is_fitted_again_on_what_the_cache_served_as_it_runs():
+    """Refit: every `every` requests served, the fit on the latest recorded, the count running now
+    among its shares. Polled between the simulator's passes (as serve does), synchronously here:
+    each fit is the fit of the requests served when it began, exactly, and the count running now
+    is one of its trials."""
+    from kvatlas.driving.fit import SHARES, fit_checkpoints
+    from kvatlas.driving.refit import Refit, running_share
+    from kvatlas.driving.sim import Simulator
+    requests, _ = read_trace(SLICE)
+    p = plan()
+    cache = kvatlas.allocate(p, backend="none")
+    sim = Simulator(cache, requests, record=False)
+    cache.prefix.record(clock=lambda: sim.now_s)
+    options = dict(memory_bytes=16 << 30, max_running_requests=4, max_model_len=131072)
+    refit = Refit(cache, "deepseek-v4-flash", options, every=30, background=False)
+    began = []
+
+    def poll(_):
+        fits = refit.fits
+        refit.poll()
+        if refit.fits > fits:
+            began.append(cache.prefix._recorder.finished_total)
+    sim.run_offline(on_step=poll)
+    assert refit.fits == 2 and began[0] >= 30 and began[1] >= began[0] + 30
+    latest = refit.state()["latest"]
+    rows = cache.prefix.served()[:began[1]]
+    want = fit_checkpoints("deepseek-v4-flash", served_requests(rows), shares=sorted({*SHARES, running_share(p)}),
+                           simulator={}, **options)
+    assert latest["requests"] == began[1] and latest["fit"] == want.to_dict()
+    now = [t for t in want.trials if t.checkpoints == p.options.prefix_checkpoints]
+    assert len(now) == 1 and latest["running_hit_ratio"] == now[0].hit_ratio and latest["running_checkpoints"] == 200
+    assert "applies at the next start" in refit.line()
+    from kvatlas.cli.serve import _state
+    assert _state(sim, refit)()["prefix_fit"]["latest"] == latest   # (serve's /state)
+
+
+@pytest.mark.parametrize("kwargs,field", [({"every": 0}, "every"), ({"options": {"prefix_checkpoints": 8}}, "options")])
+def test_bad_refit_arguments_are_named(kwargs, field):
+    from kvatlas.driving.refit import Refit
+    cache = kvatlas.allocate(plan(), backend="none")
+    cache.prefix.record()
+    args = {"every": 5, "options": {"memory_bytes": 16 << 30}, **kwargs}
+    with pytest.raises(ConfigError, match=field):
+        Refit(cache, "deepseek-v4-flash", args.pop("options"), **args)
+    with pytest.raises(ConfigError, match="records nothing"):
+        Refit(kvatlas.allocate(plan(), backend="none"), "deepseek-v4-flash", {"memory_bytes": 16 << 30}, every=5)
+
+
+def test_serve_fits_the_count_again_in_a_process_of_its_own(capsys):
+    """`serve --refit-every N`: a fit after every N requests served, in a spawned process while the
+    loop serves on; the summary says what it found (the count for the next start, and what the
+    count running now hits on the same requests)."""
+    from kvatlas.cli import main
+    assert main([*SERVE, "--prefix-checkpoints", "16", "--refit-every", "5", "--linger", "5"]) == 0
+    out, err = capsys.readouterr()
+    assert "kvatlas serve: resume points fitted on the latest" in err
+    line = next(ln for ln in out.splitlines() if ln.startswith("resume points fitted again:"))
+    assert "--prefix-checkpoints" in line and "the 16 running now" in line and "next start" in line

@@ -349,6 +349,14 @@ def sample_s(args, requests) -> float:
     return span / 2000
 
 
+def replay_options(args, time_model) -> dict:
+    """The Simulator's keyword arguments a fit's replays take from the command line: the run's own
+    time model, draft acceptance, seed and admission."""
+    return {"time_model": time_model, "accept_rate": args.accept_rate, "seed": args.seed,
+            "hold_for_writers": args.hold_for_writers, "admission_window": args.admission_window,
+            "queue_aware_eviction": args.queue_aware_eviction}
+
+
 def check_record_served(args, flag: str, path: str | None) -> None:
     """A run asked to record what the prefix cache served (`flag`, writing `path`): refused before
     any work when the cache is off or the file cannot be written."""

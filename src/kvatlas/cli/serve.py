@@ -18,8 +18,9 @@ import time
 
 from ..units import fmt_bytes
 from . import EXIT_INTERRUPTED
-from .common import add_deployment_args, count, number, plan_from_args
-from .drive import add_drive_args, build, check_record_served, record_served, summary, write_served
+from .common import add_deployment_args, count, number, options_from_args, plan_from_args
+from .drive import (add_drive_args, build, check_record_served, record_served, replay_options, summary,
+                    write_served)
 
 
 def add_parser(p) -> None:
@@ -38,7 +39,12 @@ def add_parser(p) -> None:
                         "replays with the same sharing and `simulate --prefix-checkpoints fit` fits the resume-point "
                         "count to, for the next start (the latest --record-max requests; needs the prefix cache)")
     g.add_argument("--record-max", type=count(1, 10_000_000), default=100_000, metavar="N",
-                   help="requests --record-served keeps, the latest (default 100000)")
+                   help="requests --record-served and --refit-every keep, the latest (default 100000)")
+    g.add_argument("--refit-every", type=count(1, 10_000_000), default=None, metavar="N",
+                   help="every N requests served, fit the resume-point count to the latest --record-max served "
+                        "(kvatlas.driving.refit: each share replayed beside the count running now, in a process of "
+                        "its own); the latest fit is in /state (prefix_fit), on stderr and in the summary. The count "
+                        "applies at the next start (needs the prefix cache)")
 
 
 def _linger(text: str) -> float:
@@ -108,11 +114,24 @@ class _Progress:
             self.live.stop()
 
 
-def _drive(sim, args, stop: _Stop, progress: _Progress) -> str:
+def _state(sim, refit):
+    """/state's workload view: the simulator's, and the latest refit's (--refit-every)."""
+    if refit is None:
+        return sim.state
+    return lambda: {**sim.state(), "prefix_fit": refit.state()}
+
+
+def _drive(sim, args, stop: _Stop, progress: _Progress, refit=None) -> str:
     t0 = time.monotonic()
     done_at = None
+    fits = 0
     while not stop.event.is_set():
         now = time.monotonic() - t0
+        if refit is not None:   # (between passes: a fit ended is taken, one is begun when due)
+            refit.poll()
+            if refit.fits > fits:
+                fits = refit.fits
+                print(f"kvatlas serve: resume points fitted {refit.line()}", file=sys.stderr, flush=True)
         if sim.done:
             done_at = now if done_at is None else done_at
             progress.update(sim, now)
@@ -177,12 +196,14 @@ def run(args) -> int:
         print(f"kvatlas serve: warning: {warning}", file=sys.stderr, flush=True)
     lock = server.FairLock()   # scrapes wait for the pass in progress, not for a gap between passes
     t0 = time.monotonic()
-    progress = None
+    progress = refit = None
     with _Stop() as stop:      # signals first: SIGTERM stops it cleanly in every phase
         # every check that cannot block, before the port is taken: bad input is refused first
         prepared = prepare(args, plan_from_args, defer_pipe=True)
         if args.record_served is not None:
             check_record_served(args, "--record-served", args.record_served)
+        if args.refit_every is not None:
+            check_record_served(args, "--refit-every", None)
         if stop.event.is_set():
             print(_not_started(args, "checking the arguments", time.monotonic() - t0, stop), flush=True)
             return EXIT_INTERRUPTED if stop.reason == "SIGINT" else 0
@@ -200,14 +221,20 @@ def run(args) -> int:
                 print(_not_started(args, phase, time.monotonic() - t0, stop), flush=True)
                 return _leave(EXIT_INTERRUPTED if stop.reason == "SIGINT" else 0, stop)
             cache, sim, writer = built
-            if args.record_served is not None:
+            if args.record_served is not None or args.refit_every is not None:
                 record_served(cache, sim, args.record_max)
-            handle.attach(cache, lock=lock, extra_state=sim.state, request_state=sim.progress)
+            if args.refit_every is not None:
+                from ..driving.refit import Refit
+                refit = Refit(cache, args.model, options_from_args(args, prefix_checkpoints=0),
+                              every=args.refit_every, simulator=replay_options(args, prepared.time_model))
+            handle.attach(cache, lock=lock, extra_state=_state(sim, refit), request_state=sim.progress)
             print(f"kvatlas serve: {cache.plan.model.name}, {fmt_bytes(cache.plan.total_bytes)} on {cache.device}; "
                   f"{len(sim.pending)} requests; endpoints at {handle.url}/metrics /state /healthz", flush=True)
             progress = _Progress(args.progress_s)
-            how = _drive(sim, args, stop, progress)
+            how = _drive(sim, args, stop, progress, refit)
         finally:
+            if refit is not None:
+                refit.close()
             if progress is not None:
                 progress.close()
             handle.close()
@@ -215,6 +242,8 @@ def run(args) -> int:
         with lock:
             cache.check_integrity()
     print(summary(cache, sim, writer, time.monotonic() - t0, how + "; endpoint closed"), flush=True)
+    if refit is not None:
+        print(f"resume points fitted again: {refit.line()}", flush=True)
     if args.record_served is not None:
         print(f"\nwritten: {write_served(cache, args.record_served)} ({len(cache.prefix.served()):,} requests "
               "served)", flush=True)

@@ -11,8 +11,8 @@ from ..errors import ConfigError
 from ..observing.progress import Bar, wanted
 from .common import (FIT, add_deployment_args, add_fit_running_args, check_fit_running_args, check_output_file, count,
                      number, options_from_args, plan_from_args)
-from .drive import (add_drive_args, build, check_record_served, host_memory, prepare, record_served, summary,
-                    write_served)
+from .drive import (add_drive_args, build, check_record_served, host_memory, prepare, record_served,
+                    replay_options, summary, write_served)
 from .ranks import RANK_CHILD_ENV
 
 
@@ -112,9 +112,7 @@ def fit_from_args(args, slack: float):
              f"{slack:.0%} of the lowest mean TTFT)" if running else "")
           + f" (bookkeeping only; {jobs} replays at once)", flush=True)
     t0 = time.perf_counter()
-    sim = {"time_model": pr.time_model, "accept_rate": args.accept_rate, "seed": args.seed,
-           "hold_for_writers": args.hold_for_writers, "admission_window": args.admission_window,
-           "queue_aware_eviction": args.queue_aware_eviction}
+    sim = replay_options(args, pr.time_model)
 
     def progress(t) -> None:
         print((f"  {t.running} running," if running else " ") + f" share {t.share:g}: "

@@ -52,6 +52,7 @@ class Recorder:
         self.running: dict = {}   # request id -> (arrival, prompt tokens, keys, order)
         self.served: deque = deque(maxlen=self.max_requests)
         self.arrivals = 0         # requests seen arriving (enqueued, or admitted unqueued)
+        self.finished_total = 0   # requests served since recording began (more than `served` holds)
 
     def _arrival(self) -> tuple[float, int]:
         self.arrivals += 1
@@ -77,4 +78,5 @@ class Recorder:
                 prompt_keys = np.asarray(keys, np.int64).copy()
             self.served.append(Served(max(arrival, 0.0), prompt, max(int(length) - prompt, 0), prompt_keys,
                                       self.P, order))
+            self.finished_total += 1
 
