@@ -199,18 +199,23 @@ def test_a_steady_batch_reads_its_rows_from_a_schedule_that_matches_the_pending_
     assert scheduled > 500   # the schedule served most steps
 
 
+def short_batch(seed: int, lengths: tuple, n: int = 20):
+    """n requests started at lengths drawn from [lo, hi) in a plan with few units to spare (28 in
+    all, 5 held back for chunks): (cache, allocator, the batch's ids)."""
+    c = allocate(plan("tiny-v4", "256MiB", max_model_len=1024, max_running_requests=20, prefix_checkpoints=2,
+                      chunked_prefill_tokens=1024), backend="none")
+    rng = np.random.default_rng(seed)
+    for i in range(n):
+        start(c, f"r{i}", int(rng.integers(*lengths)), seed=i)
+    return c, c.allocator, [f"r{i}" for i in range(n)]
+
+
 def test_a_steady_batch_short_of_units_keeps_its_schedule_and_names_the_rows_of_the_units_it_took():
     """More tails about to be written than spare units (20 requests a few tokens apart): the
     tails no unit was taken ahead for take one as they are first written, or get none, between
     upkeeps. The schedule survives that (its rows are patched where row_base changes), and every
     step names exactly the rows of the units pending for the tails its tokens are in."""
-    c = allocate(plan("tiny-v4", "256MiB", max_model_len=1024, max_running_requests=20, prefix_checkpoints=2,
-                      chunked_prefill_tokens=1024), backend="none")
-    a = c.allocator
-    rng = np.random.default_rng(11)
-    for i in range(20):
-        start(c, f"r{i}", int(rng.integers(200, 215)), seed=i)
-    batch = [f"r{i}" for i in range(20)]
+    c, a, batch = short_batch(11, (200, 215))
     touched, touch = [], a._touch
 
     def counted(s, bnd, units, miss):   # (tails first written with no unit taken ahead)
@@ -238,15 +243,10 @@ def test_the_schedule_takes_the_units_the_scan_takes_step_by_step():
     end the schedule now and then."""
     runs = []
     for scheduled in (True, False):
-        c = allocate(plan("tiny-v4", "256MiB", max_model_len=1024, max_running_requests=20, prefix_checkpoints=2,
-                          chunked_prefill_tokens=1024), backend="none")
-        a = c.allocator
+        c, a, batch = short_batch(3, (200, 230), n=18)
         if not scheduled:
             a._steady_rows = lambda *args: None
-        rng = np.random.default_rng(3)
-        for i in range(18):
-            start(c, f"r{i}", int(rng.integers(200, 230)), seed=i)
-        batch, seen, used = [f"r{i}" for i in range(18)], [], 0
+        seen, used = [], 0
         for step in range(420):
             w = c.step(batch)
             used += a._schedule is not None
@@ -271,12 +271,7 @@ def test_units_taken_ahead_go_to_the_nearest_tails_in_slot_order_among_ties():
     (ties: the lower slot first) and sets the next interval from the nearest tail left without
     one. Checked at every upkeep of a batch of 20 requests spread over a page, against the rule
     restated here, with none, few and many units to spare."""
-    c = allocate(plan("tiny-v4", "256MiB", max_model_len=1024, max_running_requests=20, prefix_checkpoints=2,
-                      chunked_prefill_tokens=1024), backend="none")
-    a = c.allocator
-    rng = np.random.default_rng(4)
-    for i in range(20):
-        start(c, f"r{i}", int(rng.integers(150, 400)), seed=i)
+    c, a, batch = short_batch(4, (150, 400))
     take, checked, spares = a._take_ahead, [], set()
 
     def checked_take():
@@ -297,7 +292,6 @@ def test_units_taken_ahead_go_to_the_nearest_tails_in_slot_order_among_ties():
 
     a._take_ahead = checked_take
     held = [a._take_checkpoint_unit(0) for _ in range(a.ckpt.free - a._unit_reserve - 2)]   # (few left to spare)
-    batch = [f"r{i}" for i in range(20)]
     for _ in range(400):
         c.step(batch)
     a.release_checkpoints(np.array(held), np.zeros((len(held), 0), np.int64))
