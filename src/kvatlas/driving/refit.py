@@ -20,6 +20,12 @@ from .fit import SHARES, fit_checkpoints
 from .traces import served_requests
 
 
+def fit_served(model, rows, kwargs: dict):
+    """fit_checkpoints on the trace of served rows (kvatlas.prefix.record.Served), in the fitting
+    process: the loop that serves only copies the rows' list."""
+    return fit_checkpoints(model, served_requests(rows), **kwargs)
+
+
 def running_share(plan) -> float:
     """The share of the budget the plan's resume points take, as the fit names shares (a share
     that buys exactly the plan's count: checkpoints_for_share rounds down)."""
@@ -63,18 +69,17 @@ class Refit:
         served = self.cache.prefix._recorder.finished_total
         if self._future is None and served - self._seen >= self.every:
             self._seen = served
-            requests = served_requests(self.cache.prefix.served())
-            self._pending = (len(requests), time.monotonic() - self._t0)
-            args = (self.model, requests)
-            kwargs = dict(shares=tuple(sorted({*SHARES, self.share_now})), simulator=self.simulator, jobs=1,
-                          **self.options)
+            rows = self.cache.prefix.served()   # (a copy of the list: the rows are made into a trace, and
+            self._pending = (len(rows), time.monotonic() - self._t0)   # sent, off the loop's thread)
+            args = (self.model, rows, dict(shares=tuple(sorted({*SHARES, self.share_now})), simulator=self.simulator,
+                                           jobs=1, **self.options))
             if not self.background:
-                self._took(fit_checkpoints(*args, **kwargs))
+                self._took(fit_served(*args))
                 return
             if self._pool is None:
                 import multiprocessing as mp
                 self._pool = mp.get_context("spawn").Pool(1)
-            self._future = self._pool.apply_async(fit_checkpoints, args, kwargs)
+            self._future = self._pool.apply_async(fit_served, args)
 
     def _took(self, fit) -> None:
         n, began = self._pending
