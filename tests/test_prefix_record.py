@@ -69,6 +69,8 @@ def test_no_more_than_asked_is_kept_and_the_latest_stay():
     cache, _ = replay(p, requests[:12], {"max_requests": 5})
     rows = cache.prefix.served()
     assert [r.prompt_tokens for r in rows] == [r.prompt_tokens for r in requests[7:12]]
+    assert cache.prefix.served_total == 12   # (all it served, past the bound kept)
+    assert kvatlas.allocate(p, backend="none").prefix.served_total is None   # (not recording)
 
 
 def test_requests_without_content_are_recorded_by_length_and_a_request_ended_past_the_cache_too():
@@ -290,7 +292,7 @@ def test_the_count_is_fitted_again_on_what_the_cache_served_as_it_runs():
         fits = refit.fits
         refit.poll()
         if refit.fits > fits:
-            began.append(cache.prefix._recorder.finished_total)
+            began.append(cache.prefix.served_total)
     sim.run_offline(on_step=poll)
     assert refit.fits == 2 and began[0] >= 30 and began[1] >= began[0] + 30
     latest = refit.state()["latest"]

@@ -39,7 +39,7 @@ class Refit:
 
     def __init__(self, cache, model, options: dict, *, every: int, simulator: dict | None = None,
                  background: bool = True) -> None:
-        if cache.prefix is None or cache.prefix._recorder is None:
+        if cache.prefix is None or cache.prefix.served_total is None:
             raise ConfigError("cache", "records nothing to fit on",
                               "turn the prefix cache on and call cache.prefix.record() first")
         if options.get("prefix_checkpoints"):
@@ -66,7 +66,7 @@ class Refit:
                 self._took(future.get())
             except Exception as exc:   # noqa: BLE001 (a fit that fails is reported, never fatal)
                 self.error = f"{type(exc).__name__}: {exc}"
-        served = self.cache.prefix._recorder.finished_total
+        served = self.cache.prefix.served_total
         if self._future is None and served - self._seen >= self.every:
             self._seen = served
             rows = self.cache.prefix.served()   # (a copy of the list: the rows are made into a trace, and

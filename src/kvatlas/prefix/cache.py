@@ -330,6 +330,12 @@ class PrefixCache:
             raise RequestStateError("served: nothing is being recorded; call record() first")
         return list(self._recorder.served)
 
+    @property
+    def served_total(self) -> int | None:
+        """Requests finished since record() (more than served() keeps past its bound); None when
+        nothing is being recorded."""
+        return None if self._recorder is None else self._recorder.finished_total
+
     # ---------------------------------------------------------------- admission
     def admit(self, request_id, prompt_tokens, max_new_tokens=0, *, token_ids=None, page_keys=None):
         check_request_id(request_id)   # before the match: a refused id must not evict anything
