@@ -299,6 +299,25 @@ def test_units_taken_ahead_go_to_the_nearest_tails_in_slot_order_among_ties():
     assert sum(checked) >= 8 and spares == {0, 1, 2}   # short of units at some upkeeps: none, one, several spare
 
 
+def test_the_schedule_follows_one_slot_changed_whether_given_as_int_numpy_integer_or_array():
+    c, a, batch = short_batch(3, (200, 230))
+    for _ in range(30):
+        c.step(batch)
+    sched = a._schedule
+    assert sched is not None
+    s = a.slot_of[batch[0]]
+    i, b0, u0 = int(sched.where[s]), int(a.pend_b[s]), int(a.pend_u[s])
+    for slot in (int(s), np.int64(s), np.array([s])):
+        a._set_pending(slot, b0 + a.P, 0)
+        assert sched.rows[i] == NO_ROW + sched.pos[i]
+        a._clear_pending(slot)
+        assert sched.rows[i] == NO_ROW + sched.pos[i]
+        a._set_pending(slot, b0, u0)   # (as it was)
+        assert sched.rows[i] == a.row_base[s] + sched.pos[i]
+    c.step(batch)
+    c.check_integrity()
+
+
 def test_units_short_within_a_write_capture_nothing_that_write_reached():
     """A chunk crossing several boundaries with no free unit: sparing units within the write
     must not capture the boundaries the same (not yet final) write reached; their rows are still

@@ -770,10 +770,11 @@ class _Schedule:
 
     def patch(self, slots, row_base) -> None:
         """row_base changed at `slots` (one slot or an array): their tokens' rows follow."""
-        if isinstance(slots, int):
-            i = int(self.where[slots])
+        if np.ndim(slots) == 0:
+            slot = int(slots)
+            i = int(self.where[slot])
             if i >= 0:
-                self.rows[i] = int(row_base[slots]) + int(self.pos[i])
+                self.rows[i] = int(row_base[slot]) + int(self.pos[i])
             return
         i = self.where[slots]
         if i[i.argmin()] < 0:   # (slots not in the batch)
