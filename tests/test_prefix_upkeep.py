@@ -314,6 +314,7 @@ def test_the_schedule_follows_one_slot_changed_whether_given_as_int_numpy_intege
         assert sched.rows[i] == NO_ROW + sched.pos[i]
         a._set_pending(slot, b0, u0)   # (as it was)
         assert sched.rows[i] == a.row_base[s] + sched.pos[i]
+    a._clear_pending(np.zeros(0, np.int64))   # (no slot: nothing changes)
     c.step(batch)
     c.check_integrity()
 

@@ -777,6 +777,8 @@ class _Schedule:
                 self.rows[i] = int(row_base[slot]) + int(self.pos[i])
             return
         i = self.where[slots]
+        if not len(i):
+            return
         if i[i.argmin()] < 0:   # (slots not in the batch)
             keep = i >= 0
             i, slots = i[keep], np.asarray(slots)[keep]
