@@ -307,6 +307,27 @@ def test_the_count_is_fitted_again_on_what_the_cache_served_as_it_runs():
     assert _state(sim, refit)()["prefix_fit"]["latest"] == latest   # (serve's /state)
 
 
+def test_the_refit_fits_the_running_count_too_with_the_count_running_now_among_them():
+    """running=: every candidate count gets its share fitted, the count running now among them (its
+    trial at the running share is the baseline), chosen as fit_checkpoints chooses."""
+    from kvatlas.driving.fit import SHARES, fit_checkpoints
+    from kvatlas.driving.refit import Refit, running_share
+    p = plan()
+    requests, _ = read_trace(SLICE)
+    cache, _ = replay(p, requests[:24], {})
+    options = dict(memory_bytes=16 << 30, max_running_requests=4, max_model_len=131072)
+    refit = Refit(cache, "deepseek-v4-flash", options, every=24, running=(2, 8), ttft_slack=0.5, background=False)
+    refit.poll()
+    latest = refit.state()["latest"]
+    want = fit_checkpoints("deepseek-v4-flash", served_requests(cache.prefix.served()),
+                           shares=sorted({*SHARES, running_share(p)}), simulator={}, running=(2, 4, 8), ttft_slack=0.5,
+                           memory_bytes=16 << 30, max_model_len=131072)
+    assert latest["fit"] == want.to_dict() and latest["running_fitted"]
+    assert {t["max_running_requests"] for t in latest["fit"]["trials"]} == {2, 4, 8}
+    assert latest["max_running_requests"] == want.best.running and latest["running_max_running_requests"] == 4
+    assert f"--max-running-requests {want.best.running} " in refit.line() and "4 running requests and" in refit.line()
+
+
 @pytest.mark.parametrize("kwargs,field", [({"every": 0}, "every"), ({"options": {"prefix_checkpoints": 8}}, "options")])
 def test_bad_refit_arguments_are_named(kwargs, field):
     from kvatlas.driving.refit import Refit
@@ -324,8 +345,21 @@ def test_serve_fits_the_count_again_in_a_process_of_its_own(capsys):
     loop serves on; the summary says what it found (the count for the next start, and what the
     count running now hits on the same requests)."""
     from kvatlas.cli import main
-    assert main([*SERVE, "--prefix-checkpoints", "16", "--refit-every", "5", "--linger", "5"]) == 0
+    assert main([*SERVE, "--prefix-checkpoints", "16", "--refit-every", "5", "--refit-running", "4", "--linger", "5"]) == 0
     out, err = capsys.readouterr()
     assert "kvatlas serve: resume points fitted on the latest" in err
     line = next(ln for ln in out.splitlines() if ln.startswith("resume points fitted again:"))
-    assert "--prefix-checkpoints" in line and "the 16 running now" in line and "next start" in line
+    assert "--max-running-requests" in line and "--prefix-checkpoints" in line and "next start" in line
+    assert "8 running requests and the 16 resume points running now" in line
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (["--prefix-checkpoints", "16", "--refit-running", "4"], "--refit-running: weighs what the refit tries"),
+    (["--prefix-checkpoints", "16", "--refit-every", "5", "--refit-ttft-slack", "0.2"], "--refit-ttft-slack: weighs"),
+    (["--refit-every", "5"], "--refit-every: records what the prefix cache served, and it is off"),
+])
+def test_serve_refit_flags_are_refused_alone(extra, needle, capsys):
+    from kvatlas.cli import main
+    assert main([*SERVE, *extra]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and "starting" not in err

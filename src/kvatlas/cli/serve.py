@@ -16,9 +16,10 @@ import sys
 import threading
 import time
 
+from ..errors import ConfigError
 from ..units import fmt_bytes
 from . import EXIT_INTERRUPTED
-from .common import add_deployment_args, count, number, options_from_args, plan_from_args
+from .common import add_deployment_args, count, counts_arg, number, options_from_args, plan_from_args
 from .drive import (add_drive_args, build, check_record_served, record_served, replay_options, summary,
                     write_served)
 
@@ -45,6 +46,13 @@ def add_parser(p) -> None:
                         "(kvatlas.driving.refit: each share replayed beside the count running now, in a process of "
                         "its own); the latest fit is in /state (prefix_fit), on stderr and in the summary. The count "
                         "applies at the next start (needs the prefix cache)")
+    g.add_argument("--refit-running", type=counts_arg, default=None, metavar="N,N,...",
+                   help="with --refit-every: fit --max-running-requests too, among these counts and the one running "
+                        "(each slot's fixed state comes out of the budget): the most hits among those whose mean time to "
+                        "first token is within --refit-ttft-slack of the lowest")
+    g.add_argument("--refit-ttft-slack", type=number(0.0, 1e6), default=None, metavar="F",
+                   help="with --refit-running: how much more mean TTFT than the lowest a count may cost, as a "
+                        "fraction (default 0.1: 10%%)")
 
 
 def _linger(text: str) -> float:
@@ -204,6 +212,12 @@ def run(args) -> int:
             check_record_served(args, "--record-served", args.record_served)
         if args.refit_every is not None:
             check_record_served(args, "--refit-every", None)
+        for flag, value, needs in (("--refit-running", args.refit_running, args.refit_every),
+                                   ("--refit-ttft-slack", args.refit_ttft_slack, args.refit_running)):
+            if value is not None and needs is None:
+                raise ConfigError(flag, "weighs what the refit tries, and it is off",
+                                  f"give it with {'--refit-every' if flag == '--refit-running' else '--refit-running'}, "
+                                  "or drop it")
         if stop.event.is_set():
             print(_not_started(args, "checking the arguments", time.monotonic() - t0, stop), flush=True)
             return EXIT_INTERRUPTED if stop.reason == "SIGINT" else 0
@@ -226,7 +240,9 @@ def run(args) -> int:
             if args.refit_every is not None:
                 from ..driving.refit import Refit
                 refit = Refit(cache, args.model, options_from_args(args, prefix_checkpoints=0),
-                              every=args.refit_every, simulator=replay_options(args, prepared.time_model))
+                              every=args.refit_every, simulator=replay_options(args, prepared.time_model),
+                              running=args.refit_running, **({} if args.refit_ttft_slack is None
+                                                              else {"ttft_slack": args.refit_ttft_slack}))
             handle.attach(cache, lock=lock, extra_state=_state(sim, refit), request_state=sim.progress)
             print(f"kvatlas serve: {cache.plan.model.name}, {fmt_bytes(cache.plan.total_bytes)} on {cache.device}; "
                   f"{len(sim.pending)} requests; endpoints at {handle.url}/metrics /state /healthz", flush=True)

@@ -125,7 +125,7 @@ def fit_checkpoints(model, requests, *, shares=SHARES, refine: bool = True, simu
     for s in shares:
         if not 0.0 < s < 1.0:
             raise ConfigError("shares", f"{s!r} is not a share of the budget", "give numbers between 0 and 1")
-    counts = _running_counts(running, options)
+    counts = running_counts(running, options)
     requests = list(requests)
     if not requests:
         raise ConfigError("requests", "no request to replay", "give the workload the cache will serve")
@@ -169,7 +169,7 @@ def fit_checkpoints(model, requests, *, shares=SHARES, refine: bool = True, simu
     return Fit(trials, _best_running(fitting, ttft_slack), tuple(n for n in counts if n is not None))
 
 
-def _running_counts(running, options) -> list:
+def running_counts(running, options) -> list:
     """The candidate running counts ([None]: the plan's own), checked."""
     if running is None:
         return [None]

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import time
 
-from ..checks import whole
+from ..checks import real, whole
 from ..errors import ConfigError
 from ..planning.capacity import resume_points
-from .fit import SHARES, fit_checkpoints
+from .fit import SHARES, TTFT_SLACK, fit_checkpoints, running_counts
 from .traces import served_requests
 
 
@@ -35,10 +35,12 @@ def running_share(plan) -> float:
 class Refit:
     """Fits for one cache (module doc). `options`: plan()'s for the fit, without
     prefix_checkpoints (the deployment the cache was planned with); `simulator`: the Simulator's
-    keyword arguments of the replays; `background=False` fits in the caller's thread (tests)."""
+    keyword arguments of the replays; `running`: running counts to fit too (fit_checkpoints'
+    `running`, the count running now among them; each slot's fixed state is budget), weighed
+    with `ttft_slack`; `background=False` fits in the caller's thread (tests)."""
 
     def __init__(self, cache, model, options: dict, *, every: int, simulator: dict | None = None,
-                 background: bool = True) -> None:
+                 running=None, ttft_slack: float = TTFT_SLACK, background: bool = True) -> None:
         if cache.prefix is None or cache.prefix.served_total is None:
             raise ConfigError("cache", "records nothing to fit on",
                               "turn the prefix cache on and call cache.prefix.record() first")
@@ -49,6 +51,14 @@ class Refit:
         self.simulator = dict(simulator or {})
         self.background = bool(background)
         self.share_now = running_share(cache.plan)
+        self.running_now = cache.plan.options.max_running_requests
+        self.fit_kwargs = {"shares": tuple(sorted({*SHARES, self.share_now})), "simulator": self.simulator, "jobs": 1,
+                           **self.options}
+        if running is not None:   # (the count running now is a candidate: what it hits is the baseline)
+            counts = running_counts(running, {})
+            self.fit_kwargs.pop("max_running_requests", None)
+            self.fit_kwargs.update(running=tuple(sorted({*counts, self.running_now})),
+                                   ttft_slack=real("ttft_slack", ttft_slack, 0.0, 1e6))
         self.latest: dict | None = None   # the latest fit's findings (state())
         self.error = ""
         self.fits = 0
@@ -71,8 +81,7 @@ class Refit:
             self._seen = served
             rows = self.cache.prefix.served()   # (a copy of the list: the rows are made into a trace, and
             self._pending = (len(rows), time.monotonic() - self._t0)   # sent, off the loop's thread)
-            args = (self.model, rows, dict(shares=tuple(sorted({*SHARES, self.share_now})), simulator=self.simulator,
-                                           jobs=1, **self.options))
+            args = (self.model, rows, self.fit_kwargs)
             if not self.background:
                 self._took(fit_served(*args))
                 return
@@ -83,13 +92,15 @@ class Refit:
 
     def _took(self, fit) -> None:
         n, began = self._pending
-        now = next(t for t in fit.trials if t.share == self.share_now)
+        now = next(t for t in fit.trials if t.share == self.share_now and t.running == self.running_now)
         self.fits += 1
         self.error = ""
         self.latest = {"requests": n, "began_s": round(began, 3), "ended_s": round(time.monotonic() - self._t0, 3),
                        "checkpoints": fit.best.checkpoints, "share": fit.best.share, "hit_ratio": fit.best.hit_ratio,
+                       "max_running_requests": fit.best.running, "running_fitted": fit.running_fitted,
                        "running_checkpoints": self.cache.plan.options.prefix_checkpoints,
-                       "running_hit_ratio": now.hit_ratio, "fit": fit.to_dict(), "table": fit.table()}
+                       "running_max_running_requests": self.running_now, "running_hit_ratio": now.hit_ratio,
+                       "fit": fit.to_dict(), "table": fit.table()}
 
     @property
     def busy(self) -> bool:
@@ -106,9 +117,12 @@ class Refit:
         f = self.latest
         if f is None:
             return "none ended yet" + (" (one under way)" if self.busy else "")
-        return (f"on the latest {f['requests']:,} requests served ({f['ended_s']:.1f} s in): --prefix-checkpoints "
-                f"{f['checkpoints']:,} ({f['share']:g} of the budget) hits {f['hit_ratio']:.2%}; the "
-                f"{f['running_checkpoints']:,} running now, {f['running_hit_ratio']:.2%}; it applies at the next start")
+        count = (f"--max-running-requests {f['max_running_requests']:,} " if f["running_fitted"] else "")
+        now = (f"{f['running_max_running_requests']:,} running requests and " if f["running_fitted"] else "")
+        return (f"on the latest {f['requests']:,} requests served ({f['ended_s']:.1f} s in): {count}--prefix-checkpoints "
+                f"{f['checkpoints']:,} ({f['share']:g} of the budget) hits {f['hit_ratio']:.2%}; {now}the "
+                f"{f['running_checkpoints']:,} resume points running now, {f['running_hit_ratio']:.2%}; it applies at "
+                "the next start")
 
     def close(self) -> None:
         """Stop: a fit under way is abandoned (its process ended)."""
