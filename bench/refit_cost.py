@@ -10,7 +10,7 @@ ended within the run; and that the runs served the same (the hits are equal: the
 never changes, the cache).
 
     python bench/refit_cost.py --trace ../shared/traces/mooncake_synthetic.jsonl --budget 16 \
-        [--every 2000] [--share 0.15] [--admission-window 4096] [--repeats 2]
+        [--every 2000] [--share 0.15] [--admission-window 4096] [--repeats 2] [--running 32,64,128]
 """
 
 from __future__ import annotations
@@ -29,16 +29,18 @@ from kvatlas.driving.traces import read_trace
 MODEL = "deepseek-v4-flash"
 
 
-def run(requests, gib: int, share: float, window: int, every: int | None):
-    """(wall s, s in poll, fits begun, fits ended, hit ratio) of one run; every None: no refit."""
+def run(requests, gib: int, share: float, window: int, every: int | None, running=None, slack=None):
+    """(wall s, s in poll, fits begun, fits ended, hit ratio, the last fit's seconds, its findings)
+    of one run; every None: no refit."""
     opts = {"memory_bytes": gib << 30}
     p = kvatlas.plan(MODEL, prefix_checkpoints=checkpoints_for_share(MODEL, share, **opts), **opts)
     cache = kvatlas.allocate(p, backend="none")
     tm = default_time_model()
     sim = Simulator(cache, requests, record=False, time_model=tm, admission_window=window)
     cache.prefix.record(max_requests=len(requests), clock=lambda: sim.now_s)
-    refit = None if every is None else Refit(cache, MODEL, opts, every=every,
-                                             simulator={"time_model": tm, "admission_window": window})
+    refit = None if every is None else Refit(cache, MODEL, opts, every=every, running=running,
+                                             simulator={"time_model": tm, "admission_window": window},
+                                             **({} if slack is None else {"ttft_slack": slack}))
     held, begun = [0.0], [0]
 
     def poll(_) -> None:
@@ -70,20 +72,26 @@ def main() -> None:
     ap.add_argument("--every", type=int, default=2000)
     ap.add_argument("--admission-window", type=int, default=4096)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--running", default=None, help="N,N,...: the refit fits the running count too (Refit(running=))")
+    ap.add_argument("--ttft-slack", type=float, default=None)
     args = ap.parse_args()
     requests, _ = read_trace(str(Path(args.trace)))
     print(f"{len(requests):,} requests, {args.budget} GiB, share {args.share:g}, window {args.admission_window}, "
           f"a fit every {args.every:,} served")
     for i in range(args.repeats):
         off = run(requests, args.budget, args.share, args.admission_window, None)
-        on = run(requests, args.budget, args.share, args.admission_window, args.every)
+        on = run(requests, args.budget, args.share, args.admission_window, args.every,
+                 None if args.running is None else [int(n) for n in args.running.split(",")], args.ttft_slack)
         assert on[4] == off[4], (on[4], off[4])   # the same hits: the refit never changes the cache
         print(f"repeat {i + 1}: wall {on[0]:.1f} s with the refit / {off[0]:.1f} s without = {on[0] / off[0]:.3f}x; "
               f"poll held the loop {on[1]:.2f} s in all, {on[1] / max(on[2], 1) * 1e3:.0f} ms a fit begun "
               f"({on[2]} begun, {on[3]} ended within the run); hit {on[4]:.2%} both; the last fit took {on[5]:.0f} s "
               f"on {on[6]['requests']:,} requests: --prefix-checkpoints {on[6]['checkpoints']:,} "
               f"({on[6]['share']:g}) hits {on[6]['hit_ratio']:.2%} of them, the running "
-              f"{on[6]['running_checkpoints']:,} {on[6]['running_hit_ratio']:.2%}", flush=True)
+              f"{on[6]['running_checkpoints']:,} {on[6]['running_hit_ratio']:.2%}"
+              + (f"; fitted running count {on[6]['max_running_requests']} (running now "
+                 f"{on[6]['running_max_running_requests']})\n{on[6]['table']}" if on[6]["running_fitted"] else ""),
+              flush=True)
 
 
 if __name__ == "__main__":
