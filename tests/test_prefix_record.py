@@ -276,7 +276,7 @@ def test_the_count_is_fitted_again_on_what_the_cache_served_as_it_runs():
     among its shares. Polled between the simulator's passes (as serve does), synchronously here:
     each fit is the fit of the requests served when it began, exactly, and the count running now
     is one of its trials."""
-    from kvatlas.driving.fit import SHARES, fit_checkpoints
+    from kvatlas.driving.fit import checkpoints_for_share, fit_checkpoints
     from kvatlas.driving.refit import Refit, running_share
     from kvatlas.driving.sim import Simulator
     requests, _ = read_trace(SLICE)
@@ -297,8 +297,10 @@ def test_the_count_is_fitted_again_on_what_the_cache_served_as_it_runs():
     assert refit.fits == 2 and began[0] >= 30 and began[1] >= began[0] + 30
     latest = refit.state()["latest"]
     rows = cache.prefix.served()[:began[1]]
-    want = fit_checkpoints("deepseek-v4-flash", served_requests(rows), shares=sorted({*SHARES, running_share(p)}),
-                           simulator={}, **options)
+    shares = refit.fit_kwargs["shares"]
+    assert running_share(p) in shares and len(shares) == len({checkpoints_for_share("deepseek-v4-flash", s, **options)
+                                                              for s in shares})   # (no two buy the same count)
+    want = fit_checkpoints("deepseek-v4-flash", served_requests(rows), shares=shares, simulator={}, **options)
     assert latest["requests"] == began[1] and latest["fit"] == want.to_dict()
     now = [t for t in want.trials if t.checkpoints == p.options.prefix_checkpoints]
     assert len(now) == 1 and latest["running_hit_ratio"] == now[0].hit_ratio and latest["running_checkpoints"] == 200
@@ -310,7 +312,7 @@ def test_the_count_is_fitted_again_on_what_the_cache_served_as_it_runs():
 def test_the_refit_fits_the_running_count_too_with_the_count_running_now_among_them():
     """running=: every candidate count gets its share fitted, the count running now among them (its
     trial at the running share is the baseline), chosen as fit_checkpoints chooses."""
-    from kvatlas.driving.fit import SHARES, fit_checkpoints
+    from kvatlas.driving.fit import fit_checkpoints
     from kvatlas.driving.refit import Refit, running_share
     p = plan()
     requests, _ = read_trace(SLICE)
@@ -319,8 +321,9 @@ def test_the_refit_fits_the_running_count_too_with_the_count_running_now_among_t
     refit = Refit(cache, "deepseek-v4-flash", options, every=24, running=(2, 8), ttft_slack=0.5, background=False)
     refit.poll()
     latest = refit.state()["latest"]
+    assert running_share(p) in refit.fit_kwargs["shares"]
     want = fit_checkpoints("deepseek-v4-flash", served_requests(cache.prefix.served()),
-                           shares=sorted({*SHARES, running_share(p)}), simulator={}, running=(2, 4, 8), ttft_slack=0.5,
+                           shares=refit.fit_kwargs["shares"], simulator={}, running=(2, 4, 8), ttft_slack=0.5,
                            memory_bytes=16 << 30, max_model_len=131072)
     assert latest["fit"] == want.to_dict() and latest["running_fitted"]
     assert {t["max_running_requests"] for t in latest["fit"]["trials"]} == {2, 4, 8}

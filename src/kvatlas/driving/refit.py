@@ -14,9 +14,9 @@ from __future__ import annotations
 import time
 
 from ..checks import real, whole
-from ..errors import ConfigError
+from ..errors import BudgetError, ConfigError
 from ..planning.capacity import resume_points
-from .fit import SHARES, TTFT_SLACK, fit_checkpoints, running_counts
+from .fit import SHARES, TTFT_SLACK, checkpoints_for_share, fit_checkpoints, running_counts
 from .traces import served_requests
 
 
@@ -24,6 +24,14 @@ def fit_served(model, rows, kwargs: dict):
     """fit_checkpoints on the trace of served rows (kvatlas.prefix.record.Served), in the fitting
     process: the loop that serves only copies the rows' list."""
     return fit_checkpoints(model, served_requests(rows), **kwargs)
+
+
+def _count(model, share: float, options: dict) -> int:
+    """Resume points `share` buys (0: the plan does not fit the budget)."""
+    try:
+        return checkpoints_for_share(model, share, **options)
+    except BudgetError:
+        return 0
 
 
 def running_share(plan) -> float:
@@ -52,8 +60,10 @@ class Refit:
         self.background = bool(background)
         self.share_now = running_share(cache.plan)
         self.running_now = cache.plan.options.max_running_requests
-        self.fit_kwargs = {"shares": tuple(sorted({*SHARES, self.share_now})), "simulator": self.simulator, "jobs": 1,
-                           **self.options}
+        # the fit's shares, the running one among them (one that buys the same count is left out)
+        now = cache.plan.options.prefix_checkpoints
+        shares = {self.share_now, *(s for s in SHARES if _count(model, s, self.options) != now)}
+        self.fit_kwargs = {"shares": tuple(sorted(shares)), "simulator": self.simulator, "jobs": 1, **self.options}
         if running is not None:   # (the count running now is a candidate: what it hits is the baseline)
             counts = running_counts(running, {})
             self.fit_kwargs.pop("max_running_requests", None)
