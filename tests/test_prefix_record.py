@@ -276,8 +276,8 @@ def test_the_count_is_fitted_again_on_what_the_cache_served_as_it_runs():
     among its shares. Polled between the simulator's passes (as serve does), synchronously here:
     each fit is the fit of the requests served when it began, exactly, and the count running now
     is one of its trials."""
-    from kvatlas.driving.fit import checkpoints_for_share, fit_checkpoints
-    from kvatlas.driving.refit import Refit, running_share
+    from kvatlas.driving.fit import checkpoints_for_share, fit_checkpoints, share_of_points
+    from kvatlas.driving.refit import Refit
     from kvatlas.driving.sim import Simulator
     requests, _ = read_trace(SLICE)
     p = plan()
@@ -298,7 +298,7 @@ def test_the_count_is_fitted_again_on_what_the_cache_served_as_it_runs():
     latest = refit.state()["latest"]
     rows = cache.prefix.served()[:began[1]]
     shares = refit.fit_kwargs["shares"]
-    assert running_share(p) in shares and len(shares) == len({checkpoints_for_share("deepseek-v4-flash", s, **options)
+    assert share_of_points(p) in shares and len(shares) == len({checkpoints_for_share("deepseek-v4-flash", s, **options)
                                                               for s in shares})   # (no two buy the same count)
     want = fit_checkpoints("deepseek-v4-flash", served_requests(rows), shares=shares, simulator={}, **options)
     assert latest["requests"] == began[1] and latest["fit"] == want.to_dict()
@@ -312,8 +312,8 @@ def test_the_count_is_fitted_again_on_what_the_cache_served_as_it_runs():
 def test_the_refit_fits_the_running_count_too_with_the_count_running_now_among_them():
     """running=: every candidate count gets its share fitted, the count running now among them (its
     trial at the running share is the baseline), chosen as fit_checkpoints chooses."""
-    from kvatlas.driving.fit import fit_checkpoints
-    from kvatlas.driving.refit import Refit, running_share
+    from kvatlas.driving.fit import fit_checkpoints, share_of_points
+    from kvatlas.driving.refit import Refit
     p = plan()
     requests, _ = read_trace(SLICE)
     cache, _ = replay(p, requests[:24], {})
@@ -321,7 +321,7 @@ def test_the_refit_fits_the_running_count_too_with_the_count_running_now_among_t
     refit = Refit(cache, "deepseek-v4-flash", options, every=24, running=(2, 8), ttft_slack=0.5, background=False)
     refit.poll()
     latest = refit.state()["latest"]
-    assert running_share(p) in refit.fit_kwargs["shares"]
+    assert share_of_points(p) in refit.fit_kwargs["shares"]
     want = fit_checkpoints("deepseek-v4-flash", served_requests(cache.prefix.served()),
                            shares=refit.fit_kwargs["shares"], simulator={}, running=(2, 4, 8), ttft_slack=0.5,
                            memory_bytes=16 << 30, max_model_len=131072)

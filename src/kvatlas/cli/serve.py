@@ -212,12 +212,12 @@ def run(args) -> int:
             check_record_served(args, "--record-served", args.record_served)
         if args.refit_every is not None:
             check_record_served(args, "--refit-every", None)
-        for flag, value, needs in (("--refit-running", args.refit_running, args.refit_every),
-                                   ("--refit-ttft-slack", args.refit_ttft_slack, args.refit_running)):
-            if value is not None and needs is None:
-                raise ConfigError(flag, "weighs what the refit tries, and it is off",
-                                  f"give it with {'--refit-every' if flag == '--refit-running' else '--refit-running'}, "
-                                  "or drop it")
+        if args.refit_running is not None and args.refit_every is None:
+            raise ConfigError("--refit-running", "weighs what the refit tries, and it is off",
+                              "give it with --refit-every, or drop it")
+        if args.refit_ttft_slack is not None and args.refit_running is None:
+            raise ConfigError("--refit-ttft-slack", "weighs what the refit tries, and it is off",
+                              "give it with --refit-running, or drop it")
         if stop.event.is_set():
             print(_not_started(args, "checking the arguments", time.monotonic() - t0, stop), flush=True)
             return EXIT_INTERRUPTED if stop.reason == "SIGINT" else 0

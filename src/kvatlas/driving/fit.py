@@ -99,8 +99,19 @@ def checkpoints_for_share(model, share: float, **options) -> int:
     prefix_checkpoints): the budget over what one point costs (its unit and SWA tail pages)."""
     if not isinstance(share, (int, float)) or isinstance(share, bool) or not 0.0 < share < 1.0:
         raise ConfigError("share", f"{share!r} is not a share of the budget", "give a number between 0 and 1, e.g. 0.15")
-    probe = make_plan(model, **{**options, "prefix_checkpoints": 1})
-    return max(1, int(share * probe.budget_bytes // resume_points(probe).bytes_each))
+    return points_for_share(make_plan(model, **{**options, "prefix_checkpoints": 1}), share)
+
+
+def points_for_share(plan, share: float) -> int:
+    """Resume points worth `share` of `plan`'s budget (checkpoints_for_share, for a plan at hand:
+    what one point costs does not depend on how many the plan holds)."""
+    return max(1, int(share * plan.budget_bytes // resume_points(plan).bytes_each))
+
+
+def share_of_points(plan) -> float:
+    """The share of the budget that buys exactly `plan`'s resume points (points_for_share rounds
+    down: the share names the middle of the point's bytes)."""
+    return (plan.options.prefix_checkpoints + 0.5) * resume_points(plan).bytes_each / plan.budget_bytes
 
 
 def fit_checkpoints(model, requests, *, shares=SHARES, refine: bool = True, simulator: dict | None = None,

@@ -14,9 +14,8 @@ from __future__ import annotations
 import time
 
 from ..checks import real, whole
-from ..errors import BudgetError, ConfigError
-from ..planning.capacity import resume_points
-from .fit import SHARES, TTFT_SLACK, checkpoints_for_share, fit_checkpoints, running_counts
+from ..errors import ConfigError
+from .fit import SHARES, TTFT_SLACK, fit_checkpoints, points_for_share, running_counts, share_of_points
 from .traces import served_requests
 
 
@@ -24,20 +23,6 @@ def fit_served(model, rows, kwargs: dict):
     """fit_checkpoints on the trace of served rows (kvatlas.prefix.record.Served), in the fitting
     process: the loop that serves only copies the rows' list."""
     return fit_checkpoints(model, served_requests(rows), **kwargs)
-
-
-def _count(model, share: float, options: dict) -> int:
-    """Resume points `share` buys (0: the plan does not fit the budget)."""
-    try:
-        return checkpoints_for_share(model, share, **options)
-    except BudgetError:
-        return 0
-
-
-def running_share(plan) -> float:
-    """The share of the budget the plan's resume points take, as the fit names shares (a share
-    that buys exactly the plan's count: checkpoints_for_share rounds down)."""
-    return (plan.options.prefix_checkpoints + 0.5) * resume_points(plan).bytes_each / plan.budget_bytes
 
 
 class Refit:
@@ -58,11 +43,11 @@ class Refit:
         self.every = whole("every", every, 1, 1 << 40)
         self.simulator = dict(simulator or {})
         self.background = bool(background)
-        self.share_now = running_share(cache.plan)
+        self.share_now = share_of_points(cache.plan)
         self.running_now = cache.plan.options.max_running_requests
         # the fit's shares, the running one among them (one that buys the same count is left out)
         now = cache.plan.options.prefix_checkpoints
-        shares = {self.share_now, *(s for s in SHARES if _count(model, s, self.options) != now)}
+        shares = {self.share_now, *(s for s in SHARES if points_for_share(cache.plan, s) != now)}
         self.fit_kwargs = {"shares": tuple(sorted(shares)), "simulator": self.simulator, "jobs": 1, **self.options}
         if running is not None:   # (the count running now is a candidate: what it hits is the baseline)
             counts = running_counts(running, {})
