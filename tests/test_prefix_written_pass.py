@@ -1,7 +1,7 @@
-"""Pages shared as they are written (issue 34, the decode step's cost): a pass only notes the
-requests that completed a page (one vector comparison over the slots, the length at which each
-filling slot's next page is complete), and the pages join the tree before anything reads or
-changes it. The cache then holds, at every call, exactly what sharing each page at the end of its
+"""Pages shared as they are written (issue 34, the decode step's cost): a pass only notes that
+it is over (a flag), and the pages complete at the lengths it committed join the tree before
+anything reads or changes it (one vector comparison over the slots then: the length at which
+each filling slot's next page is complete). The cache then holds, at every call, exactly what sharing each page at the end of its
 pass leaves: tables, owners, references, the free lists and the chunks backing them, the ledger,
 the tree (nodes, references, the order its eviction heaps pop in), the requests' paths and the
 counts behind the miss reasons."""
@@ -249,4 +249,40 @@ def test_a_scrape_reads_what_the_tree_holds_and_a_read_of_the_tree_shares_the_re
     assert a.full_shared[a.slot_of["w"]] == 2
     page = pc._unit_payload[0]
     assert scraped() == {"kvatlas_prefix_cached_pages": 2, "kvatlas_prefix_cached_bytes": 2 * page}
+    cache.check_integrity()
+
+
+def test_a_read_within_a_forward_group_shares_only_what_passes_over_completed():
+    """Within a `forward()` group a request may be written more than once: a read of the tree
+    in the middle of the group, or after it before the next pass begins, shares the pages
+    complete when the group began, none that the group's own writes completed (their pass is
+    not over), and those once it is. A request leaving its slot within the group leaves nothing
+    committed there for the next."""
+    cache = make_cache("ends", "plain")
+    a, pc = cache.allocator, cache.prefix
+    prompt = np.random.default_rng(3).integers(0, 50_000, 1500)
+    cache.admit("w", len(prompt), 8, token_ids=prompt)
+    slot = a.slot_of["w"]
+    cache.extend("w", 200)
+    cache.extend("w", 200)   # page 0 complete once this pass is over
+    with a.forward():        # (which ends that pass)
+        cache.extend("w", 100)
+        assert a.committed_lengths()[slot] == 400
+        assert len(pc.tree.nodes) == 1 and a.full_shared[slot] == 1
+        cache.extend("w", 100)   # page 1 complete (600 tokens): written in this group
+        assert a.committed_lengths()[slot] == 400
+        assert len(pc.tree.nodes) == 1 and a.full_shared[slot] == 1
+        cache.check_integrity()
+    assert a.committed_lengths()[slot] == 400   # (the group's pass is over when the next begins)
+    assert len(pc.tree.nodes) == 1 and a.full_shared[slot] == 1
+    cache.flush()
+    assert a.committed_lengths()[slot] == 600
+    assert len(pc.tree.nodes) == 2 and a.full_shared[slot] == 2
+    cache.check_integrity()
+    with a.forward():
+        cache.extend("w", 200)   # page 2 complete (800 tokens), its pass not over
+        assert len(pc.tree.nodes) == 2
+        cache.finish("w")        # (a finish publishes what the request wrote)
+        assert a.committed_lengths()[slot] == 0
+    assert len(pc.tree.nodes) == 3
     cache.check_integrity()

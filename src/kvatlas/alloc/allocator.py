@@ -95,6 +95,8 @@ class Allocator(Release, Sharing):
         self._epoch = 0                         # bumped by admit/finish: RequestBatch staleness
         self._memo = None                       # (epoch, ids, slots) of the last id list resolved
         self._grouped = 0
+        self._group_start = np.zeros(n, np.int64)   # lengths as the current forward() group began
+        self._in_group_pass = False                 # the pass in progress is a forward() group's
         self._init_sharing(plan, free_list)
 
     @property
@@ -243,6 +245,9 @@ class Allocator(Release, Sharing):
         """Group several extend()/step() calls into one forward pass: no page they were handed
         is retired until the group ends and a later forward begins."""
         self._begin_forward()
+        if not self._grouped and self.prefix_on:   # (what committed_lengths gives until the pass is over)
+            np.copyto(self._group_start, self.length)
+            self._in_group_pass = True
         self._grouped += 1
         try:
             yield self
@@ -255,6 +260,15 @@ class Allocator(Release, Sharing):
         if not self._grouped:
             self._begin_forward(settle=True)
 
+    def committed_lengths(self) -> np.ndarray:
+        """Each slot's length when the last forward pass was over: what the pass in progress has
+        written left out (its last write; for a `forward()` group, which may write a request more
+        than once, the lengths as the group began, until the next pass begins or a flush). The
+        prefix cache shares the pages complete at these lengths (its _sync)."""
+        if self._in_group_pass:
+            return self._group_start.copy()
+        return self.length - self.last_write
+
     def commit_pass(self) -> None:
         """Within _begin_forward: the pass just over is committed (no rollback reaches it), so
         its requests' lengths count as written whole (share_written's check) before the rest of
@@ -265,6 +279,7 @@ class Allocator(Release, Sharing):
     def _begin_forward(self, settle: bool = False) -> None:
         if self._grouped:
             return
+        self._in_group_pass = False
         if self.prefix_on:   # the pass is over: the resume points it reached are final
             self._passes += 1
             if self.on_pass_over is not None:   # (also with nothing written: pages keyed since, by generated)

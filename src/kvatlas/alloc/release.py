@@ -94,6 +94,7 @@ class Release:
         self._trim(slot)
         self.outstanding -= max(int(self.reserved[slot]) - int(self.full_held[slot]), 0)
         self.reserved[slot] = self.swa_lo[slot] = self.swa_hi[slot] = self.last_write[slot] = 0
+        self._group_start[slot] = 0   # (a request admitted here within the group has written nothing committed)
         self.rid_of[slot] = None
         self.slots.owner[slot] = 0
         self._free(self.slots, REQUEST_SLOTS, np.array([slot]))

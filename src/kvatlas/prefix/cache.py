@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..alloc.arrays import spread
 from ..checks import boolean, request_id as check_request_id, whole
 from ..errors import KvatlasError, PoolExhaustedError, RequestStateError
 from ..planning.buffers import CHECKPOINTS, FULL_PAGES, SWA_PAGES
@@ -95,26 +96,26 @@ class PrefixCache:
         self._mine, self._divergence = np.zeros(n, bool), np.full(n, -1, np.int64)
         self.publisher = None   # a tier below that writes through what a finish caches (tiers.shared)
         # share as written: a running request's prompt pages are shared once the pass that
-        # completes them is over. The pass only notes that some are (_note_written); they join
-        # the tree before anything reads or changes it (_sync: every call of this cache, the
-        # `tree` property, a request leaving its slot, a resume point kept on such a page; a
-        # capture evicting a resume point needs no sharing first, _need_checkpoint), up
-        # to the lengths the last pass over left, so every reader sees what sharing them at the
-        # pass's end would have left, and a run of decode passes pays one vector comparison
-        # each. Where the order pages are shared in matters (a page another request holds too,
+        # completes them is over. The pass only notes that one is over (_note_written); the
+        # pages join the tree before anything reads or changes it (_sync: every call of this
+        # cache, the `tree` property, a request leaving its slot, a resume point kept on such a
+        # page; a capture evicting a resume point needs no sharing first, _need_checkpoint), up
+        # to the lengths the last pass over left (Allocator.committed_lengths), so every reader
+        # sees what sharing them at the pass's end would have left, and a run of decode passes
+        # pays a flag each. Where the order pages are shared in matters (a page another request holds too,
         # a kept resume point waiting for its page: `_twice`, `_unplaced`), they are shared at
         # the pass's end. `_filling` holds the requests with prompt pages still to share,
         # `_coming` counts per key the running requests that will write it
         self.share_as_written = bool(share_as_written)
         self._filling: dict = {}
         # per slot: the length at which its next page to share is complete (NEVER: not filling),
-        # so a pass finds the slots with a page to share in one vector comparison, not a loop;
-        # the pages it has keys for; its length when the last pass with pages to share was over
-        # (what _sync shares up to)
+        # so a read of the tree finds the slots with a page to share in one vector comparison,
+        # not a loop; the pages it has keys for
         self._fill_due = np.full(n, NEVER, np.int64)
         self._fill_keys = np.zeros(n, np.int64)
-        self._passed = np.zeros(n, np.int64)
-        self._noted = False            # a pass over completed pages not shared yet
+        # per slot: its filling request's keys by page (read by _share_due for many slots at once)
+        self._slot_keys = np.zeros((n, allocator.full_table.shape[1]), np.uint64)
+        self._noted = False            # a pass is over since the last _sync: pages may wait
         self._twice: set = set()       # filling slots that may share a page another holds too (_fill)
         self._unplaced: set = set()    # slots with a kept resume point whose page is not shared yet
         self._coming: dict = {}
@@ -437,26 +438,24 @@ class PrefixCache:
 
     # ---------------------------------------------------------------- share as written
     def _note_written(self) -> None:
-        """A pass is over: if a request still writing its prompt completed a page, note the
-        lengths (shared at the next _sync). Cost: one comparison over the slots (the length at
-        which each filling slot's next page is complete), which finds no slot in most passes,
-        and a copy of the lengths in the others."""
-        a = self.alloc
-        due = self._fill_due <= a.length
-        if not due[due.argmax()]:   # (argmax: cheaper than any())
-            return
-        np.copyto(self._passed, a.length)
+        """A pass is over: the pages its requests completed are shared at the next read of the
+        tree (_sync, which finds them from the lengths committed then), so a pass of a batch with
+        pages to share costs a flag, not a comparison over the slots. Only where a page's order
+        matters (`_twice`, `_unplaced`, _fill) does a slot completing one share at once."""
         self._noted = True
-        if (self._twice or self._unplaced) and any(due[s] for s in (*self._twice, *self._unplaced)):
-            a.commit_pass()
-            self._sync()   # its page may free its writer's own, or hold a kept point: now (_fill)
+        if self._twice or self._unplaced:
+            due, length = self._fill_due, self.alloc.length
+            if any(due[s] <= length[s] for s in (*self._twice, *self._unplaced)):
+                self.alloc.commit_pass()
+                self._sync()   # its page may free its writer's own, or hold a kept point: now (_fill)
 
     def _sync_written(self) -> None:
         if self._noted:
             self._sync()
 
     def _sync(self) -> None:
-        """Share the pages complete when the last noted pass was over: each joins the tree,
+        """Share the pages complete when the last pass was over (the allocator's committed
+        lengths): each joins the tree,
         read-only for everyone and its writer one of their readers. A key the tree has already
         (the same content, shared meanwhile by another request) is read from the tree instead,
         so the request's later pages still hang below it. Resume points at their boundaries
@@ -464,44 +463,46 @@ class PrefixCache:
         to the tree (most) are shared together: the allocator's update in one vector call, then
         per page a node."""
         self._noted = False
-        due = self._fill_due <= self._passed
+        passed = self.alloc.committed_lengths()
+        due = self._fill_due <= passed
         slots = due.nonzero()[0]
         if len(slots):
-            self._share_due(slots, np.minimum(self._passed[slots] // self.P, self._fill_keys[slots]))
+            self._share_due(slots, np.minimum(passed[slots] // self.P, self._fill_keys[slots]))
         if not self._filling:
             self.alloc.on_pass_over = None
 
     def _share_due(self, slots, ends) -> None:
-        tree, filling, coming, twice = self._tree, self._filling, self._coming, self._twice
-        batch, fast, rest, every = [], [], [], []
-        for j, (slot, end) in enumerate(zip(slots.tolist(), ends.tolist())):
-            req = filling[slot]
-            if req.kept or slot in twice:
-                rest.append((slot, end))   # (a page cached already, or a kept point to place)
-                continue
-            keys = req.key_list[len(req.path):end]
-            batch.append((keys, req.path))
-            fast.append(j)
-            every += keys
-        # (no other writer, no cached page: `_twice` marks those; checked, for the tree's sake)
-        if batch and (len(set(every)) != len(every) or not tree.nodes.keys().isdisjoint(every)):
-            rest = sorted(rest + [(int(slots[j]), int(ends[j])) for j in fast])
-            batch = []
-        if batch:
-            if rest:
-                slots, ends = slots[fast], ends[fast]
-            starts = ends - np.fromiter((len(keys) for keys, _ in batch), np.int64, len(batch))
-            tree.add_runs(batch, self.alloc.share_written_runs(slots, starts, ends).tolist(), self.clock)
-            for k in every:   # (_unexpect, inline: most keys have one writer)
-                left = coming.pop(k, 0) - 1
-                if left > 0:
-                    coming[k] = left
-            if self._unplaced:   # (its kept points were dropped meanwhile)
-                self._unplaced.difference_update(slots.tolist())
-            done = ends == self._fill_keys[slots]
-            self._fill_due[slots] = np.where(done, NEVER, (ends + 1) * self.P)
-            for slot in slots[done].tolist():
-                del filling[slot]
+        """Each slot's pages up to `ends`. The slots whose pages' order matters (`_twice`: one
+        another request holds too; `_unplaced`: a kept point waits for its page) go page by page
+        (_share_upto); the rest, most, at once: their keys gathered from `_slot_keys` and the
+        allocator updated in vector calls, then a node per page, without reading each request."""
+        tree, filling, coming, odd = self._tree, self._filling, self._coming, self._twice | self._unplaced
+        rest = []
+        if odd:
+            slow = np.fromiter((s in odd for s in slots.tolist()), bool, len(slots))
+            if slow[slow.argmax()]:
+                rest = list(zip(slots[slow].tolist(), ends[slow].tolist()))
+                slots, ends = slots[~slow], ends[~slow]
+        if len(slots):
+            a = self.alloc
+            starts = a.full_shared[slots]   # (the pages each slot has shared so far: its path)
+            counts = ends - starts
+            keys = self._slot_keys[spread(slots, counts, starts)].tolist()
+            # (no other writer, no cached page: `_twice` marks those; checked, for the tree's sake)
+            if len(set(keys)) != len(keys) or not tree.nodes.keys().isdisjoint(keys):
+                rest = sorted(rest + list(zip(slots.tolist(), ends.tolist())))
+            else:
+                slot_list = slots.tolist()
+                tree.add_runs([filling[s].path for s in slot_list], counts.tolist(), keys,
+                              a.share_written_runs(slots, starts, ends).tolist(), self.clock)
+                for k in keys:   # (_unexpect, inline: most keys have one writer)
+                    left = coming.pop(k, 0) - 1
+                    if left > 0:
+                        coming[k] = left
+                done = ends == self._fill_keys[slots]
+                self._fill_due[slots] = np.where(done, NEVER, (ends + 1) * self.P)
+                for slot in slots[done].tolist():
+                    del filling[slot]
         for slot, end in rest:
             self._share_upto(slot, end)
 
@@ -513,7 +514,7 @@ class PrefixCache:
         for k in req.key_list[i:end]:
             node = tree.nodes.get(k)
             if node is None:
-                tree.add_runs((((k,), req.path),), (a.share_written(slot, i),), self.clock)
+                tree.add_runs((req.path,), (1,), (k,), (a.share_written(slot, i),), self.clock)
             else:
                 a.share_written(slot, i, node.page)
                 tree.ref((node,))
@@ -547,8 +548,10 @@ class PrefixCache:
                 twice.append(k)
         if grown and req.key_list is not None:   # (generated: the same keys, more of them)
             req.key_list += new
+            self._slot_keys[slot, len(req.keys) - len(new):len(req.keys)] = new_keys
         else:
             req.key_list = req.keys.tolist()
+            self._slot_keys[slot, :len(req.keys)] = req.keys
         self._filling[slot] = req
         self._fill_due[slot] = (len(req.path) + 1) * self.P
         self._fill_keys[slot] = len(req.keys)

@@ -11,6 +11,8 @@ What is recounted from scratch, not read from the counters the hot paths move:
   free: cache-held full pages nobody reads, cache-held SWA pages nobody reads or pins (they are
   tails of resume points on the tree: evicting those frees them), and every resume point on the
   tree (a running request never reads a unit; it copied its rows at admission);
+- the requests still sharing pages as they write them: their keys by page, paths and marks
+  as the sharing of many at once reads them (`_filling_problems`);
 - the waiting queue: the keys the tree's eviction counts as awaited are exactly those of the
   requests enqueued and not yet admitted or dequeued, each with their queue orders, in order.
 """
@@ -25,12 +27,28 @@ from ..planning.buffers import CHECKPOINTS, FULL_PAGES, SWA_PAGES
 
 def prefix_problems(pc) -> list[str]:
     a = pc.alloc
-    out = _tree_problems(pc) + _queue_problems(pc)
+    out = _tree_problems(pc) + _queue_problems(pc) + _filling_problems(pc)
     pins = _pinned_tails(pc)
     if a.swa is not None:
         out += _swa_problems(pc, pins)
     if pc.ledger is not None:
         out += _evictable_problems(pc)
+    return out
+
+
+def _filling_problems(pc) -> list[str]:
+    """What the sharing of many writers at once (PrefixCache._share_due) reads instead of each
+    request: a filling request's keys by page (`_slot_keys`), its path's length (the slot's
+    shared pages), and that a request with a kept point waiting for its page is marked."""
+    out, a = [], pc.alloc
+    for slot, req in pc._filling.items():
+        n = len(req.keys)
+        if not np.array_equal(pc._slot_keys[slot, :n], req.keys):
+            out.append(f"prefix: slot {slot}'s page keys differ from its request's")
+        if len(req.path) != int(a.full_shared[slot]):
+            out.append(f"prefix: slot {slot} reads {len(req.path)} tree pages but shares {int(a.full_shared[slot])}")
+        if req.kept and slot not in pc._unplaced:
+            out.append(f"prefix: slot {slot} keeps a point for a page not shared yet, unmarked")
     return out
 
 

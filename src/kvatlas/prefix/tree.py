@@ -154,33 +154,34 @@ class Tree:
         self._push_page(node)
         return node
 
-    def add_runs(self, runs, pages, now: int) -> None:
-        """The pages writers completed: for each (keys, path) of `runs` in turn, a node per key,
-        each below the one before (the first below the path's last node, or the root), appended
-        to the path; `pages`, one per key, in the same order. Each node's first reader comes with
-        it (its writer), so none is evictable and none gets a heap entry until its last reader
-        leaves (unref pushes one). One call for a pass's writers (most complete one page each)."""
-        nodes, at = self.nodes, 0
-        for keys, path in runs:
+    def add_runs(self, paths, counts, keys, pages, now: int) -> None:
+        """The pages writers completed: for each path of `paths` in turn, `counts` of them new
+        nodes, each below the one before (the first below the path's last node, or the root),
+        appended to the path; `keys` and `pages`, one per node, in the same order. Each node's
+        first reader comes with it (its writer), so none is evictable and none gets a heap entry
+        until its last reader leaves (unref pushes one). One call for a pass's writers (most
+        complete one page each)."""
+        made, at = [], 0
+        for path, n in zip(paths, counts):
             parent = path[-1] if path else None
             depth = parent.depth if parent is not None else 0
-            for k in keys:
+            for k in keys[at:at + n]:
                 if parent is not None:
                     parent.children += 1
                 depth += 1
                 node = Node(k, parent, depth, pages[at])
                 at += 1
                 node.last_used, node.refs = now, 1
-                nodes[k] = node
                 path.append(node)
+                made.append(node)
                 parent = node
+        self.nodes.update(zip(keys, made))
         if now > self._now:
             self._now = now
         evicted = self.evicted_keys
         if evicted:
-            for keys, _ in runs:
-                for k in keys:
-                    evicted.pop(k, None)
+            for k in keys:
+                evicted.pop(k, None)
 
     def attach(self, node, ck, now: int) -> None:
         node.checkpoint, ck.node, ck.last_used = ck, node, now
