@@ -63,10 +63,11 @@ class Node:
     __slots__ = ("key", "parent", "depth", "page", "checkpoint", "children", "refs", "last_used",
                  "checkpoint_evicted", "origin", "reads", "due")
 
-    def __init__(self, key, parent, depth, page) -> None:
+    def __init__(self, key, parent, depth, page, refs: int = 0, last_used: int = 0) -> None:
         self.key, self.parent, self.depth, self.page = key, parent, depth, page
         self.checkpoint = None
-        self.children = self.refs = self.last_used = 0
+        self.children = 0
+        self.refs, self.last_used = refs, last_used
         self.reads = 0       # requests that have read it (its writer's own read not counted)
         self.due = 0         # the eviction order of its latest heap entry (last use + reuse credit)
         self.checkpoint_evicted = False
@@ -145,8 +146,7 @@ class Tree:
         """A node no request reads yet (an idle leaf, so it gets a heap entry)."""
         if parent is not None:
             parent.children += 1
-        node = Node(key, parent, parent.depth + 1 if parent is not None else 1, page)
-        node.last_used = now
+        node = Node(key, parent, parent.depth + 1 if parent is not None else 1, page, last_used=now)
         self.idle_pages += 1
         self.nodes[key] = node
         if self.evicted_keys:
@@ -165,13 +165,13 @@ class Tree:
         for path, n in zip(paths, counts):
             parent = path[-1] if path else None
             depth = parent.depth if parent is not None else 0
-            for k in keys[at:at + n]:
+            end = at + n
+            while at < end:   # (no slice of keys a writer: most complete one page)
                 if parent is not None:
                     parent.children += 1
                 depth += 1
-                node = Node(k, parent, depth, pages[at])
+                node = Node(keys[at], parent, depth, pages[at], 1, now)
                 at += 1
-                node.last_used, node.refs = now, 1
                 path.append(node)
                 made.append(node)
                 parent = node
