@@ -67,3 +67,26 @@ def test_server_refuses_bad_requests():
     with pytest.raises(PoolExhaustedError):
         small.step()                      # nothing of ours runs that could free them: refused, not waited on
     check(small)
+
+
+def test_the_server_passes_its_cache_by_the_keyword_the_model_takes():
+    """transformers 5.24 renamed the forward's `past_key_values` to `cache` (the old name warns,
+    and goes in 5.40); 5.23 knows only the old one. The server gives the name the model takes."""
+    import inspect
+
+    import transformers
+    m = tiny_model(torch.float32, seed=3)
+    srv = server(m, "64MiB", requests=2, checkpoints=4, max_len=512)
+    forward, seen = m.forward, []
+
+    def spy(*args, **kw):
+        seen.append(sorted(set(kw) & {"cache", "past_key_values"}))
+        return forward(*args, **kw)
+    m.forward = spy
+    srv.submit("a", np.arange(300) % VOCAB, 3)
+    while not srv.idle:
+        srv.step()
+    want = "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
+    if tuple(int(x) for x in transformers.__version__.split(".")[:2]) >= (5, 24):
+        assert want == "cache"
+    assert len(seen) == 2 + 2 and all(s == [want] for s in seen)   # two prefill chunks, then a pass a token

@@ -14,6 +14,8 @@ Layouts (`layout=`):
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from ...errors import ConfigError
@@ -36,6 +38,13 @@ def check_model(model, field: str = "model"):
                           "give a DeepseekV4ForCausalLM (transformers), e.g. from_pretrained(...)")
     model_spec(model.config)
     return model
+
+
+def cache_keyword(model) -> str:
+    """The keyword the model's forward takes its cache by: `cache` from transformers 5.24 on
+    (where `past_key_values` still works but warns, and goes in 5.40), `past_key_values` in 5.23,
+    which knows no other."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def model_spec(config):

@@ -50,7 +50,7 @@ class Server:
                  eos_token_id: int | None = None) -> None:
         from ...tiers import HostLink
         from .cache import KvatlasCache
-        from .model import check_model
+        from .model import cache_keyword, check_model
         check_model(model)
         of_type("cache", cache, KvatlasCache, "a KvatlasCache", "give kvatlas_cache_for(model, memory)")
         if host is not None and (not isinstance(host, HostLink) or host.prefix is not cache.kv.prefix):
@@ -61,6 +61,7 @@ class Server:
         if eos_token_id is not None:
             whole("eos_token_id", eos_token_id, 0, max(self.vocab - 1, 0))
         self.model, self.cache, self.kv, self.host = model, cache, cache.kv, host
+        self._cache_kw = cache_keyword(model)
         most = self.kv.plan.options.chunked_prefill_tokens
         self.chunk = whole("chunk_tokens", most if chunk_tokens is None else chunk_tokens, 1, most)
         self.keep_logits, self.eos = keep_logits, eos_token_id
@@ -172,7 +173,7 @@ class Server:
     def _forward(self, req: Request, ids: np.ndarray) -> torch.Tensor:
         x = torch.as_tensor(ids, dtype=torch.long, device=self.kv.device)[None]
         with torch.no_grad():
-            out = self.model(input_ids=x, past_key_values=self.cache.bind([req.request_id]), use_cache=True,
+            out = self.model(input_ids=x, **{self._cache_kw: self.cache.bind([req.request_id])}, use_cache=True,
                              logits_to_keep=1)
         req.passes.append(len(ids))
         self.passes += 1
