@@ -286,3 +286,27 @@ def test_a_read_within_a_forward_group_shares_only_what_passes_over_completed():
         assert a.committed_lengths()[slot] == 0
     assert len(pc.tree.nodes) == 3
     cache.check_integrity()
+
+
+def test_generated_within_a_forward_group_keys_only_committed_pages():
+    """`generated` keys the pages past the prompt that passes over completed: within a
+    `forward()` group that wrote the request twice, not the page its first write completed."""
+    cache = make_cache("ends", "plain")
+    a, pc = cache.allocator, cache.prefix
+    seq = np.random.default_rng(4).integers(0, 50_000, 900)
+    cache.admit("g", 100, 800, token_ids=seq[:100])
+    cache.extend("g", 100)
+    cache.extend("g", 200)   # page 0 complete (the prompt and 156 generated tokens)
+    cache.flush()
+    assert cache.generated("g", seq[:300]) == 1
+    with a.forward():
+        cache.extend("g", 250)   # page 1 complete (550 tokens) ...
+        cache.extend("g", 50)    # ... and written again in the same pass
+        assert a.committed_lengths(a.slot_of["g"]) == 300
+        assert cache.generated("g", seq[:600]) == 1
+        cache.check_integrity()
+    cache.flush()
+    assert cache.generated("g", seq[:600]) == 2
+    cache.flush()   # (a page keyed by generated is shared as the next pass is over)
+    assert len(pc.tree.nodes) == 2
+    cache.check_integrity()

@@ -260,11 +260,16 @@ class Allocator(Release, Sharing):
         if not self._grouped:
             self._begin_forward(settle=True)
 
-    def committed_lengths(self) -> np.ndarray:
-        """Each slot's length when the last forward pass was over: what the pass in progress has
-        written left out (its last write; for a `forward()` group, which may write a request more
-        than once, the lengths as the group began, until the next pass begins or a flush). The
-        prefix cache shares the pages complete at these lengths (its _sync)."""
+    def committed_lengths(self, slot: int | None = None):
+        """Each slot's length when the last forward pass was over (one slot's, an int, if given):
+        what the pass in progress has written left out (its last write; for a `forward()` group,
+        which may write a request more than once, the lengths as the group began, until the next
+        pass begins or a flush). The prefix cache shares and keys the pages complete at these
+        lengths (its _sync, generated)."""
+        if slot is not None:
+            if self._in_group_pass:
+                return int(self._group_start[slot])
+            return int(self.length[slot]) - int(self.last_write[slot])
         if self._in_group_pass:
             return self._group_start.copy()
         return self.length - self.last_write

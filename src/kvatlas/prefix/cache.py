@@ -704,7 +704,7 @@ class PrefixCache:
             raise RequestStateError(f"request_id {request_id!r} is not running in this cache; give a running request")
         req, slot = self.requests[request_id], a.slot_of[request_id]
         ids = as_tokens(token_ids)
-        committed = min(int(a.length[slot]) - int(a.last_write[slot]), len(ids))
+        committed = min(a.committed_lengths(slot), len(ids))
         pages = committed // self.P
         if not self.share_as_written or a.full is None or pages <= len(req.keys) \
                 or len(req.keys) < req.prompt_tokens // self.P:   # (admitted with fewer keys than pages)
