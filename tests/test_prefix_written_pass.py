@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from kvatlas import allocate, plan
-from kvatlas.errors import RequestStateError
+from kvatlas.errors import KvatlasError, RequestStateError
 from kvatlas.vmm import StandInDriver, VmmBackend
 
 G = 64 << 10   # the stand-in's granularity: chunks small enough that frees change what is mapped
@@ -266,12 +266,16 @@ def test_a_read_within_a_forward_group_shares_only_what_passes_over_completed():
     cache.extend("w", 200)
     cache.extend("w", 200)   # page 0 complete once this pass is over
     with a.forward():        # (which ends that pass)
-        cache.extend("w", 100)
-        assert a.committed_lengths()[slot] == 400
+        cache.extend("w", 150)   # page 1 complete (550 tokens): written in this group
+        assert a.committed_lengths()[slot] == 400 == a.committed_lengths(slot)
         assert len(pc.tree.nodes) == 1 and a.full_shared[slot] == 1
-        cache.extend("w", 100)   # page 1 complete (600 tokens): written in this group
-        assert a.committed_lengths()[slot] == 400
+        cache.extend("w", 50)    # (its last write no longer covers page 1)
+        assert a.committed_lengths()[slot] == 400 and a.committed_lengths(np.array([slot])).tolist() == [400]
         assert len(pc.tree.nodes) == 1 and a.full_shared[slot] == 1
+        with pytest.raises(KvatlasError, match="not its next complete, committed page"):
+            a.share_written(slot, 1)
+        with pytest.raises(KvatlasError, match="not the slots' next complete, committed pages"):
+            a.share_written_runs(np.array([slot]), np.array([1]), np.array([2]))
         cache.check_integrity()
     assert a.committed_lengths()[slot] == 400   # (the group's pass is over when the next begins)
     assert len(pc.tree.nodes) == 1 and a.full_shared[slot] == 1

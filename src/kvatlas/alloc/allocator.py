@@ -260,19 +260,17 @@ class Allocator(Release, Sharing):
         if not self._grouped:
             self._begin_forward(settle=True)
 
-    def committed_lengths(self, slot: int | None = None):
-        """Each slot's length when the last forward pass was over (one slot's, an int, if given):
-        what the pass in progress has written left out (its last write; for a `forward()` group,
-        which may write a request more than once, the lengths as the group began, until the next
-        pass begins or a flush). The prefix cache shares and keys the pages complete at these
-        lengths (its _sync, generated)."""
-        if slot is not None:
-            if self._in_group_pass:
-                return int(self._group_start[slot])
-            return int(self.length[slot]) - int(self.last_write[slot])
-        if self._in_group_pass:
-            return self._group_start.copy()
-        return self.length - self.last_write
+    def committed_lengths(self, slots=None):
+        """Each slot's length when the last forward pass was over: what the pass in progress has
+        written left out (its last write; for a `forward()` group, which may write a request more
+        than once, the lengths as the group began, until the next pass begins or a flush).
+        `slots`: one slot (an int back) or an array of them; all if None. The prefix cache shares
+        and keys the pages complete at these lengths (its _sync, generated), and share_written
+        shares no other."""
+        if slots is None:
+            return self._group_start.copy() if self._in_group_pass else self.length - self.last_write
+        got = self._group_start[slots] if self._in_group_pass else self.length[slots] - self.last_write[slots]
+        return int(got) if np.ndim(got) == 0 else got
 
     def commit_pass(self) -> None:
         """Within _begin_forward: the pass just over is committed (no rollback reaches it), so

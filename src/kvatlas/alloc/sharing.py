@@ -589,10 +589,10 @@ class Sharing:
         from now on, its writer one of its readers. `cached_page` (the same content cached
         meanwhile by another request): the slot reads that page instead and its own is freed.
         Columns go in order from the first not shared. Returns the page the slot now reads."""
-        # (complete and committed: its end at most the length less the last pass's drafts;
+        # (complete and committed: its end at most the committed length, committed_lengths;
         # share_written_runs checks the same of many pages at once)
         if self.full is None or col != self.full_shared[slot] or col >= self.full_held[slot] \
-                or (col + 1) * self.P > self.length[slot] - self.last_write[slot]:
+                or (col + 1) * self.P > self.committed_lengths(slot):
             raise KvatlasError(f"share: column {col} of slot {slot} is not its next complete, committed page")
         own = int(self.full_table[slot, col])
         if self.full.owner[own] != slot + 1:
@@ -619,7 +619,7 @@ class Sharing:
         already (their keys new to the cache), all in one go (slots distinct); returns the pages,
         slot after slot."""
         if self.full is None or np.any(starts != self.full_shared[slots]) or np.any(ends > self.full_held[slots]) \
-                or np.any(ends * self.P > self.length[slots] - self.last_write[slots]) or np.any(ends <= starts):
+                or np.any(ends * self.P > self.committed_lengths(slots)) or np.any(ends <= starts):
             raise KvatlasError("share: columns given are not the slots' next complete, committed pages")
         rows, cols = spread(slots, ends - starts, starts)
         pages = self.full_table[rows, cols]
