@@ -44,7 +44,7 @@ class SharedPrefix:
 
 
 class _Request:
-    __slots__ = ("keys", "path", "kept", "prompt_tokens", "tail", "ids", "same_tokens", "stale_tokens", "key_list")
+    __slots__ = ("keys", "path", "kept", "prompt_tokens", "tail", "ids", "same_tokens", "stale_tokens")
 
     def __init__(self, keys, path, prompt_tokens, tail=None) -> None:
         # path: the tree's nodes of the request's leading pages that it reads (its hit, then the
@@ -56,7 +56,6 @@ class _Request:
         # after copy_contents: resume points at boundaries in (same_tokens, stale_tokens] hold rows
         # of the content the request had before (see PrefixCache.copy_contents)
         self.same_tokens = self.stale_tokens = 0
-        self.key_list = None   # keys as Python ints, while it has pages to share (PrefixCache._fill)
 
     def holds_other(self, boundary_tokens: int) -> bool:
         """Whether a resume point this request saved at that boundary holds other content."""
@@ -113,7 +112,8 @@ class PrefixCache:
         # not a loop; the pages it has keys for
         self._fill_due = np.full(n, NEVER, np.int64)
         self._fill_keys = np.zeros(n, np.int64)
-        # per slot: its filling request's keys by page (read by _share_due for many slots at once)
+        # per slot: its filling request's keys by page past its path (what its sharing reads:
+        # _share_due gathers many slots' at once)
         self._slot_keys = np.zeros((n, allocator.full_table.shape[1]), np.uint64)
         self._noted = False            # a pass is over since the last _sync: pages may wait
         self._twice: set = set()       # filling slots that may share a page another holds too (_fill)
@@ -511,7 +511,7 @@ class PrefixCache:
         a, P, tree, coming = self.alloc, self.P, self._tree, self._coming
         req = self._filling[slot]
         i = len(req.path)
-        for k in req.key_list[i:end]:
+        for k in self._slot_keys[slot, i:end].tolist():
             node = tree.nodes.get(k)
             if node is None:
                 tree.add_runs((req.path,), (1,), (k,), (a.share_written(slot, i),), self.clock)
@@ -534,7 +534,7 @@ class PrefixCache:
         else:
             self._fill_due[slot] = (i + 1) * P
 
-    def _fill(self, slot: int, req, new_keys, grown: bool = False) -> None:
+    def _fill(self, slot: int, req, new_keys) -> None:
         """The slot's request has pages past its path to share as it writes them, `new_keys`
         among them newly expected. Where another request writes one of them too, or the tree
         holds it (no resume point there), sharing it frees the later writer's own page: the
@@ -546,14 +546,10 @@ class PrefixCache:
             n = coming[k] = coming.get(k, 0) + 1
             if n > 1 or k in nodes:
                 twice.append(k)
-        if grown and req.key_list is not None:   # (generated: the same keys, more of them)
-            req.key_list += new
-            self._slot_keys[slot, len(req.keys) - len(new):len(req.keys)] = new_keys
-        else:
-            req.key_list = req.keys.tolist()
-            self._slot_keys[slot, :len(req.keys)] = req.keys
+        shared = len(req.path)   # (the keys past the pages it shared: what its sharing reads)
+        self._slot_keys[slot, shared:len(req.keys)] = req.keys[shared:]
         self._filling[slot] = req
-        self._fill_due[slot] = (len(req.path) + 1) * self.P
+        self._fill_due[slot] = (shared + 1) * self.P
         self._fill_keys[slot] = len(req.keys)
         self.alloc.on_pass_over = self._note_written
         if twice:
@@ -563,7 +559,7 @@ class PrefixCache:
         """Mark the filling slots still to share one of `keys` (see _fill)."""
         keys = set(keys)
         for slot, req in self._filling.items():
-            if slot not in self._twice and not keys.isdisjoint(req.key_list[len(req.path):]):
+            if slot not in self._twice and not keys.isdisjoint(self._slot_keys[slot, len(req.path):len(req.keys)].tolist()):
                 self._twice.add(slot)
 
     @staticmethod
@@ -719,7 +715,7 @@ class PrefixCache:
             keys = np.concatenate((req.keys, page_keys(ids[n: pages * self.P], self.P, int(req.keys[-1]))))
         new = keys[len(req.keys):]
         req.keys, req.ids = keys, ids[: pages * self.P].copy()
-        self._fill(slot, req, new, grown=True)
+        self._fill(slot, req, new)
         return len(keys)
 
     # ---------------------------------------------------------------- a request takes another's content
@@ -759,7 +755,6 @@ class PrefixCache:
                 req.keys, req.tail, req.ids = keys, None, None
             else:
                 req.keys, req.tail, req.prompt_tokens, req.ids = src.keys, src.tail, src.prompt_tokens, src.ids
-            req.key_list = None   # (made again from the new keys: _fill)
             self._refill(slot, req, old)
 
     def _refill(self, slot: int, req, old) -> None:

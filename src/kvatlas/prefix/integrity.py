@@ -38,12 +38,13 @@ def prefix_problems(pc) -> list[str]:
 
 def _filling_problems(pc) -> list[str]:
     """What the sharing of many writers at once (PrefixCache._share_due) reads instead of each
-    request: a filling request's keys by page (`_slot_keys`), its path's length (the slot's
-    shared pages), and that a request with a kept point waiting for its page is marked."""
+    request: a filling request's keys by page past its path (`_slot_keys`), its path's length
+    (the slot's shared pages), and that a request with a kept point waiting for its page is
+    marked."""
     out, a = [], pc.alloc
     for slot, req in pc._filling.items():
-        n = len(req.keys)
-        if not np.array_equal(pc._slot_keys[slot, :n], req.keys):
+        i, n = len(req.path), len(req.keys)
+        if not np.array_equal(pc._slot_keys[slot, i:n], req.keys[i:]):
             out.append(f"prefix: slot {slot}'s page keys differ from its request's")
         if len(req.path) != int(a.full_shared[slot]):
             out.append(f"prefix: slot {slot} reads {len(req.path)} tree pages but shares {int(a.full_shared[slot])}")
