@@ -245,7 +245,7 @@ class Allocator(Release, Sharing):
         """Group several extend()/step() calls into one forward pass: no page they were handed
         is retired until the group ends and a later forward begins."""
         self._begin_forward()
-        if not self._grouped and self.prefix_on:   # (what committed_lengths gives until the pass is over)
+        if not self._grouped:   # (what committed_lengths gives until the pass is over)
             np.copyto(self._group_start, self.length)
             self._in_group_pass = True
         self._grouped += 1
