@@ -314,3 +314,21 @@ def test_generated_within_a_forward_group_keys_only_committed_pages():
     cache.flush()   # (a page keyed by generated is shared as the next pass is over)
     assert len(pc.tree.nodes) == 2
     cache.check_integrity()
+
+
+def test_committed_lengths_within_a_group_without_a_prefix_cache():
+    """committed_lengths is the allocator's (public): without a prefix cache too, a group that
+    writes a request twice leaves it at the length the group began at until its pass is over."""
+    cache = allocate(plan("tiny-v4", "48MiB", max_model_len=2048, max_running_requests=4,
+                          chunked_prefill_tokens=P), backend="none")
+    a = cache.allocator
+    assert not a.prefix_on
+    cache.admit("x", 1000, 8)
+    cache.extend("x", 200)
+    with a.forward():
+        cache.extend("x", 150)
+        cache.extend("x", 50)
+        assert a.committed_lengths(a.slot_of["x"]) == 200
+    assert a.committed_lengths()[a.slot_of["x"]] == 200
+    cache.flush()
+    assert a.committed_lengths(a.slot_of["x"]) == 400
