@@ -144,7 +144,7 @@ class Concurrency(RuleBasedStateMachine):
             return
         shared = self._shared_as_written()
         adm = self.hot.admit(rid, P, out, token_ids=prompt)
-        if shared.intersection(id(n) for n in self.hot.prefix.requests[rid].path):
+        if shared.intersection(self.hot.prefix.requests[rid].path):
             self.read_running += 1   # it reads a page whose writer is still running
         self.cold.admit(rid, P, out)
         r = self.running[rid] = _Req(seq, P)
@@ -295,7 +295,7 @@ class Concurrency(RuleBasedStateMachine):
     def _shared_as_written(self) -> set:
         """The tree's pages that running requests wrote and shared as written (past their hit)."""
         reqs = self.hot.prefix.requests
-        return {id(n) for rid in self.running for n in reqs[rid].path[self.hit_pages[rid]:]}
+        return {n for rid in self.running for n in reqs[rid].path[self.hit_pages[rid]:]}
 
     def _finish(self, rid):
         r = self.running.pop(rid)

@@ -194,4 +194,4 @@ def test_kvatlas_spacing_is_refitted_to_what_the_cache_holds():
     run(c, "new", other, 1800)
     c.finish("new", token_ids=other)
     path = t.match(page_keys(other, 256))
-    assert len(path) == 7 and all(n.checkpoint is not None for n in path)   # every boundary, its end among them
+    assert len(path) == 7 and all(t.ckpt[n] is not None for n in path)   # every boundary, its end among them

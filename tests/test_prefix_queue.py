@@ -5,6 +5,8 @@ request's claims back; the simulator enqueues every arriving request."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
@@ -20,6 +22,7 @@ from kvatlas.prefix.tree import Tree
 class _Alloc:
     def __init__(self) -> None:
         self.freed: list[int] = []
+        self.full = SimpleNamespace(owner=np.zeros(64, np.int64))   # pages 0..63: the nodes' ids
 
     def evict_full(self, pages: np.ndarray) -> None:
         self.freed += pages.tolist()

@@ -56,20 +56,19 @@ def cache_state(cache) -> dict:
 
     def ck(c):
         return None if c is None else (c.boundary_tokens, c.unit, c.end, c.divergence, c.last_used,
-                                       c.node.key if c.node is not None else None)
+                                       int(t.key[c.node]) if c.node is not None else None)
     nodes = {k: (n.parent.key if n.parent else 0, n.depth, n.page, n.refs, n.children, n.last_used, n.reads,
                  n.checkpoint_evicted, ck(n.checkpoint)) for k, n in t.nodes.items()}
     # the heaps in the order they pop, without the push counter (the deferred cache pushes a
     # pass's pages later, after the captures of passes since; within each heap the order is
     # kept), the pages' heap without the entries eviction skips (node changed since: those of
     # pages shared in one go are pushed slot by slot, not pass by pass)
-    live = [(p, s, n.key) for p, _, s, n in sorted(t._pages)
-            if t.nodes.get(n.key) is n and not n.refs and not n.children and s == n.last_used and p == n.due]
+    live = [(e[0], e[2], int(t.key[e[3]])) for e in sorted(t._pages) if t._evictable(e)]
     return {**alloc_state(cache), "nodes": nodes, "heap": live,
             "lifetime": t.lifetime,
             "ckpt_heap": [(c, s, ck(x)) for c, s, _, x in sorted(t._ckpts)], "idle": t.idle_pages,
             "checkpoints": t.checkpoints, "marked": t.marked, "evicted_keys": list(t.evicted_keys),
-            "requests": {r: ([n.key for n in q.path], q.keys.tolist(), [ck(c) for c in q.kept])
+            "requests": {r: ([int(t.key[n]) for n in q.path], q.keys.tolist(), [ck(c) for c in q.kept])
                          for r, q in pc.requests.items()},
             "coming": dict(pc._coming), "filling": sorted(pc._filling), "fill_due": pc._fill_due.tolist(),
             "hook": cache.allocator.on_pass_over is None, "stats": pc.stats.as_dict()}

@@ -115,6 +115,7 @@ class PrefixCache:
         # per slot: its filling request's keys by page past its path (what its sharing reads:
         # _share_due gathers many slots' at once)
         self._slot_keys = np.zeros((n, allocator.full_table.shape[1]), np.uint64)
+        self._paths: list = [None] * n   # per slot: its filling request's path (the same list)
         self._noted = False            # a pass is over since the last _sync: pages may wait
         self._twice: set = set()       # filling slots that may share a page another holds too (_fill)
         self._unplaced: set = set()    # slots with a kept resume point whose page is not shared yet
@@ -176,8 +177,8 @@ class PrefixCache:
         keys = self._keys(prompt_tokens, token_ids, keys)
         path = self.tree.match(keys)
         cap = min(len(path), (prompt_tokens - 1) // self.P)   # at least one prompt token left to compute
-        j = cap
-        while j and path[j - 1].checkpoint is None:
+        j, ckpt = cap, self._tree.ckpt
+        while j and ckpt[path[j - 1]] is None:
             j -= 1
         writer = None
         if j < cap and self.share_as_written:
@@ -192,17 +193,17 @@ class PrefixCache:
         writer's path), its rows complete (captured once the pass that reached it was over), so
         a reader may resume there exactly as from a kept point: admit keeps it once the
         admission succeeds (_take_writer_point)."""
-        if not any(node.refs for node in path[j:cap]):   # a writer reads every page of its path
+        if not self._tree.refs[path[j:cap]].any():   # a writer reads every page of its path
             return None, 0
         at = {}
         for slot in np.flatnonzero(self._tent_u).tolist():
             req = self.requests.get(self.alloc.rid_of[slot])
             i = int(self._tent_b[slot]) // self.P
             if req is not None and 0 < i <= len(req.path) and not req.holds_other(i * self.P):
-                at[id(req.path[i - 1])] = slot
+                at[req.path[i - 1]] = slot
         if at:
             for i in range(cap, j, -1):
-                slot = at.get(id(path[i - 1]))
+                slot = at.get(path[i - 1])
                 if slot is not None:
                     return slot, i
         return None, 0
@@ -220,7 +221,7 @@ class PrefixCache:
     def _room(self, m: _Match, total_tokens: int) -> tuple[int, int]:
         """(pages the admission needs, pages it can have: free now + evictable but not its own hit)."""
         need = cdiv(total_tokens, self.P) - m.resume_pages if self.alloc.full is not None else 0
-        mine = sum(1 for node in m.path[: m.resume_pages] if node.refs == 0)
+        mine = int(np.count_nonzero(self._tree.refs[m.path[: m.resume_pages]] == 0))
         return need, self.alloc.free_full_pages() + self.tree.idle_pages - mine
 
     def cached_pages(self, prompt_tokens, *, token_ids=None, page_keys=None) -> int:
@@ -365,9 +366,9 @@ class PrefixCache:
         if m.writer is not None:   # admitted: the writer's point it resumes at is kept from now on
             self._take_writer_point(m.writer)
         self.clock += 1
-        ck = hit[-1].checkpoint if hit else None
+        ck = self._tree.ckpt[hit[-1]] if hit else None
         if ck is not None:
-            self.tree.touch_checkpoint(ck, self.clock)
+            self._tree.touch_checkpoint(ck, self.clock)
         slot = adm.request_slot
         self._mine[slot] = True
         # where its prompt leaves the cached path, or, past pages running requests are still to
@@ -390,9 +391,12 @@ class PrefixCache:
         return adm
 
     def _count_tiers(self, hit) -> None:
-        s, P = self.stats, self.P
-        for node in hit:
-            tier, node.origin = node.origin, None
+        s, P, origin = self.stats, self.P, self._tree.origin
+        if not origin:   # (nothing came back from a lower tier unread)
+            s.device_hit_tokens += P * len(hit)
+            return
+        for i in hit:
+            tier = origin.pop(i, None)
             if tier == "shared":
                 s.shared_hit_tokens += P
             elif tier == "host":
@@ -403,8 +407,8 @@ class PrefixCache:
     def _shared(self, hit, writer=None) -> SharedPrefix | None:
         if not hit:
             return None
-        ck = hit[-1].checkpoint if writer is None else self._tentative(writer)
-        pages = np.fromiter((n.page for n in hit), np.int64, len(hit))
+        ck = self._tree.ckpt[hit[-1]] if writer is None else self._tentative(writer)
+        pages = self._tree.pages_of(hit)
         return SharedPrefix(len(hit) * self.P, pages, ck.swa_pages, ck.unit)
 
     def _count(self, m: _Match, prompt: int) -> None:
@@ -415,7 +419,7 @@ class PrefixCache:
         s.queried_tokens += prompt
         s.hit_tokens += j * P
         lost = (usable - j) * P
-        if usable > j and m.path[usable - 1].checkpoint_evicted:
+        if usable > j and self._tree.ck_evicted[m.path[usable - 1]]:
             s.missed_evicted += lost
         else:
             s.missed_no_checkpoint += lost
@@ -489,12 +493,14 @@ class PrefixCache:
             counts = ends - starts
             keys = self._slot_keys[spread(slots, counts, starts)].tolist()
             # (no other writer, no cached page: `_twice` marks those; checked, for the tree's sake)
-            if len(set(keys)) != len(keys) or not tree.nodes.keys().isdisjoint(keys):
+            if len(set(keys)) != len(keys) or not tree.index.keys().isdisjoint(keys):
                 rest = sorted(rest + list(zip(slots.tolist(), ends.tolist())))
             else:
-                slot_list = slots.tolist()
-                tree.add_runs([filling[s].path for s in slot_list], counts.tolist(), keys,
-                              a.share_written_runs(slots, starts, ends).tolist(), self.clock)
+                # (each path is the slot's table row up to its shared pages: its last node is
+                # the page in the column before, no need to read the path)
+                heads = np.where(starts > 0, a.full_table[slots, np.maximum(starts - 1, 0)], -1)
+                tree.add_runs(list(map(self._paths.__getitem__, slots.tolist())), counts, keys,
+                              a.share_written_runs(slots, starts, ends), self.clock, (heads, starts))
                 for k in keys:   # (_unexpect, inline: most keys have one writer)
                     left = coming.pop(k, 0) - 1
                     if left > 0:
@@ -512,11 +518,11 @@ class PrefixCache:
         req = self._filling[slot]
         i = len(req.path)
         for k in self._slot_keys[slot, i:end].tolist():
-            node = tree.nodes.get(k)
+            node = tree.index.get(k)
             if node is None:
                 tree.add_runs((req.path,), (1,), (k,), (a.share_written(slot, i),), self.clock)
             else:
-                a.share_written(slot, i, node.page)
+                a.share_written(slot, i, tree.page_of(node))
                 tree.ref((node,))
                 req.path.append(node)
             self._unexpect(k, coming)
@@ -541,7 +547,7 @@ class PrefixCache:
         slots that may meet such a page are marked, and a pass in which one completes a page
         shares at once (_note_written), so that the freed page is free for the next pass's
         allocations exactly as when every pass shared its pages."""
-        coming, nodes, twice, new = self._coming, self._tree.nodes, [], new_keys.tolist()
+        coming, nodes, twice, new = self._coming, self._tree.index, [], new_keys.tolist()
         for k in new:
             n = coming[k] = coming.get(k, 0) + 1
             if n > 1 or k in nodes:
@@ -549,6 +555,7 @@ class PrefixCache:
         shared = len(req.path)   # (the keys past the pages it shared: what its sharing reads)
         self._slot_keys[slot, shared:len(req.keys)] = req.keys[shared:]
         self._filling[slot] = req
+        self._paths[slot] = req.path
         self._fill_due[slot] = (shared + 1) * self.P
         self._fill_keys[slot] = len(req.keys)
         self.alloc.on_pass_over = self._note_written
@@ -576,6 +583,7 @@ class PrefixCache:
         self._unplaced.discard(slot)
         req = self._filling.pop(slot, None)
         self._fill_due[slot] = NEVER
+        self._paths[slot] = None
         if req is not None:
             for k in req.keys[len(req.path):].tolist():
                 self._unexpect(k, self._coming)
@@ -820,15 +828,14 @@ class PrefixCache:
         plan keeps (`prefix_checkpoints`; running requests' captures have units of their own) less
         the ends and divergence points on the tree (they stay: intermediate points go first)."""
         room = self.alloc.plan.options.prefix_checkpoints - self.tree.marked
-        self.policy = refitted(self.policy, len(self.tree.nodes), room)
+        self.policy = refitted(self.policy, len(self.tree.index), room)
         self.tree.policy = self.policy
 
     def _mark_end(self, req, pages: int) -> None:
         """The request ends at a point kept when captured (share as written): it is an end."""
         ck = req.kept[-1] if req.kept else None
         if ck is None or ck.boundary_tokens != pages * self.P:
-            node = req.path[pages - 1] if 0 < pages <= len(req.path) else None
-            ck = node.checkpoint if node is not None else None
+            ck = self._tree.ckpt[req.path[pages - 1]] if 0 < pages <= len(req.path) else None
         if ck is not None and not ck.end:
             self.tree.mark_end(ck, self.clock)
 
@@ -838,7 +845,7 @@ class PrefixCache:
         nodes, keep, parent = [], [], None
         shared = int(a.full_shared[slot]) if a.full is not None else 0
         for i, k in enumerate(keys.tolist()):
-            node = tree.nodes.get(k)
+            node = tree.index.get(k)
             if node is None:
                 page = int(a.full_table[slot, i]) if a.full is not None else -1
                 if i < shared:    # a page it read was evicted meanwhile: cannot be (it held a reference)
@@ -852,7 +859,7 @@ class PrefixCache:
 
     def _place(self, ck, nodes, req) -> bool:
         i = ck.boundary_tokens // self.P - 1
-        if i >= len(nodes) or nodes[i].checkpoint is not None or req.holds_other(ck.boundary_tokens):
+        if i >= len(nodes) or self._tree.ckpt[nodes[i]] is not None or req.holds_other(ck.boundary_tokens):
             self._drop(ck)   # no key for that page, another request saved this point first, or other content
             return False
         self.alloc.unpin_checkpoint(ck.swa_pages)
@@ -862,10 +869,11 @@ class PrefixCache:
 
     # ---------------------------------------------------------------- restored from a lower tier
     def _chain(self, key) -> list:
-        node, out = self.tree.nodes.get(key), []
-        while node is not None:
-            out.append(node)
-            node = node.parent
+        tree = self.tree
+        i, out = tree.index.get(key, -1), []
+        while i >= 0:
+            out.append(i)
+            i = int(tree.parent[i])
         return out
 
     def restore_pages(self, parent_key, keys, origins=None) -> np.ndarray:
@@ -875,9 +883,9 @@ class PrefixCache:
         origins: per key, the tier it comes from ("host" or "shared"; default "host"), counted
         when an admission first reads it (PrefixStats)."""
         keys = [int(k) for k in keys]
-        if parent_key and parent_key not in self.tree.nodes:
+        if parent_key and parent_key not in self.tree.index:
             raise KvatlasError(f"restore_pages: parent_key {parent_key} is not cached; restore from the root down")
-        if any(k in self.tree.nodes for k in keys) or len(set(keys)) != len(keys):
+        if any(k in self.tree.index for k in keys) or len(set(keys)) != len(keys):
             raise KvatlasError("restore_pages: a key is cached already or given twice; restore missing pages once")
         chain = self._chain(parent_key) if parent_key else []
         self.tree.ref(chain, read=False)   # (held through the eviction below, not read)
@@ -889,10 +897,10 @@ class PrefixCache:
         finally:
             self.tree.unref(chain, self.clock)
         self.clock += 1
-        node = self.tree.nodes.get(parent_key) if parent_key else None
+        node = self.tree.index.get(parent_key) if parent_key else None
         for k, p, origin in zip(keys, pages.tolist(), origins if origins is not None else ["host"] * len(keys)):
             node = self.tree.add(k, node, p, self.clock)
-            node.origin = origin
+            self.tree.origin[node] = origin
         self._cached_now(keys)
         return pages
 
@@ -908,8 +916,9 @@ class PrefixCache:
         """Cache-held storage for a resume point coming back from the host tier, on the cached
         page `key` (its boundary): (checkpoint unit, SWA pages). Evicts other resume points when
         none is free."""
-        node = self.tree.nodes.get(int(key))
-        if node is None or node.checkpoint is not None or boundary_tokens != node.depth * self.P:
+        tree = self.tree
+        node = tree.index.get(int(key))
+        if node is None or tree.ckpt[node] is not None or boundary_tokens != int(tree.depth[node]) * self.P:
             raise KvatlasError(f"restore_checkpoint: page {key} is not cached without a resume point at "
                                f"{boundary_tokens} tokens; restore its pages first")
         tail = self.alloc.tail_swa_pages if self.alloc.swa is not None else 0
@@ -931,7 +940,7 @@ class PrefixCache:
         (orphaned tail pages, still read by a running request, count as that request's)."""
         page, unit, swa = self._unit_payload
         t = self._tree
-        return len(t.nodes) * page + t.checkpoints * (unit + self.alloc.tail_swa_pages * swa)
+        return len(t.index) * page + t.checkpoints * (unit + self.alloc.tail_swa_pages * swa)
 
     @property
     def _unit_payload(self) -> tuple[int, int, int]:
@@ -948,6 +957,6 @@ class PrefixCache:
 
     def summary(self) -> dict:
         t = self._tree
-        return {"policy": self.policy.name, "nodes": len(t.nodes), "cached_pages": len(t.nodes),
+        return {"policy": self.policy.name, "nodes": len(t.index), "cached_pages": len(t.index),
                 "idle_pages": t.idle_pages, "checkpoints": t.checkpoints, "cached_bytes": self.cached_bytes(),
                 "queued_requests": len(self._queued), **self.stats.as_dict()}

@@ -1,8 +1,9 @@
 """The prefix cache's books against a recount (called by KVCache.check_integrity).
 
 What is recounted from scratch, not read from the counters the hot paths move:
-- the tree: one node per cache-held full page, each page once; child counts, idle pages and
-  reference counts equal the running requests' reads (`full_refs`);
+- the tree: one node per cache-held full page, each page once (its id); the key index against
+  the keys, parents, depths and child counts, idle pages and reference counts equal the running
+  requests' reads (`full_refs`), and every column back to 0 where no node is;
 - every cache-held SWA page has one owner story: the tail of a resume point on the tree, the tail
   of a capture a running request still holds (its tentative point or a kept one, each a pin), or
   an orphan that a running request still reads; and its reference count is exactly its readers
@@ -27,7 +28,7 @@ from ..planning.buffers import CHECKPOINTS, FULL_PAGES, SWA_PAGES
 
 def prefix_problems(pc) -> list[str]:
     a = pc.alloc
-    out = _tree_problems(pc) + _queue_problems(pc) + _filling_problems(pc)
+    out = _tree_problems(pc) + _path_problems(pc) + _queue_problems(pc) + _filling_problems(pc)
     pins = _pinned_tails(pc)
     if a.swa is not None:
         out += _swa_problems(pc, pins)
@@ -38,18 +39,36 @@ def prefix_problems(pc) -> list[str]:
 
 def _filling_problems(pc) -> list[str]:
     """What the sharing of many writers at once (PrefixCache._share_due) reads instead of each
-    request: a filling request's keys by page past its path (`_slot_keys`), its path's length
-    (the slot's shared pages), and that a request with a kept point waiting for its page is
-    marked."""
+    request: a filling request's keys by page past its path (`_slot_keys`), its path (`_paths`)
+    and the path's length (the slot's shared pages; its pages are the table's, _path_problems),
+    and that a request with a kept point waiting for its page is marked."""
     out, a = [], pc.alloc
     for slot, req in pc._filling.items():
         i, n = len(req.path), len(req.keys)
         if not np.array_equal(pc._slot_keys[slot, i:n], req.keys[i:]):
             out.append(f"prefix: slot {slot}'s page keys differ from its request's")
+        if pc._paths[slot] is not req.path:
+            out.append(f"prefix: slot {slot}'s path is not its request's")
         if len(req.path) != int(a.full_shared[slot]):
             out.append(f"prefix: slot {slot} reads {len(req.path)} tree pages but shares {int(a.full_shared[slot])}")
         if req.kept and slot not in pc._unplaced:
             out.append(f"prefix: slot {slot} keeps a point for a page not shared yet, unmarked")
+    return out
+
+
+def _path_problems(pc) -> list[str]:
+    """Each running request's path: a chain of nodes from the root, each below the one before
+    (its sharing hangs new pages below the last), on the pages its block table lists."""
+    a, t, out = pc.alloc, pc._tree, []
+    live = set(t.index.values())
+    for rid, req in pc.requests.items():
+        if not req.path:
+            continue
+        ids = np.asarray(req.path, np.int64)
+        if not live.issuperset(req.path) or np.any(t.parent[ids] != np.concatenate(([-1], ids[:-1]))):
+            out.append(f"prefix: request {rid!r}'s path is not a chain of cached pages from the root")
+        elif a.full is not None and not np.array_equal(a.full_table[a.slot_of[rid], :len(ids)], ids):
+            out.append(f"prefix: request {rid!r} reads tree pages its block table does not list")
     return out
 
 
@@ -69,33 +88,49 @@ def _queue_problems(pc) -> list[str]:
 
 
 def _tree_problems(pc) -> list[str]:
+    """The tree's columns (kvatlas.prefix.tree) against a recount: the key index, parents, child
+    counts, idle pages, resume points, and the pages and readers the allocator holds."""
     a, t, out = pc.alloc, pc.tree, []
-    nodes = list(t.nodes.values())
-    children: dict[int, int] = {}
-    for n in nodes:
-        if n.parent is not None:
-            if t.nodes.get(n.parent.key) is not n.parent:
-                out.append(f"prefix tree: node {n.key} hangs under a node no longer in the tree")
-            children[id(n.parent)] = children.get(id(n.parent), 0) + 1
-    if any(n.children != children.get(id(n), 0) for n in nodes):
+    ids = np.fromiter(t.index.values(), np.int64, len(t.index))
+    keys = np.fromiter(t.index.keys(), np.uint64, len(t.index))
+    live = np.zeros(t._size, bool)
+    live[ids] = True
+    if len(np.unique(ids)) != len(ids) or np.any(t.key[ids] != keys):
+        out.append("prefix tree: the key index and the nodes' keys disagree (or two keys share a node)")
+    parents = t.parent[ids]
+    up = parents[parents >= 0]
+    if np.any(~live[up]):
+        out.append("prefix tree: a node hangs under a node no longer in the tree")
+    if np.any(t.depth[ids] != np.where(parents >= 0, t.depth[np.maximum(parents, 0)] + 1, 1)):
+        out.append("prefix tree: a node's depth is not its parent's plus one")
+    children = np.bincount(up, minlength=t._size)
+    if np.any(t.children[ids] != children[ids]):
         out.append("prefix tree: a node's child count disagrees with its children")
-    if t.idle_pages != sum(1 for n in nodes if n.refs == 0):
-        out.append(f"prefix tree: {t.idle_pages} idle pages counted, {sum(1 for n in nodes if n.refs == 0)} found")
-    if t.checkpoints != sum(1 for n in nodes if n.checkpoint is not None):
+    for name in ("refs", "children", "reads", "due", "last_used", "depth", "key", "ck_evicted"):
+        if np.any(getattr(t, name)[~live] != 0):
+            out.append(f"prefix tree: {name} is set on an id no node holds")
+    if np.any(t.parent[~live] != -1) or any(t.ckpt[i] is not None for i in np.flatnonzero(~live).tolist()) \
+            or any(not live[i] for i in t.origin):
+        out.append("prefix tree: a parent, resume point or origin is set on an id no node holds")
+    idle = int(np.count_nonzero(t.refs[ids] == 0))
+    if t.idle_pages != idle:
+        out.append(f"prefix tree: {t.idle_pages} idle pages counted, {idle} found")
+    cks = [(i, t.ckpt[i]) for i in ids.tolist() if t.ckpt[i] is not None]
+    if t.checkpoints != len(cks):
         out.append("prefix tree: resume point count disagrees with the nodes that hold one")
-    marked = sum(1 for n in nodes if n.checkpoint is not None and (n.checkpoint.end or n.checkpoint.divergence))
+    if any(ck.node != i for i, ck in cks):
+        out.append("prefix tree: a resume point names another node than the one it hangs on")
+    marked = sum(1 for _, ck in cks if ck.end or ck.divergence)
     if t.marked != marked:
         out.append(f"prefix tree: {t.marked} end or divergence points counted, {marked} found")
     if a.full is not None:
-        pages = np.fromiter((n.page for n in nodes), np.int64, len(nodes))
         held = np.flatnonzero(a.full.owner == CACHE_OWNER)
-        if not np.array_equal(np.sort(pages), held):   # held is sorted and unique: a page twice differs too
-            out.append(f"prefix tree: {len(pages)} nodes but {len(held)} cache-held full pages, or a page twice")
-        refs = np.fromiter((n.refs for n in nodes), np.int64, len(nodes))
-        if len(pages) and np.any(a.full_refs[pages] != refs):
+        if not np.array_equal(np.sort(ids), held):   # held is sorted and unique: a page twice differs too
+            out.append(f"prefix tree: {len(ids)} nodes but {len(held)} cache-held full pages, or a page twice")
+        if len(ids) and np.any(a.full_refs[ids] != t.refs[ids]):
             out.append("prefix tree: a node's readers disagree with the allocator's full-page references")
     if a.ckpt is not None:
-        units = [n.checkpoint.unit for n in nodes if n.checkpoint is not None]
+        units = [ck.unit for _, ck in cks]
         if units and np.any(a.ckpt.owner[np.array(units, np.int64)] != CACHE_OWNER):
             out.append("prefix tree: a resume point's unit is not held by the cache")
     return out
@@ -122,9 +157,9 @@ def _swa_problems(pc, pins) -> list[str]:
     for tail in pins:
         np.add.at(want, tail, 1)
         np.add.at(story, tail, 1)
-    for node in pc.tree.nodes.values():
-        if node.checkpoint is not None:
-            np.add.at(story, np.asarray(node.checkpoint.swa_pages, np.int64), 1)
+    for ck in pc.tree.ckpt:
+        if ck is not None:
+            np.add.at(story, np.asarray(ck.swa_pages, np.int64), 1)
     orphan = a.swa_orphan[:n]
     if np.any(want[held] != a.swa_refs[:n][held]):
         bad = np.flatnonzero(held & (want != a.swa_refs[:n]))[:4]

@@ -1,5 +1,12 @@
 """The page tree: one node per cached full page, found by its chained key; resume points hang on
-the node whose page ends at their boundary. Eviction: least recently used first, leaves first
+the node whose page ends at their boundary.
+
+Nodes are columns, not objects. A node is a number, its id: its full page where the plan has a
+full-page pool (the cache holds each such page once), else one the tree hands out from past the
+pool's pages. Its fields (key, parent, depth, readers, last use, ...) are arrays indexed by id, and
+`index` maps a key to its id. Pages a pass of writers completed join in a few vector calls and
+one dict update (add_runs), not an object each. `nodes` gives read-only views (NodeView) for
+reports and tests. Eviction: least recently used first, leaves first
 (a page is dropped only when no cached page extends it), and never what a running request reads.
 
 Reuse. A page that requests have read counts as used later than it was: `reuse_weight` × the
@@ -17,8 +24,9 @@ reader is furthest back in the queue first (Belady's rule over the future the qu
 Resume points likewise: those on awaited pages go last.
 
 Heaps with lazy deletion: an entry carries the stamp it was pushed with (and a page's entry its
-due, last use plus credit); a popped entry whose node changed since (touched, gained a child, read
-again, gone) is skipped. A node is pushed again
+due, last use plus credit, and the generation of the id it was pushed for: an id is reused once
+its page is evicted and taken again); a popped entry whose node changed since (touched, gained a
+child, read again, gone) is skipped. A node is pushed again
 whenever it becomes evictable, so each evictable node always has one live entry.
 """
 
@@ -55,23 +63,8 @@ class Checkpoint:
     def __init__(self, boundary_tokens, unit, swa_pages) -> None:
         self.boundary_tokens, self.unit, self.swa_pages = boundary_tokens, unit, swa_pages
         self.end = self.divergence = False
-        self.node = None
+        self.node = None     # the id of the node it hangs on (None: not on the tree)
         self.last_used = 0
-
-
-class Node:
-    __slots__ = ("key", "parent", "depth", "page", "checkpoint", "children", "refs", "last_used",
-                 "checkpoint_evicted", "origin", "reads", "due")
-
-    def __init__(self, key, parent, depth, page, refs: int = 0, last_used: int = 0) -> None:
-        self.key, self.parent, self.depth, self.page = key, parent, depth, page
-        self.checkpoint = None
-        self.children = 0
-        self.refs, self.last_used = refs, last_used
-        self.reads = 0       # requests that have read it (its writer's own read not counted)
-        self.due = 0         # the eviction order of its latest heap entry (last use + reuse credit)
-        self.checkpoint_evicted = False
-        self.origin = None   # the lower tier it came back from, until an admission first reads it
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,18 +80,97 @@ class Evicted:
     swa_pages: tuple = ()
 
 
+class NodeView:
+    """A node's fields as they are now (read-only; reports and tests): the tree keeps columns."""
+    __slots__ = ("tree", "id")
+
+    def __init__(self, tree, i: int) -> None:
+        self.tree, self.id = tree, i
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, NodeView) and other.tree is self.tree and other.id == self.id
+
+    def __hash__(self) -> int:
+        return hash(self.id)
+
+    def __repr__(self) -> str:
+        return f"NodeView(id={self.id}, key={self.key}, depth={self.depth})"
+
+    key = property(lambda s: int(s.tree.key[s.id]))
+    depth = property(lambda s: int(s.tree.depth[s.id]))
+    page = property(lambda s: s.tree.page_of(s.id))
+    refs = property(lambda s: int(s.tree.refs[s.id]))
+    children = property(lambda s: int(s.tree.children[s.id]))
+    last_used = property(lambda s: int(s.tree.last_used[s.id]))
+    reads = property(lambda s: int(s.tree.reads[s.id]))
+    due = property(lambda s: int(s.tree.due[s.id]))
+    checkpoint = property(lambda s: s.tree.ckpt[s.id])
+    checkpoint_evicted = property(lambda s: bool(s.tree.ck_evicted[s.id]))
+    origin = property(lambda s: s.tree.origin.get(s.id))
+
+    @property
+    def parent(self):
+        p = int(self.tree.parent[self.id])
+        return NodeView(self.tree, p) if p >= 0 else None
+
+
+class _Nodes:
+    """The tree's nodes by key, as views (Tree.nodes)."""
+    __slots__ = ("tree",)
+
+    def __init__(self, tree) -> None:
+        self.tree = tree
+
+    def __len__(self) -> int:
+        return len(self.tree.index)
+
+    def __contains__(self, key) -> bool:
+        return key in self.tree.index
+
+    def __iter__(self):
+        return iter(self.tree.index)
+
+    def keys(self):
+        return self.tree.index.keys()
+
+    def get(self, key, default=None):
+        i = self.tree.index.get(key)
+        return default if i is None else NodeView(self.tree, i)
+
+    def __getitem__(self, key):
+        return NodeView(self.tree, self.tree.index[key])
+
+    def values(self):
+        return [NodeView(self.tree, i) for i in self.tree.index.values()]
+
+    def items(self):
+        return [(k, NodeView(self.tree, i)) for k, i in self.tree.index.items()]
+
+
+_COLUMNS = ("key", "parent", "depth", "refs", "children", "last_used", "reads", "due", "gen", "ck_evicted")
+
+
 class Tree:
     def __init__(self, allocator, policy, stats, ledger=None, reuse_weight: float = REUSE_WEIGHT) -> None:
         self.alloc, self.policy, self.stats, self.ledger = allocator, policy, stats, ledger
         self.reuse_weight = reuse_weight
         self.lifetime = 0.0        # mean age of evicted pages, in the cache's clock (module doc)
         self._now = 0              # the latest last_used seen
-        self.nodes: dict[int, Node] = {}
+        self.index: dict[int, int] = {}   # key -> node id
+        # ids below `base` are full pages; pageless nodes (a plan without a full-page pool) take
+        # ids from `base` up, given back when evicted
+        self.base = len(allocator.full.owner) if allocator.full is not None else 0
+        self._spare_ids: list = []
+        self._next_id = self.base
+        self._size = 0
+        self.ckpt: list = []       # id -> its resume point (Checkpoint) or None
+        self.origin: dict = {}     # id -> the lower tier it came back from, until an admission first reads it
+        self._grow(max(self.base, 64))
         self.checkpoints = 0
         self.marked = 0            # of them, ends and divergence points (the policy's refit reads it)
         self.idle_pages = 0        # nodes no running request reads: all evictable, leaves first
         self.evictor = None
-        self._pages: list = []     # (last_used + reuse credit, seq, last_used as pushed, node)
+        self._pages: list = []     # (last_used + reuse credit, seq, last_used as pushed, id, generation)
         self._ckpts: list = []     # (class, last_used, seq, checkpoint)
         self._seq = 0
         self.evicted_keys: OrderedDict = OrderedDict()
@@ -106,14 +178,47 @@ class Tree:
         # grow, PrefixCache.enqueue): a key's first waiting reader is its first entry
         self.awaited: dict[int, dict] = {}
 
+    def _grow(self, size: int) -> None:
+        """Columns for ids below `size`. A field is 0 (parent -1) wherever no node is: eviction
+        puts back what a node changed, so a new node writes only what differs."""
+        old = self._size
+        for name in _COLUMNS:
+            dtype = np.uint64 if name == "key" else bool if name == "ck_evicted" else np.int64
+            col = np.zeros(size, dtype) if name != "parent" else np.full(size, -1, np.int64)
+            if old:
+                col[:old] = getattr(self, name)
+            setattr(self, name, col)
+        self.ckpt += [None] * (size - old)
+        self._size = size
+
+    @property
+    def nodes(self) -> _Nodes:
+        """The nodes by key, as read-only views (NodeView)."""
+        return _Nodes(self)
+
+    def page_of(self, i: int) -> int:
+        """The node's full page (-1: the plan has no full-page pool)."""
+        return i if i < self.base else -1
+
+    def pages_of(self, ids) -> np.ndarray:
+        """The full pages of nodes `ids` (-1 each where the plan has no full-page pool)."""
+        if self.base:
+            return np.array(ids, np.int64)
+        return np.full(len(ids), -1, np.int64)
+
+    def node(self, key) -> NodeView | None:
+        i = self.index.get(key)
+        return None if i is None else NodeView(self, i)
+
     # ---------------------------------------------------------------- lookup
-    def match(self, keys) -> list[Node]:
-        path, nodes = [], self.nodes
+    def match(self, keys) -> list[int]:
+        """The ids of the leading pages of `keys` the tree holds."""
+        path, index = [], self.index
         for k in keys.tolist():
-            node = nodes.get(k)
-            if node is None:
+            i = index.get(k)
+            if i is None:
                 break
-            path.append(node)
+            path.append(i)
         return path
 
     def evicted_run(self, keys, start: int) -> int:
@@ -127,55 +232,108 @@ class Tree:
 
     # ---------------------------------------------------------------- references
     def ref(self, path, read: bool = True) -> None:
-        """read=False: a hold, not a read (the reuse credit does not count it)."""
-        for node in path:
-            if node.refs == 0:
-                self.idle_pages -= 1
-            node.refs += 1
-            node.reads += read
+        """One reference more on each node of `path` (ids, each once). read=False: a hold, not a
+        read (the reuse credit does not count it)."""
+        if not path:
+            return
+        ids = np.asarray(path, np.int64)
+        refs = self.refs
+        self.idle_pages -= int(np.count_nonzero(refs[ids] == 0))
+        refs[ids] += 1
+        if read:
+            self.reads[ids] += 1
 
     def unref(self, path, now: int) -> None:
-        for node in path:
-            node.refs -= 1
-            node.last_used = now
-            if node.refs == 0:
-                self.idle_pages += 1
-                self._push_page(node)
+        if not path:
+            return
+        ids = np.asarray(path, np.int64)
+        refs = self.refs
+        refs[ids] -= 1
+        self.last_used[ids] = now
+        idle = ids[refs[ids] == 0]
+        if len(idle):
+            self.idle_pages += len(idle)
+            for i in idle[self.children[idle] == 0].tolist():
+                self._push_page(i)
 
-    def add(self, key, parent, page, now: int) -> Node:
-        """A node no request reads yet (an idle leaf, so it gets a heap entry)."""
+    def _new_id(self, page: int) -> int:
+        if page >= 0:
+            return page
+        if self._spare_ids:
+            return self._spare_ids.pop()
+        i = self._next_id
+        self._next_id += 1
+        if i >= self._size:
+            self._grow(2 * self._size)
+        return i
+
+    def add(self, key, parent, page, now: int) -> int:
+        """A node no request reads yet (an idle leaf, so it gets a heap entry), below the node
+        `parent` (an id; None: the root); returns its id."""
+        i = self._new_id(page)
         if parent is not None:
-            parent.children += 1
-        node = Node(key, parent, parent.depth + 1 if parent is not None else 1, page, last_used=now)
+            self.children[parent] += 1
+            self.depth[i] = self.depth[parent] + 1
+        else:
+            self.depth[i] = 1
+        self.parent[i] = -1 if parent is None else parent
+        self.key[i] = key
+        self.last_used[i] = now
+        self.gen[i] += 1
         self.idle_pages += 1
-        self.nodes[key] = node
+        self.index[key] = i
         if self.evicted_keys:
             self.evicted_keys.pop(key, None)
-        self._push_page(node)
-        return node
+        self._push_page(i)
+        return i
 
-    def add_runs(self, paths, counts, keys, pages, now: int) -> None:
-        """The pages writers completed: for each path of `paths` in turn, `counts` of them new
-        nodes, each below the one before (the first below the path's last node, or the root),
-        appended to the path; `keys` and `pages`, one per node, in the same order. Each node's
-        first reader comes with it (its writer), so none is evictable and none gets a heap entry
-        until its last reader leaves (unref pushes one). One call for a pass's writers (most
-        complete one page each)."""
-        made, at = [], 0
-        for path, n in zip(paths, counts):
-            parent = path[-1] if path else None
-            depth = parent.depth if parent is not None else 0
-            end = at + n
-            while at < end:   # (no slice of keys a writer: most complete one page)
-                if parent is not None:
-                    parent.children += 1
-                depth += 1
-                node = Node(keys[at], parent, depth, pages[at], 1, now)
-                at += 1
-                path.append(node)
-                made.append(node)
-                parent = node
-        self.nodes.update(zip(keys, made))
+    def add_runs(self, paths, counts, keys, pages, now: int, heads=None) -> None:
+        """The pages writers completed: for each path of `paths` (lists of ids) in turn, `counts`
+        of them new nodes, each below the one before (the first below the path's last node, or
+        the root), appended to the path; `keys` (a list) and `pages` (full pages, an array), one
+        per node, in the same order. `heads`, if given: the paths' last nodes (-1: empty) and
+        their lengths, two arrays (a caller that has them in its tables spares reading each
+        path). Each node's first reader comes with it (its writer), so none is evictable and
+        none gets a heap entry until its last reader leaves (unref pushes one). One call for a
+        pass's writers (most complete one page each): the columns are set in vector calls."""
+        ids = np.asarray(pages, np.int64)
+        if heads is None:
+            heads = (np.fromiter((p[-1] if p else -1 for p in paths), np.int64, len(paths)),
+                     np.fromiter(map(len, paths), np.int64, len(paths)))
+        heads, lengths = heads
+        counts = np.asarray(counts, np.int64)
+        if len(ids) == len(paths):   # one page each (most passes)
+            parents, depths = heads, lengths + 1
+        else:
+            firsts = np.cumsum(counts) - counts
+            parents = np.empty(len(ids), np.int64)
+            parents[1:] = ids[:-1]
+            parents[firsts] = heads
+            depths = np.repeat(lengths - firsts, counts) + np.arange(1, len(ids) + 1)
+        self.parent[ids] = parents
+        self.depth[ids] = depths
+        self.key[ids] = keys
+        self.refs[ids] = 1
+        self.last_used[ids] = now
+        self.gen[ids] += 1
+        below = heads[heads >= 0]
+        if len(below):
+            np.add.at(self.children, below, 1)
+        if len(ids) != len(paths):
+            last = np.cumsum(counts) - 1
+            inner = np.ones(len(ids), bool)
+            inner[last] = False
+            self.children[ids[inner]] = 1
+        idl = ids.tolist()
+        self.index.update(zip(keys, idl))
+        if len(ids) == len(paths):
+            for path, i in zip(paths, idl):
+                path.append(i)
+        else:
+            at = 0
+            for path, n in zip(paths, counts.tolist()):
+                path += idl[at:at + n]
+                at += n
         if now > self._now:
             self._now = now
         evicted = self.evicted_keys
@@ -183,9 +341,9 @@ class Tree:
             for k in keys:
                 evicted.pop(k, None)
 
-    def attach(self, node, ck, now: int) -> None:
-        node.checkpoint, ck.node, ck.last_used = ck, node, now
-        node.checkpoint_evicted = False
+    def attach(self, i: int, ck, now: int) -> None:
+        self.ckpt[i], ck.node, ck.last_used = ck, i, now
+        self.ck_evicted[i] = False
         self.checkpoints += 1
         self.marked += ck.end or ck.divergence
         if self.ledger is not None:
@@ -204,17 +362,18 @@ class Tree:
         ck.last_used = now
         self._push_ckpt(ck)
 
-    def _push_page(self, node):
+    def _push_page(self, i: int):
         """Push the node's heap entry if it is an idle leaf; returns the entry (else None)."""
-        if node.refs == 0 and node.children == 0:
+        if self.refs[i] == 0 and self.children[i] == 0:
             self._seq += 1
-            used = node.last_used
+            stamp = used = int(self.last_used[i])
             if used > self._now:
                 self._now = used
-            if node.reads and self.reuse_weight:
-                used += int(self.reuse_weight * self.lifetime * min(node.reads, REUSE_CAP))
-            node.due = used   # (an older entry of the same last use but less credit is stale)
-            entry = (used, self._seq, node.last_used, node)
+            reads = int(self.reads[i])
+            if reads and self.reuse_weight:
+                used += int(self.reuse_weight * self.lifetime * min(reads, REUSE_CAP))
+            self.due[i] = used   # (an older entry of the same last use but less credit is stale)
+            entry = (used, self._seq, stamp, i, int(self.gen[i]))
             heapq.heappush(self._pages, entry)
             return entry
         return None
@@ -231,13 +390,13 @@ class Tree:
         freed, aside, awaited = [], [], self.awaited
         while len(freed) < need and self._pages:
             entry = heapq.heappop(self._pages)
-            node = entry[3]
             if not self._evictable(entry):
                 continue
-            if awaited and node.key in awaited:
+            i = entry[3]
+            if awaited and int(self.key[i]) in awaited:
                 aside.append(entry)   # (pushed back below: its entry stays live)
                 continue
-            self._evict(node, freed)
+            self._evict(i, freed)
         if aside:
             if len(freed) < need:
                 self._evict_awaited(need, aside, freed)
@@ -250,9 +409,9 @@ class Tree:
 
     def _evictable(self, entry) -> bool:
         """The heap entry is its node's live one: in the tree, an idle leaf, unchanged since."""
-        due, _, stamp, node = entry
-        return self.nodes.get(node.key) is node and not (node.refs or node.children) and stamp == node.last_used \
-            and due == node.due
+        due, _, stamp, i, gen = entry
+        return self.gen[i] == gen and not (self.refs[i] or self.children[i]) and stamp == self.last_used[i] \
+            and due == self.due[i]
 
     def _evict_awaited(self, need: int, aside: list, freed: list) -> None:
         """Only awaited idle leaves are left (`aside`, live entries): evict the ones whose first
@@ -260,38 +419,46 @@ class Tree:
         awaited, far = self.awaited, []
 
         def push(entry) -> None:
-            orders = awaited.get(entry[3].key)
+            orders = awaited.get(int(self.key[entry[3]]))
             heapq.heappush(far, (-_first(orders) if orders else -(1 << 62), entry[0], entry[1], entry))
 
         for entry in aside:
             push(entry)
         while len(freed) < need and far:
             entry = heapq.heappop(far)[3]
-            node = entry[3]
             if not self._evictable(entry):
                 continue
-            self.stats.evicted_awaited_pages += node.key in awaited
-            entry = self._evict(node, freed)
+            i = entry[3]
+            self.stats.evicted_awaited_pages += int(self.key[i]) in awaited
+            entry = self._evict(i, freed)
             if entry is not None:
                 push(entry)
 
-    def _evict(self, node, freed: list):
+    def _evict(self, i: int, freed: list):
         """Take an idle leaf off the tree (its page appended to `freed`); returns the heap entry of
-        its parent if that became an idle leaf (else None)."""
-        self.lifetime += _LIFE_RATE * ((self._now - node.last_used) - self.lifetime)
-        if node.checkpoint is not None:
-            self.drop_checkpoint(node.checkpoint)
-        self._hook(Evicted("page", node.key, node.parent.key if node.parent else 0, node.depth,
-                           full_page=node.page))
-        del self.nodes[node.key]
+        its parent if that became an idle leaf (else None). Its fields go back to 0 (module doc)."""
+        self.lifetime += _LIFE_RATE * ((self._now - int(self.last_used[i])) - self.lifetime)
+        if self.ckpt[i] is not None:
+            self.drop_checkpoint(self.ckpt[i])
+        key, parent = int(self.key[i]), int(self.parent[i])
+        self._hook(Evicted("page", key, int(self.key[parent]) if parent >= 0 else 0, int(self.depth[i]),
+                           full_page=self.page_of(i)))
+        del self.index[key]
         self.idle_pages -= 1
-        self._remember(node.key)
-        if node.page >= 0:
-            freed.append(node.page)
-        parent = node.parent
-        if parent is None:
+        self._remember(key)
+        self.gen[i] += 1
+        self.parent[i] = -1
+        self.reads[i] = self.due[i] = self.last_used[i] = self.depth[i] = self.key[i] = 0
+        self.ck_evicted[i] = False
+        if self.origin:
+            self.origin.pop(i, None)
+        if i < self.base:
+            freed.append(i)
+        else:
+            self._spare_ids.append(i)
+        if parent < 0:
             return None
-        parent.children -= 1
+        self.children[parent] -= 1
         return self._push_page(parent)
 
     def evict_checkpoint(self) -> bool:
@@ -302,16 +469,16 @@ class Tree:
         while self._ckpts:
             entry = heapq.heappop(self._ckpts)
             ck = entry[3]
-            node = ck.node
-            if node is None or node.checkpoint is not ck or entry[1] != ck.last_used:
+            i = ck.node
+            if i is None or self.ckpt[i] is not ck or entry[1] != ck.last_used:
                 continue
-            if awaited and node.key in awaited:
+            if awaited and int(self.key[i]) in awaited:
                 aside.append(entry)
                 continue
             found = ck
             break
         if found is None and aside:
-            far = max(aside, key=lambda e: _first(awaited[e[3].node.key]))
+            far = max(aside, key=lambda e: _first(awaited[int(self.key[e[3].node])]))
             aside.remove(far)
             found = far[3]
         for entry in aside:
@@ -322,11 +489,13 @@ class Tree:
         return True
 
     def drop_checkpoint(self, ck) -> None:
-        node = ck.node
-        self._hook(Evicted("checkpoint", node.key, node.parent.key if node.parent else 0, node.depth,
-                           boundary_tokens=ck.boundary_tokens, unit=ck.unit, swa_pages=tuple(ck.swa_pages.tolist())))
-        node.checkpoint, ck.node = None, None
-        node.checkpoint_evicted = True
+        i = ck.node
+        parent = int(self.parent[i])
+        self._hook(Evicted("checkpoint", int(self.key[i]), int(self.key[parent]) if parent >= 0 else 0,
+                           int(self.depth[i]), boundary_tokens=ck.boundary_tokens, unit=ck.unit,
+                           swa_pages=tuple(ck.swa_pages.tolist())))
+        self.ckpt[i], ck.node = None, None
+        self.ck_evicted[i] = True
         self.checkpoints -= 1
         self.marked -= ck.end or ck.divergence
         if self.ledger is not None:

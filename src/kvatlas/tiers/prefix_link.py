@@ -133,7 +133,8 @@ class HostLink:
     def _resume_depth(self, keys, path, host: int) -> int | None:
         """The deepest boundary with a resume point on either tier, when it lies deeper than the
         device alone can resume (else None: nothing to bring back)."""
-        alone = next((j for j in range(len(path), 0, -1) if path[j - 1].checkpoint is not None), 0)
+        ckpt = self.prefix.tree.ckpt
+        alone = next((j for j in range(len(path), 0, -1) if ckpt[path[j - 1]] is not None), 0)
         for j in range(host, alone, -1):
             if self.tier.contains("checkpoint", int(keys[j - 1])):
                 return j
@@ -147,8 +148,9 @@ class HostLink:
         back whose resume point finds no room stay cached, and the Ready covers their copies."""
         ks = [int(k) for k in keys[device:j]]
         key = int(keys[j - 1])
-        node = self.prefix.tree.nodes.get(key)
-        want_ck = (node is None or node.checkpoint is None) and self.tier.contains("checkpoint", key)
+        tree = self.prefix.tree
+        node = tree.index.get(key)
+        want_ck = (node is None or tree.ckpt[node] is None) and self.tier.contains("checkpoint", key)
         pages_claim = self.tier.claim("page", ks) if ks else None
         ck_claim = self.tier.claim("checkpoint", [key]) if want_ck else None
         transfers, resumes = [], True

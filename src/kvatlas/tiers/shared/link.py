@@ -149,16 +149,17 @@ class SharedLink(HostLink):
         resume point on its path is offered, so one whose put did not land goes again): write
         them through."""
         self._settle()
-        pages = [n for n in nodes if n.page > 0 and self._offer("page", n.key)]
+        tree = self.prefix.tree
+        pages = [n for n in nodes if tree.page_of(n) > 0 and self._offer("page", int(tree.key[n]))]
         if pages:
-            dev = np.array([n.page for n in pages], np.int64)
-            self._put(HOST_PAGES, [n.key for n in pages], [0] * len(pages),
+            dev = np.array(pages, np.int64)
+            self._put(HOST_PAGES, [int(tree.key[n]) for n in pages], [0] * len(pages),
                       lambda units: self.tier.copy_out(HOST_PAGES, self.outbox.memory, units, dev[:len(units)]))
-        cks = [n.checkpoint for n in nodes if n.checkpoint is not None and n.checkpoint.node is n
-               and n.checkpoint.unit > 0 and self._offer("checkpoint", n.key)]
+        cks = [tree.ckpt[n] for n in nodes if tree.ckpt[n] is not None and tree.ckpt[n].unit > 0
+               and self._offer("checkpoint", int(tree.key[n]))]
         if cks:
             at = [CheckpointAt(swa_pages=tuple(np.asarray(ck.swa_pages).tolist()), unit=ck.unit) for ck in cks]
-            self._put(HOST_CHECKPOINTS, [ck.node.key for ck in cks], [ck.boundary_tokens for ck in cks],
+            self._put(HOST_CHECKPOINTS, [int(tree.key[ck.node]) for ck in cks], [ck.boundary_tokens for ck in cks],
                       lambda units: self.tier.copy_out(HOST_CHECKPOINTS, self.outbox.memory, units, at[:len(units)]))
 
     # ---------------------------------------------------------------- up
@@ -174,7 +175,7 @@ class SharedLink(HostLink):
 
     def _has_checkpoint(self, keys, path, j: int) -> bool:
         key = int(keys[j - 1])
-        return (j <= len(path) and path[j - 1].checkpoint is not None) or self.tier.contains("checkpoint", key)
+        return (j <= len(path) and self.prefix.tree.ckpt[path[j - 1]] is not None) or self.tier.contains("checkpoint", key)
 
     def _below(self, keys, path, host: int, cap: int) -> int:
         self._settle()
@@ -233,7 +234,7 @@ class SharedLink(HostLink):
             return host
         m = next((i for i, r in enumerate(got.reasons[:len(ks)]) if r is not None), len(ks))
         parent = int(keys[host - 1]) if host else 0
-        if host and not (self.tier.contains("page", parent) or parent in self.prefix.tree.nodes):
+        if host and not (self.tier.contains("page", parent) or parent in self.prefix.tree.index):
             m = 0                                 # its parent left host memory meanwhile
         if pc is not None:
             use, drop = _split(pc, m)

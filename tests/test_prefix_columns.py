@@ -1,0 +1,105 @@
+"""The page tree as columns (kvatlas.prefix.tree, module doc): a node is its full page's number,
+its fields arrays indexed by it. An id comes back when its page is evicted and taken again, so
+a heap entry of the page's earlier node must never count for the new one; eviction puts every
+field back to 0, so a new node writes only what differs; and the integrity recount checks what
+the columns hold, the running requests' paths among it."""
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from kvatlas import allocate, plan
+from kvatlas.prefix.stats import PrefixStats
+from kvatlas.prefix.tree import NodeView, Tree
+
+P = 256
+
+
+class _Alloc:
+    def __init__(self) -> None:
+        self.freed: list[int] = []
+        self.full = SimpleNamespace(owner=np.zeros(16, np.int64))   # pages 0..15: the nodes' ids
+
+    def evict_full(self, pages: np.ndarray) -> None:
+        self.freed += pages.tolist()
+
+
+def test_an_entry_of_a_page_evicted_and_taken_again_is_stale():
+    t = Tree(_Alloc(), None, PrefixStats(), reuse_weight=0.0)
+    t.add(100, None, 5, now=1)
+    old = t._pages[0]
+    assert t._evictable(old)
+    assert t.evict_pages(1) == 1 and t.alloc.freed == [5]
+    again = t.add(200, None, 5, now=1)   # the same page, the same last use and due: only the generation differs
+    assert again == 5 and t.index == {200: 5}
+    assert not t._evictable(old) and t._evictable(t._pages[-1])
+    assert t.nodes[200] == NodeView(t, 5) and t.nodes[200].key == 200 and t.nodes[200].parent is None
+
+
+def test_eviction_leaves_every_field_as_a_page_no_node_holds():
+    t = Tree(_Alloc(), None, PrefixStats(), reuse_weight=0.5)
+    t.lifetime = 10.0
+    a = t.add(1, None, 3, now=1)
+    b = t.add(2, a, 4, now=2)
+    t.ref([a, b])
+    t.unref([a, b], 7)
+    assert (int(t.depth[b]), int(t.parent[b]), int(t.children[a]), int(t.reads[b])) == (2, 3, 1, 1)
+    assert t.evict_pages(2) == 2 and t.alloc.freed == [4, 3]   # the leaf first, then its parent
+    for name in ("key", "parent", "depth", "refs", "children", "last_used", "reads", "due", "ck_evicted"):
+        col = getattr(t, name)
+        assert col[3] == col[4] == (-1 if name == "parent" else 0), name
+    assert t.index == {} and t.idle_pages == 0
+
+
+def test_pageless_nodes_take_ids_past_the_pool_and_give_them_back():
+    alloc = _Alloc()
+    alloc.full = None
+    t = Tree(alloc, None, PrefixStats(), reuse_weight=0.0)
+    a = t.add(1, None, -1, now=1)
+    b = t.add(2, a, -1, now=2)
+    assert (a, b) == (0, 1) and t.page_of(a) == -1 and list(t.pages_of([a, b])) == [-1, -1]
+    t.evict_pages(1)   # (no page to free, so it takes every idle leaf: the counted need is never met)
+    assert t.index == {} and alloc.freed == []
+    assert sorted([t.add(3, None, -1, now=3), t.add(4, None, -1, now=3)]) == [0, 1]   # their ids again
+    assert t.add(5, None, -1, now=3) == 2
+
+
+def _writing_cache():
+    """One request in prefill sharing its pages as it writes them, one reading them."""
+    p = plan("tiny-v4", "48MiB", max_model_len=2048, max_running_requests=4, prefix_checkpoints=16,
+             chunked_prefill_tokens=P)
+    c = allocate(p, backend="none", prefix_policy="every-page")
+    ids = np.arange(1500) % 991
+    c.admit("w", 1500, 4, token_ids=ids)
+    for _ in range(4):
+        c.extend("w", P)
+        c.step(["w"])
+    c.admit("r", 1200, 4, token_ids=ids[:1200])
+    assert c.prefix.problems() == [] and len(c.prefix.requests["w"].path) == 4
+    return c
+
+
+@pytest.mark.parametrize("damage, says", [
+    (lambda t, pc: t.children.__setitem__(pc.requests["w"].path[0], 3), "child count"),
+    (lambda t, pc: t.depth.__setitem__(pc.requests["w"].path[1], 9), "depth"),
+    (lambda t, pc: t.reads.__setitem__(t._size - 1, 1), "reads is set on an id no node holds"),
+    (lambda t, pc: t.parent.__setitem__(pc.requests["w"].path[2], pc.requests["w"].path[0]), "chain"),
+    (lambda t, pc: pc.requests["w"].path.reverse(), "chain"),
+    (lambda t, pc: t.key.__setitem__(pc.requests["w"].path[3], 7), "key index"),
+    (lambda t, pc: pc._paths.__setitem__(pc.alloc.slot_of["w"], list(pc.requests["w"].path)), "path is not"),
+])
+def test_the_recount_finds_damaged_columns(damage, says):
+    c = _writing_cache()
+    pc = c.prefix
+    damage(pc.tree, pc)
+    problems = pc.problems()
+    assert any(says in p for p in problems), problems
+
+
+def test_a_path_on_pages_its_table_does_not_list_is_found():
+    c = _writing_cache()
+    pc, a = c.prefix, c.allocator
+    slot = a.slot_of["r"]
+    a.full_table[slot, 0], a.full_table[slot, 1] = a.full_table[slot, 1], a.full_table[slot, 0]
+    assert any("block table does not list" in p for p in pc.problems())
