@@ -11,6 +11,8 @@ from kvatlas.integrations.transformers import kvatlas_cache_for
 from kvatlas.integrations.transformers.serve import Server
 from kvatlas.prefix import page_keys
 
+from hf_tiny import cache_kw
+
 
 def alone(m, sequence, prompt_len: int, new_tokens: int, passes=None):
     """Greedy tokens and their logits for `sequence[:prompt_len]` run alone with the model's own
@@ -23,14 +25,14 @@ def alone(m, sequence, prompt_len: int, new_tokens: int, passes=None):
     tokens, logits, at = [], [], 0
     with torch.no_grad():
         for n in passes:
-            out = m(ids[:, at:at + n], past_key_values=own, use_cache=True, logits_to_keep=1).logits[0, -1]
+            out = m(ids[:, at:at + n], **cache_kw(m, own), use_cache=True, logits_to_keep=1).logits[0, -1]
             at += n
         for _ in range(new_tokens):
             tokens.append(int(out.argmax()))
             logits.append(out)
             if len(tokens) == new_tokens:
                 break
-            out = m(torch.tensor([[tokens[-1]]], device=m.device), past_key_values=own, use_cache=True).logits[0, -1]
+            out = m(torch.tensor([[tokens[-1]]], device=m.device), **cache_kw(m, own), use_cache=True).logits[0, -1]
     return tokens, logits
 
 

@@ -21,6 +21,7 @@ transformers = pytest.importorskip("transformers")
 from transformers import DeepseekV4Config, DeepseekV4ForCausalLM  # noqa: E402
 
 from kvatlas.integrations.transformers import as_checkpoint_loads  # noqa: E402
+from kvatlas.integrations.transformers.model import cache_keyword  # noqa: E402
 
 VOCAB = 256
 LAYERS = ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
@@ -55,6 +56,12 @@ def model(dtype=torch.float32, seed: int = 0, device="cpu", **over):
             elif name.endswith("e_score_correction_bias"):
                 b.copy_(torch.randn(b.shape, generator=g) * 0.1)
     return as_checkpoint_loads(m, dtype).eval().to(device)
+
+
+def cache_kw(m, cache) -> dict:
+    """The cache as the keyword the model's forward and generate take (`cache` from transformers
+    5.24 on, where `past_key_values` warns; `past_key_values` before)."""
+    return {cache_keyword(m): cache}
 
 
 def prompt(n: int, seed: int = 0) -> torch.Tensor:

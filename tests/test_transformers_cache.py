@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import hf_tiny
-from hf_tiny import model as tiny_model, prompt
+from hf_tiny import cache_kw, model as tiny_model, prompt
 from transformers import DynamicCache  # noqa: E402  (hf_tiny skips the module without transformers)
 
 import kvatlas
@@ -29,7 +29,7 @@ def cache_for(m, layout="exact", **kw):
 
 
 def greedy(m, ids, cache=None, **kw):
-    out = m.generate(ids, past_key_values=cache, max_new_tokens=6, do_sample=False, output_logits=True,
+    out = m.generate(ids, **cache_kw(m, cache), max_new_tokens=6, do_sample=False, output_logits=True,
                      return_dict_in_generate=True, **kw)
     return out.sequences, out.logits
 
@@ -66,8 +66,8 @@ def test_chunked_prefill_with_the_same_chunks_is_bit_identical(dtype):
         for n in (5, 200, 1, 1, 3, 130, 256, 4, 100, 1, 59):   # boundaries off and on the windows
             x = ids[:, at:at + n]
             at += n
-            want = m(x, past_key_values=own, use_cache=True).logits
-            got = m(x, past_key_values=c, use_cache=True).logits
+            want = m(x, **cache_kw(m, own), use_cache=True).logits
+            got = m(x, **cache_kw(m, c), use_cache=True).logits
             assert torch.equal(got, want), f"chunk of {n} at {at - n}"
             assert c.get_seq_length() == own.get_seq_length() == at
             for lay, mine in zip(own.layers, c.layers):   # every layer's compressed entries, as the model read them
@@ -89,7 +89,7 @@ def test_beam_search_is_bit_identical(monkeypatch):
     moves = []
     real = c.kv.copy_contents
     monkeypatch.setattr(c.kv, "copy_contents", lambda s, d: (moves.append(len(s)), real(s, d)))
-    got = m.generate(ids, past_key_values=c, max_new_tokens=5, do_sample=False, return_dict_in_generate=True, **kw)
+    got = m.generate(ids, **cache_kw(m, c), max_new_tokens=5, do_sample=False, return_dict_in_generate=True, **kw)
     assert torch.equal(got.sequences, want.sequences)
     assert torch.equal(got.sequences_scores, want.sequences_scores)
     assert moves, "the beams were reordered at least once"
@@ -107,7 +107,7 @@ def test_long_decode_takes_its_indices_from_kept_tensors(monkeypatch, layout):
     m = tiny_model(torch.float32, seed=6)
     ids = prompt(110, seed=7)
     c = cache_for(m, layout)
-    got = m.generate(ids, past_key_values=c, max_new_tokens=150, do_sample=False, output_logits=True,
+    got = m.generate(ids, **cache_kw(m, c), max_new_tokens=150, do_sample=False, output_logits=True,
                      return_dict_in_generate=True)
     c.kv.check_integrity()
     if layout == "exact":
@@ -116,7 +116,7 @@ def test_long_decode_takes_its_indices_from_kept_tensors(monkeypatch, layout):
         assert all(torch.equal(a, b) for a, b in zip(got.logits, want.logits))
         beams = cache_for(m, layout)
         kw = dict(num_beams=2, num_return_sequences=2, max_new_tokens=40, do_sample=False, return_dict_in_generate=True)
-        assert torch.equal(m.generate(ids, past_key_values=beams, **kw).sequences, m.generate(ids, **kw).sequences)
+        assert torch.equal(m.generate(ids, **cache_kw(m, beams), **kw).sequences, m.generate(ids, **kw).sequences)
 
 
 def test_grouped_reads_are_each_layers_own(monkeypatch):
@@ -140,7 +140,7 @@ def test_grouped_reads_are_each_layers_own(monkeypatch):
     for most in (64 << 20, 700 << 10, 0):
         made.clear()
         c = cache_for(m, group_read_bytes=most)
-        got = m.generate(ids, past_key_values=c, **kw)
+        got = m.generate(ids, **cache_kw(m, c), **kw)
         assert torch.equal(got.sequences, want.sequences), most
         assert all(torch.equal(a, b) for a, b in zip(got.logits, want.logits)), most
         assert not c.current.reads
@@ -192,7 +192,7 @@ def test_bad_input_is_refused_clearly():
         cache_for(m, "int4")
     c = cache_for(m, chunked_prefill_tokens=256)
     with pytest.raises(KvatlasError, match="chunked_prefill_tokens"):   # one forward longer than the plan's chunk
-        m(prompt(300), past_key_values=c, use_cache=True)
+        m(prompt(300), **cache_kw(m, c), use_cache=True)
     c.reset()
     c.kv.admit("a", 10, 4)
     c.kv.admit("b", 20, 4)
@@ -204,7 +204,7 @@ def test_bad_input_is_refused_clearly():
         c.bind(["nobody"])
     c.bind(["a"])
     with pytest.raises(KvatlasError, match="batch rows"):
-        m(prompt(4).repeat(2, 1), past_key_values=c, use_cache=True)
+        m(prompt(4).repeat(2, 1), **cache_kw(m, c), use_cache=True)
     with pytest.raises(KvatlasError, match="crop"):
         c.crop(-1)
     c.kv.check_integrity()

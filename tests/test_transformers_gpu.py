@@ -10,6 +10,7 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA de
 pytestmark = [pytest.mark.gpu, cuda]
 
 import hf_tiny  # noqa: E402
+from hf_tiny import cache_kw  # noqa: E402
 from transformers import DynamicCache  # noqa: E402
 
 from kvatlas.integrations.transformers import kvatlas_cache_for  # noqa: E402
@@ -27,7 +28,7 @@ def test_generate_and_beams_on_cuda_are_bit_identical(dtype):
     for kw in ({}, {"num_beams": 3, "num_return_sequences": 3}):
         want = m.generate(ids, max_new_tokens=6, do_sample=False, output_scores=True, return_dict_in_generate=True, **kw)
         c = cache_for(m)
-        got = m.generate(ids, past_key_values=c, max_new_tokens=6, do_sample=False, output_scores=True,
+        got = m.generate(ids, **cache_kw(m, c), max_new_tokens=6, do_sample=False, output_scores=True,
                          return_dict_in_generate=True, **kw)
         assert torch.equal(got.sequences, want.sequences)
         assert all(torch.equal(a, b) for a, b in zip(got.scores, want.scores))
@@ -45,9 +46,9 @@ def test_chunked_prefill_on_cuda_and_the_fp8_layout_through_triton():
         for n in (5, 200, 1, 130, 256, 4, 100, 1, 3):
             x = ids[:, at:at + n]
             at += n
-            want = m(x, past_key_values=own, use_cache=True).logits
-            assert torch.equal(m(x, past_key_values=exact, use_cache=True).logits, want)
-            worst = max(worst, float((m(x, past_key_values=fp8, use_cache=True).logits - want).abs().max()))
+            want = m(x, **cache_kw(m, own), use_cache=True).logits
+            assert torch.equal(m(x, **cache_kw(m, exact), use_cache=True).logits, want)
+            worst = max(worst, float((m(x, **cache_kw(m, fp8), use_cache=True).logits - want).abs().max()))
     print(f"fp8 layout on CUDA: largest logit difference from the own cache {worst:.4f}")
     assert 0 < worst < 1
     fp8.kv.check_integrity()
@@ -70,7 +71,7 @@ def test_fp8_group_reads_are_each_layers_own_on_cuda():
     for most in (64 << 20, 0):
         c = kvatlas_cache_for(m, "192MiB", layout="fp8", max_running_requests=4, max_model_len=1024,
                               chunked_prefill_tokens=512, group_read_bytes=most)
-        out.append(m.generate(ids, past_key_values=c, max_new_tokens=40, do_sample=False, output_logits=True,
+        out.append(m.generate(ids, **cache_kw(m, c), max_new_tokens=40, do_sample=False, output_logits=True,
                               return_dict_in_generate=True))
         c.kv.check_integrity()
     assert torch.equal(out[0].sequences, out[1].sequences)
