@@ -118,7 +118,7 @@ class PrefixCache:
         self._paths: list = [None] * n   # per slot: its filling request's path (the same list)
         self._noted = False            # a pass is over since the last _sync: pages may wait
         self._twice: set = set()       # filling slots that may share a page another holds too (_fill)
-        self._unplaced: set = set()    # slots with a kept resume point whose page is not shared yet
+        self._unplaced: set = set()    # filling slots with a kept resume point whose page is not shared yet
         self._coming: dict = {}
         self._wanted: dict = {}   # slot -> boundaries a later request will leave its pages at (_junction)
         # requests waiting for admission (enqueue): id -> (queue order, the keys a hit may cover);
@@ -533,10 +533,11 @@ class PrefixCache:
                 self._place(ck, req.path, req)
             if not any(ck.node is None for ck in req.kept):
                 self._unplaced.discard(slot)
-        if i == len(req.keys):
+        if i == len(req.keys):   # (a point kept past its keys waits for the finish, _publish)
             del self._filling[slot]
             self._fill_due[slot] = NEVER
             self._twice.discard(slot)
+            self._unplaced.discard(slot)
         else:
             self._fill_due[slot] = (i + 1) * P
 
@@ -556,6 +557,8 @@ class PrefixCache:
         self._slot_keys[slot, shared:len(req.keys)] = req.keys[shared:]
         self._filling[slot] = req
         self._paths[slot] = req.path
+        if req.kept:   # (points kept past the keys it had: placed as their pages are shared now)
+            self._unplaced.add(slot)
         self._fill_due[slot] = (shared + 1) * self.P
         self._fill_keys[slot] = len(req.keys)
         self.alloc.on_pass_over = self._note_written
@@ -645,7 +648,8 @@ class PrefixCache:
             self._place(ck, req.path, req)   # its page is shared already: readers may resume there now
             return
         req.kept.append(ck)
-        self._unplaced.add(slot)   # (placed as its page is shared, at a pass's end: _note_written)
+        if slot in self._filling:   # (placed as its page is shared, at a pass's end: _note_written)
+            self._unplaced.add(slot)
         if not ck.divergence:
             self._intermediate.append((req, ck))
 
@@ -770,6 +774,7 @@ class PrefixCache:
         past the ones it shared already (which copy_contents requires to be the src's too)."""
         self._wanted.pop(slot, None)   # junctions of its old content
         self._twice.discard(slot)
+        self._unplaced.discard(slot)
         for k in old.tolist():
             self._unexpect(k, self._coming)
         self._filling.pop(slot, None)

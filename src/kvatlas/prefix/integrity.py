@@ -43,6 +43,8 @@ def _filling_problems(pc) -> list[str]:
     and the path's length (the slot's shared pages; its pages are the table's, _path_problems),
     and that a request with a kept point waiting for its page is marked."""
     out, a = [], pc.alloc
+    if not (pc._twice | pc._unplaced) <= pc._filling.keys():   # (a pass's end reads these for every slot in them)
+        out.append("prefix: a slot marked to share page by page is not filling")
     for slot, req in pc._filling.items():
         i, n = len(req.path), len(req.keys)
         if not np.array_equal(pc._slot_keys[slot, i:n], req.keys[i:]):
