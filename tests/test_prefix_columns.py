@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from kvatlas import allocate, plan
+from kvatlas.prefix import page_keys
 from kvatlas.prefix.stats import PrefixStats
 from kvatlas.prefix.tree import NodeView, Tree
 
@@ -103,3 +104,36 @@ def test_a_path_on_pages_its_table_does_not_list_is_found():
     slot = a.slot_of["r"]
     a.full_table[slot, 0], a.full_table[slot, 1] = a.full_table[slot, 1], a.full_table[slot, 0]
     assert any("block table does not list" in p for p in pc.problems())
+
+
+def test_the_key_matrix_grows_with_the_longest_keyed_request_and_keeps_what_others_wait_to_share():
+    """The per-slot key matrix has the columns the longest keyed request so far needs, not the
+    block table's: a long prompt admitted while a short one still has pages to share grows it,
+    and the short one's keys come through (the recount compares the matrix with every filling
+    request's keys after every pass)."""
+    p = plan("tiny-v4", "96MiB", max_model_len=4096, max_running_requests=4, prefix_checkpoints=16,
+             chunked_prefill_tokens=P)
+    c = allocate(p, backend="none", prefix_policy="every-page")
+    pc = c.prefix
+    assert pc._slot_keys.shape[1] == 8 < c.allocator.full_table.shape[1] == 16
+    rng = np.random.default_rng(3)
+    short, long = rng.integers(0, 50_000, 2000), rng.integers(0, 50_000, 3900)
+    c.admit("short", 2000, 4, token_ids=short)
+    c.extend("short", P)
+    c.admit("long", 3900, 4, token_ids=long)   # 15 keyed pages: the matrix grows under "short"
+    assert pc._slot_keys.shape[1] == 16
+    left = {"short": 2000 - P, "long": 3900}
+    while any(left.values()):
+        with c.allocator.forward():
+            for rid in [r for r, n in left.items() if n]:
+                k = min(P, left[rid])
+                c.extend(rid, k)
+                left[rid] -= k
+        assert pc.problems() == []
+    pc.tree   # (shares what the last pass completed)
+    assert not pc._filling
+    for ids in (short, long):
+        keys = page_keys(ids, P).tolist()
+        assert [int(pc.tree.key[i]) for i in pc.tree.match(np.array(keys, np.uint64))] == keys
+    got = c.admit("again", 3900, 4, token_ids=long)
+    assert got.cached_tokens == 15 * P   # every full page of "long", written while it ran

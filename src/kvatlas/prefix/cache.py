@@ -113,8 +113,10 @@ class PrefixCache:
         self._fill_due = np.full(n, NEVER, np.int64)
         self._fill_keys = np.zeros(n, np.int64)
         # per slot: its filling request's keys by page past its path (what its sharing reads:
-        # _share_due gathers many slots' at once)
-        self._slot_keys = np.zeros((n, allocator.full_table.shape[1]), np.uint64)
+        # _share_due gathers many slots' at once); as many columns as the longest keyed request
+        # so far needs (grown by doubling, at most the block table's), not the table's from the
+        # start: at 4,096 slots of 1M-token requests that would be another 128 MiB of host memory
+        self._slot_keys = np.zeros((n, min(8, allocator.full_table.shape[1])), np.uint64)
         self._paths: list = [None] * n   # per slot: its filling request's path (the same list)
         self._noted = False            # a pass is over since the last _sync: pages may wait
         self._twice: set = set()       # filling slots that may share a page another holds too (_fill)
@@ -554,6 +556,11 @@ class PrefixCache:
             if n > 1 or k in nodes:
                 twice.append(k)
         shared = len(req.path)   # (the keys past the pages it shared: what its sharing reads)
+        if len(req.keys) > self._slot_keys.shape[1]:
+            width = min(max(len(req.keys), 2 * self._slot_keys.shape[1]), self.alloc.full_table.shape[1])
+            grown = np.zeros((len(self._slot_keys), width), np.uint64)
+            grown[:, :self._slot_keys.shape[1]] = self._slot_keys
+            self._slot_keys = grown
         self._slot_keys[slot, shared:len(req.keys)] = req.keys[shared:]
         self._filling[slot] = req
         self._paths[slot] = req.path
