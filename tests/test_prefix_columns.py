@@ -4,10 +4,9 @@ a heap entry of the page's earlier node must never count for the new one; evicti
 field back to 0, so a new node writes only what differs; and the integrity recount checks what
 the columns hold, the running requests' paths among it."""
 
-from types import SimpleNamespace
-
 import numpy as np
 import pytest
+from tree_fakes import TreeAlloc
 
 from kvatlas import allocate, plan
 from kvatlas.prefix import page_keys
@@ -17,17 +16,10 @@ from kvatlas.prefix.tree import NodeView, Tree
 P = 256
 
 
-class _Alloc:
-    def __init__(self) -> None:
-        self.freed: list[int] = []
-        self.full = SimpleNamespace(owner=np.zeros(16, np.int64))   # pages 0..15: the nodes' ids
-
-    def evict_full(self, pages: np.ndarray) -> None:
-        self.freed += pages.tolist()
 
 
 def test_an_entry_of_a_page_evicted_and_taken_again_is_stale():
-    t = Tree(_Alloc(), None, PrefixStats(), reuse_weight=0.0)
+    t = Tree(TreeAlloc(), None, PrefixStats(), reuse_weight=0.0)
     t.add(100, None, 5, now=1)
     old = t._pages[0]
     assert t._evictable(old)
@@ -39,7 +31,7 @@ def test_an_entry_of_a_page_evicted_and_taken_again_is_stale():
 
 
 def test_eviction_leaves_every_field_as_a_page_no_node_holds():
-    t = Tree(_Alloc(), None, PrefixStats(), reuse_weight=0.5)
+    t = Tree(TreeAlloc(), None, PrefixStats(), reuse_weight=0.5)
     t.lifetime = 10.0
     a = t.add(1, None, 3, now=1)
     b = t.add(2, a, 4, now=2)
@@ -54,7 +46,7 @@ def test_eviction_leaves_every_field_as_a_page_no_node_holds():
 
 
 def test_pageless_nodes_take_ids_past_the_pool_and_give_them_back():
-    alloc = _Alloc()
+    alloc = TreeAlloc()
     alloc.full = None
     t = Tree(alloc, None, PrefixStats(), reuse_weight=0.0)
     a = t.add(1, None, -1, now=1)

@@ -5,10 +5,9 @@ request's claims back; the simulator enqueues every arriving request."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import numpy as np
 import pytest
+from tree_fakes import TreeAlloc
 
 import kvatlas
 from kvatlas import allocate, plan
@@ -19,17 +18,10 @@ from kvatlas.prefix.stats import PrefixStats
 from kvatlas.prefix.tree import Tree
 
 
-class _Alloc:
-    def __init__(self) -> None:
-        self.freed: list[int] = []
-        self.full = SimpleNamespace(owner=np.zeros(64, np.int64))   # pages 0..63: the nodes' ids
-
-    def evict_full(self, pages: np.ndarray) -> None:
-        self.freed += pages.tolist()
 
 
 def _tree() -> Tree:
-    return Tree(_Alloc(), None, PrefixStats(), reuse_weight=0.0)   # plain LRU underneath
+    return Tree(TreeAlloc(), None, PrefixStats(), reuse_weight=0.0)   # plain LRU underneath
 
 
 def _await(t: Tree, order: int, *keys: int) -> None:

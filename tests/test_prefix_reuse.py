@@ -3,10 +3,9 @@ counts as used reuse_weight x lifetime x min(reads, REUSE_CAP) later than it was
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import numpy as np
 import pytest
+from tree_fakes import TreeAlloc
 
 import kvatlas
 from kvatlas.errors import ConfigError
@@ -14,19 +13,10 @@ from kvatlas.prefix.stats import PrefixStats
 from kvatlas.prefix.tree import REUSE_CAP, REUSE_WEIGHT, Tree
 
 
-class _Alloc:
-    """What eviction asks of the allocator: take the freed pages back."""
-
-    def __init__(self) -> None:
-        self.freed: list[int] = []
-        self.full = SimpleNamespace(owner=np.zeros(64, np.int64))   # pages 0..63: the nodes' ids
-
-    def evict_full(self, pages: np.ndarray) -> None:
-        self.freed += pages.tolist()
 
 
 def _tree(weight: float, lifetime: float) -> Tree:
-    t = Tree(_Alloc(), None, PrefixStats(), reuse_weight=weight)
+    t = Tree(TreeAlloc(), None, PrefixStats(), reuse_weight=weight)
     t.lifetime = lifetime   # as after a run whose evicted pages had lived that many admissions
     return t
 
