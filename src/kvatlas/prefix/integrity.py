@@ -108,16 +108,17 @@ def _tree_problems(pc) -> list[str]:
     children = np.bincount(up, minlength=t._size)
     if np.any(t.children[ids] != children[ids]):
         out.append("prefix tree: a node's child count disagrees with its children")
+    dead = ~live
     for name in ("refs", "children", "reads", "due", "last_used", "depth", "key", "ck_evicted"):
-        if np.any(getattr(t, name)[~live] != 0):
+        if getattr(t, name)[dead].any():
             out.append(f"prefix tree: {name} is set on an id no node holds")
-    if np.any(t.parent[~live] != -1) or any(t.ckpt[i] is not None for i in np.flatnonzero(~live).tolist()) \
+    cks = [(i, t.ckpt[i]) for i in ids.tolist() if t.ckpt[i] is not None]
+    if np.any(t.parent[dead] != -1) or len(t.ckpt) - t.ckpt.count(None) != len(cks) \
             or any(not live[i] for i in t.origin):
         out.append("prefix tree: a parent, resume point or origin is set on an id no node holds")
     idle = int(np.count_nonzero(t.refs[ids] == 0))
     if t.idle_pages != idle:
         out.append(f"prefix tree: {t.idle_pages} idle pages counted, {idle} found")
-    cks = [(i, t.ckpt[i]) for i in ids.tolist() if t.ckpt[i] is not None]
     if t.checkpoints != len(cks):
         out.append("prefix tree: resume point count disagrees with the nodes that hold one")
     if any(ck.node != i for i, ck in cks):
