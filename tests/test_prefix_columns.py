@@ -11,7 +11,7 @@ from tree_fakes import TreeAlloc
 from kvatlas import allocate, plan
 from kvatlas.prefix import page_keys
 from kvatlas.prefix.stats import PrefixStats
-from kvatlas.prefix.tree import NodeView, Tree
+from kvatlas.prefix.tree import Checkpoint, NodeView, Tree
 
 P = 256
 
@@ -82,7 +82,7 @@ def _writing_cache():
     (lambda t, pc: t.key.__setitem__(pc.requests["w"].path[3], 7), "key index"),
     (lambda t, pc: pc._paths.__setitem__(pc.alloc.slot_of["w"], list(pc.requests["w"].path)), "path is not"),
     (lambda t, pc: pc._unplaced.add(pc.alloc.slot_of["r"]), "not filling"),   # ("r" has no page to share)
-    (lambda t, pc: t.ckpt.__setitem__(t._size - 1, object()), "resume point or origin is set on an id"),
+    (lambda t, pc: t.ckpt.__setitem__(t._size - 1, Checkpoint(P, 1, np.zeros(0, np.int64))), "resume point or origin is set on an id"),
     (lambda t, pc: t.origin.__setitem__(t._size - 1, "host"), "resume point or origin is set on an id"),
 ])
 def test_the_recount_finds_damaged_columns(damage, says):
