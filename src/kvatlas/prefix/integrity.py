@@ -97,18 +97,18 @@ def _tree_problems(pc) -> list[str]:
     keys = np.fromiter(t.index.keys(), np.uint64, len(t.index))
     live = np.zeros(t._size, bool)
     live[ids] = True
+    dead = ~live
     if len(np.unique(ids)) != len(ids) or np.any(t.key[ids] != keys):
         out.append("prefix tree: the key index and the nodes' keys disagree (or two keys share a node)")
     parents = t.parent[ids]
     up = parents[parents >= 0]
-    if np.any(~live[up]):
+    if dead[up].any():
         out.append("prefix tree: a node hangs under a node no longer in the tree")
     if np.any(t.depth[ids] != np.where(parents >= 0, t.depth[np.maximum(parents, 0)] + 1, 1)):
         out.append("prefix tree: a node's depth is not its parent's plus one")
     children = np.bincount(up, minlength=t._size)
     if np.any(t.children[ids] != children[ids]):
         out.append("prefix tree: a node's child count disagrees with its children")
-    dead = ~live
     for name in ("refs", "children", "reads", "due", "last_used", "depth", "key", "ck_evicted"):
         if getattr(t, name)[dead].any():
             out.append(f"prefix tree: {name} is set on an id no node holds")

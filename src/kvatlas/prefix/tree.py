@@ -206,10 +206,6 @@ class Tree:
             return np.array(ids, np.int64)
         return np.full(len(ids), -1, np.int64)
 
-    def node(self, key) -> NodeView | None:
-        i = self.index.get(key)
-        return None if i is None else NodeView(self, i)
-
     # ---------------------------------------------------------------- lookup
     def match(self, keys) -> list[int]:
         """The ids of the leading pages of `keys` the tree holds."""
@@ -287,29 +283,35 @@ class Tree:
         self._push_page(i)
         return i
 
-    def add_runs(self, paths, counts, keys, pages, now: int, heads=None) -> None:
+    def add_runs(self, paths, counts, keys, pages, now: int, ends=None) -> None:
         """The pages writers completed: for each path of `paths` (lists of ids) in turn, `counts`
         of them new nodes, each below the one before (the first below the path's last node, or
-        the root), appended to the path; `keys` (a list) and `pages` (full pages, an array), one
-        per node, in the same order. `heads`, if given: the paths' last nodes (-1: empty) and
-        their lengths, two arrays (a caller that has them in its tables spares reading each
-        path). Each node's first reader comes with it (its writer), so none is evictable and
-        none gets a heap entry until its last reader leaves (unref pushes one). One call for a
-        pass's writers (most complete one page each): the columns are set in vector calls."""
+        the root), appended to the path; `keys` (a list) and `pages` (full pages, an array: the
+        nodes' ids), one per node, in the same order. `ends`, if given: the paths' last nodes
+        (-1: empty) and their lengths, two arrays (a caller that has them in its tables spares
+        reading each path). Each node's first reader comes with it (its writer), so none is
+        evictable and none gets a heap entry until its last reader leaves (unref pushes one).
+        One call for a pass's writers (most complete one page each): the columns are set in
+        vector calls."""
         ids = np.asarray(pages, np.int64)
-        if heads is None:
-            heads = (np.fromiter((p[-1] if p else -1 for p in paths), np.int64, len(paths)),
-                     np.fromiter(map(len, paths), np.int64, len(paths)))
-        heads, lengths = heads
-        counts = np.asarray(counts, np.int64)
+        if ends is None:
+            ends = (np.fromiter((p[-1] if p else -1 for p in paths), np.int64, len(paths)),
+                    np.fromiter(map(len, paths), np.int64, len(paths)))
+        heads, lengths = ends
+        idl = ids.tolist()
         if len(ids) == len(paths):   # one page each (most passes)
             parents, depths = heads, lengths + 1
         else:
-            firsts = np.cumsum(counts) - counts
+            counts = np.asarray(counts, np.int64)
+            last = np.cumsum(counts) - 1
+            firsts = last + 1 - counts
             parents = np.empty(len(ids), np.int64)
             parents[1:] = ids[:-1]
             parents[firsts] = heads
             depths = np.repeat(lengths - firsts, counts) + np.arange(1, len(ids) + 1)
+            inner = np.ones(len(ids), bool)   # (each page but a run's last has the next below it)
+            inner[last] = False
+            self.children[ids[inner]] = 1
         self.parent[ids] = parents
         self.depth[ids] = depths
         self.key[ids] = keys
@@ -319,12 +321,6 @@ class Tree:
         below = heads[heads >= 0]
         if len(below):
             np.add.at(self.children, below, 1)
-        if len(ids) != len(paths):
-            last = np.cumsum(counts) - 1
-            inner = np.ones(len(ids), bool)
-            inner[last] = False
-            self.children[ids[inner]] = 1
-        idl = ids.tolist()
         self.index.update(zip(keys, idl))
         if len(ids) == len(paths):
             for path, i in zip(paths, idl):

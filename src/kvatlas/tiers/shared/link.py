@@ -152,7 +152,7 @@ class SharedLink(HostLink):
         tree = self.prefix.tree
         pages = [n for n in nodes if tree.page_of(n) > 0 and self._offer("page", int(tree.key[n]))]
         if pages:
-            dev = np.array(pages, np.int64)
+            dev = tree.pages_of(pages)
             self._put(HOST_PAGES, [int(tree.key[n]) for n in pages], [0] * len(pages),
                       lambda units: self.tier.copy_out(HOST_PAGES, self.outbox.memory, units, dev[:len(units)]))
         cks = [tree.ckpt[n] for n in nodes if tree.ckpt[n] is not None and tree.ckpt[n].unit > 0
