@@ -402,3 +402,33 @@ def _alive(pid: int) -> bool:
             return f.read().split(")")[-1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def test_a_signal_while_a_rank_is_being_started_stops_that_rank_too(monkeypatch, tmp_path):
+    """SIGTERM that lands inside Popen (the rank forked, not yet in the parent's list) still stops it.
+
+    The parent's handler ran with the list short of the rank being started, so that rank ran on and
+    the parent waited for it (a CI run timed out so). Here the signal is raised inside the second
+    rank's Popen, after its process exists."""
+    from kvatlas.cli import ranks
+    real = subprocess.Popen
+    started = []
+
+    def popen(argv, **kw):
+        p = real([sys.executable, "-c", "import time; time.sleep(30)"])
+        started.append(p)
+        if len(started) == 2:
+            os.kill(os.getpid(), signal.SIGTERM)   # handled before this returns: p is not in the list yet
+        return p
+    monkeypatch.setattr(ranks.subprocess, "Popen", popen)
+    args = type("Args", (), {"shared_tier": "redis://127.0.0.1:1", "ranks": 3, "argv": ["kvatlas", "simulate"],
+                             "out": str(tmp_path / "r")})()
+    try:
+        assert ranks.run_ranks(args, lambda *a, **k: None) == 143
+        assert len(started) == 2, "a rank was started after the signal"
+        assert [p.returncode for p in started] == [-signal.SIGTERM] * 2   # both stopped, neither slept its 30 s out
+    finally:
+        for p in started:
+            if p.poll() is None:
+                p.kill()
+                p.wait()

@@ -64,17 +64,22 @@ def run_ranks(args, prepare) -> int:
     procs = []
     stopped = []
 
-    def stop(signum, frame):
-        stopped.append(signal.Signals(signum).name)
+    def terminate_all():
         for p in procs:
             if p.poll() is None:
                 p.terminate()
+
+    def stop(signum, frame):
+        stopped.append(signal.Signals(signum).name)
+        terminate_all()
     old = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         for r in range(args.ranks):
             if stopped:
                 break
             procs.append(subprocess.Popen([sys.executable, "-m", "kvatlas", *_child_argv(args, r)], env=env))
+            if stopped:   # the signal came while Popen ran: the rank it started was not in procs to be stopped
+                terminate_all()
         codes = [p.wait() for p in procs]
     finally:
         for p in procs:   # an error here (or a second signal) must not leave a rank running
