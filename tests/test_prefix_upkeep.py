@@ -412,3 +412,104 @@ def held_rows(a, w) -> None:
 def test_random_sessions_keep_integrity_and_resume_rows_in_held_units():
     hits = [_random_session(seed, 700) for seed in (1, 2)]
     assert min(hits) > 0   # the sessions do share prefixes
+
+
+def test_tails_short_of_units_take_the_free_ones_in_one_pop_as_one_by_one_would():
+    """_touch takes the free units for fresh slots' tails in one pop, then goes one by one for
+    the rest (sparing, evicting, or none). The same batch stepped with a _touch that takes every
+    unit one by one (_pending_unit per token, the rule restated) ends every step with the same
+    pending boundaries, units, rows and free units; some steps had fewer free units than tails."""
+    runs = []
+    for batched in (True, False):
+        c, a, batch = short_batch(4, (240, 243))   # (tails first written together: 5 free units for 7)
+        partial = []
+        if batched:
+            touch = a._touch
+
+            def watched(s, bnd, units, miss):
+                partial.append(0 < a.ckpt.free < int(miss.sum()))
+                return touch(s, bnd, units, miss)
+            a._touch = watched
+        else:
+            def one_by_one(s, bnd, units, miss):
+                for j in miss.nonzero()[0].tolist():
+                    units[j] = a._pending_unit(int(s[j]), int(bnd[j]))
+                return units
+            a._touch = one_by_one
+        seen = []
+        for _ in range(300):
+            w = c.step(batch)
+            seen.append((sorted(named_rows(w)), a.pend_b.tolist(), a.pend_u.tolist(), a.row_base.tolist(),
+                         a.ckpt.free, a.ledger.checkpoints_skipped))
+            c.check_integrity()
+        runs.append((seen, partial))
+    (on, partial), (off, _) = runs
+    assert any(partial)   # a touch found some free units, fewer than its tails
+    for step, (x, y) in enumerate(zip(on, off)):
+        assert x == y, f"step {step}"
+
+
+def test_pending_units_given_as_an_array_with_zeros_leave_those_slots_without_a_row():
+    c, a, batch = short_batch(3, (200, 230))
+    for _ in range(30):
+        c.step(batch)
+    s0, s1 = a.slot_of[batch[0]], a.slot_of[batch[1]]
+    keep = [(s, int(a.pend_b[s]), int(a.pend_u[s])) for s in (s0, s1)]
+    slots = np.array([s0, s1])
+    a._set_pending(slots, np.array([512, 768]), np.array([7, 0]))
+    assert a.row_base[s0] == 7 * 4 - (512 - 4) and a.row_base[s1] == NO_ROW
+    assert a.pend_u[s1] == 0 and a.pend_b[s1] == 768
+    for s, b, u in keep:   # (as it was)
+        a._set_pending(s, b, u)
+    c.check_integrity()
+
+
+def test_a_free_slot_with_a_pending_point_is_found():
+    c, a, batch = short_batch(3, (200, 230), n=4)
+    c.finish(batch[0])
+    free = next(s for s in range(1, len(a.pend_b)) if a.rid_of[s] is None)
+    a.pend_b[free] = 256
+    problems = a.cached_swa_check(sorted(a.slot_of.values()))
+    assert any("free request slot has a pending resume point" in p for p in problems)
+    a.pend_b[free] = 0
+    a.row_base[free] = 5
+    assert any("free request slot" in p for p in a.cached_swa_check(sorted(a.slot_of.values())))
+    a.row_base[free] = NO_ROW
+    c.check_integrity()
+
+
+def test_tails_kept_at_once_rejoin_their_windows_as_one_by_one_would():
+    """Captures the policy keeps at once (every page here) put their tails back in their
+    requests' windows in one vector call (keep_own_tails). The same steady batch run with
+    keep_own_tail called slot by slot ends every step with the same windows, references and
+    count of cache-held pages in windows; some tails did rejoin."""
+    runs = []
+    for vector in (True, False):
+        c = allocate(plan("tiny-v4", "256MiB", max_model_len=2048, max_running_requests=6, prefix_checkpoints=64,
+                          chunked_prefill_tokens=1024), backend="none", prefix_policy="every-page")
+        a = c.allocator
+        rejoined = []
+        if vector:
+            many = a.keep_own_tails
+
+            def watched(slots, boundaries, pages):
+                before = a._windowed_cached
+                many(slots, boundaries, pages)
+                rejoined.append(a._windowed_cached - before)
+            a.keep_own_tails = watched
+        else:
+            a.keep_own_tails = lambda slots, boundaries, pages: [
+                a.keep_own_tail(int(s), int(b), pages[:, j]) for j, (s, b) in enumerate(zip(slots, boundaries))]
+        for i, n in enumerate((200, 230, 250, 300, 420, 510)):
+            start(c, f"r{i}", n, seed=i)
+        batch = [f"r{i}" for i in range(6)]
+        seen = []
+        for _ in range(600):
+            c.step(batch)
+            seen.append((a.swa_lo.tolist(), a.swa_refs.tolist(), a._windowed_cached, a.ckpt.free))
+            c.check_integrity()
+        runs.append((seen, rejoined))
+    (on, rejoined), (off, _) = runs
+    assert len(rejoined) >= 5 and sum(rejoined) > 0
+    for step, (x, y) in enumerate(zip(on, off)):
+        assert x == y, f"step {step}"

@@ -118,6 +118,20 @@ class Sharing:
         the most tokens any request has written since the last upkeep, this write's included;
         batch: the slots array of a one-token decode step (its tokens are in that order)."""
         if batch is not None and progress <= self._fast_most:
+            sched = self._schedule
+            if (sched is not None and sched.batch is batch and sched.writes == self._writes - 1
+                    and sched.epoch == self._epoch and sched.t + 1 < sched.horizon):
+                # (_steady_rows and _scheduled_rows inline for a steady batch's every step: their
+                # calls were a third of the step's cost here)
+                sched.writes += 1
+                sched.t = t = sched.t + 1
+                lo, hi = sched.lo[t], sched.hi[t]
+                if lo == hi:
+                    return {}
+                rows = sched.rows[lo:hi] + t
+                if rows[rows.argmin()] >= 0:
+                    return dict.fromkeys(self.ckpt_buffers, (sched.order[lo:hi], rows))
+                return self._scheduled_rows(sched, t, rows)
             got = self._steady_rows(batch, tok_slots, pos, within)
             if got is not None:
                 return got
@@ -171,7 +185,7 @@ class Sharing:
         self._schedule = sched = _Schedule.make(self, batch, tok_slots, pos, within, epoch, w)
         return self._scheduled_rows(sched, 0)
 
-    def _scheduled_rows(self, sched, t: int) -> dict:
+    def _scheduled_rows(self, sched, t: int, rows=None) -> dict:
         """The step's resume rows from the schedule. Its tokens first in a tail that has no unit
         yet (more running requests than units taken ahead) take one as on the general path
         (_touch, in token order: they share one e, so their run is in token order), which
@@ -180,7 +194,8 @@ class Sharing:
         lo, hi = sched.lo[t], sched.hi[t]
         if lo == hi:
             return {}
-        rows = sched.rows[lo:hi] + t
+        if rows is None:   # (else the caller's: sched.rows[lo:hi] + t)
+            rows = sched.rows[lo:hi] + t
         order = sched.order[lo:hi]
         if rows[rows.argmin()] < 0:
             new = 0 if t == 0 else max(sched.hi[t - 1] - lo, 0)   # (tokens first in their tail now)
@@ -208,14 +223,23 @@ class Sharing:
         one (every decode step), else one by one in token order (chunks, drafts, rewrites)."""
         i = miss.nonzero()[0]
         ms, m = s[i], len(i)
-        if (self.backing is None and self.ckpt.free >= m and not self.pend_b[ms].any()
+        free = self.ckpt.free
+        if (free and self.backing is None and not self.pend_b[ms].any()
                 and (m == 1 or (ms[1:] != ms[:-1]).all())):   # a slot's tokens are adjacent
-            got = self.ckpt.pop(m, CACHE_OWNER - 1)
-            self._set_pending(ms, bnd[i], got)
+            # fresh slots' only tails: the first `free` of them take a unit each in one pop (what
+            # one pop each, in token order, would give); the rest, if any, go on below with none
+            # free, where the first of them spares units or evicts
+            f = min(free, m)
+            got = self.ckpt.pop(f, CACHE_OWNER - 1)
             if self.ledger is not None:
-                self.ledger.add_units(CHECKPOINTS, m)
-            units[i] = got
-            return units
+                self.ledger.add_units(CHECKPOINTS, f)
+            if f == m:
+                self._set_pending(ms, bnd[i], got)
+                units[i] = got
+                return units
+            self._set_pending(ms[:f], bnd[i[:f]], got)
+            units[i[:f]] = got
+            i, ms = i[f:], ms[f:]
         now = (self._passes, self._epoch)
         for n, (j, slot, b) in enumerate(zip(i.tolist(), ms.tolist(), bnd[i].tolist())):
             if self.ckpt.free == 0 and self._spared == now and self._no_eviction == now and not self.older:
@@ -251,13 +275,15 @@ class Sharing:
         return unit
 
     def _set_pending(self, slots, boundaries, units) -> None:
+        """units: one per slot, or one int for all (0: none saved)."""
         self.pend_b[slots], self.pend_u[slots] = boundaries, units
         k = self.resume_tokens
-        if isinstance(slots, int):   # (one slot: Python scalars, not numpy's per-call costs)
+        if isinstance(slots, int) or not isinstance(units, np.ndarray):   # (scalars: no per-call numpy costs)
             base = units * k - (boundaries - k) if units > 0 else NO_ROW
         else:
-            base = np.asarray(units) * k - (np.asarray(boundaries) - k)
-            base = np.where(np.asarray(units) > 0, base, NO_ROW)
+            base = units * k - (boundaries - k)
+            if not units[units.argmin()]:   # (units popped are all > 0: most calls)
+                base = np.where(units > 0, base, NO_ROW)
         self.row_base[slots] = base
         if self._schedule is not None:   # (every change of row_base reaches a steady batch's schedule)
             self._schedule.patch(slots, self.row_base)
@@ -306,7 +332,9 @@ class Sharing:
     def spare_checkpoint_units(self) -> int:
         """Units short: make the due captures (their decisions give units back) and return the
         units taken ahead for tails nobody has written yet. Returns the free units."""
-        self._commit_captures(passed_only=True)
+        w = self._written
+        if not (len(w) == 1 and len(w[0]) == len(self.slot_of)):   # (a pass that wrote every running
+            self._commit_captures(passed_only=True)                # request leaves none to commit: free slots pend nothing)
         idle = ((self.pend_b > 0) & (self.length <= self.pend_b - self.resume_tokens)).nonzero()[0]
         idle = idle[[s not in self.older for s in idle.tolist()]] if self.older else idle
         if len(idle):
@@ -358,17 +386,23 @@ class Sharing:
         passed_only: called within a pass (units or SWA pages short), so the slots written in it
         are left out: what their writes reached may still be rewritten (a rollback), and the
         rows of this write are not saved yet."""
+        others = None
         if passed_only and self._written and slots is None:
             others = np.ones(len(self.pend_b), bool)   # (a mask: linear, where a set difference sorts)
             for w in self._written:
                 others[w] = False
-            slots = others.nonzero()[0]
         cand = np.asarray(slots, np.int64) if slots is not None else None
         b = self.pend_b if cand is None else self.pend_b[cand]
         L = self.length if cand is None else self.length[cand]
         due = (b <= L) & b.astype(bool)
+        if others is not None:
+            due &= others
         if self.older:   # slots with several pending boundaries: in order, one at a time
-            for slot in (list(self.older) if cand is None else set(cand.tolist()) & self.older.keys()):
+            if others is not None:   # (the slots not written in this pass)
+                olds = set(others.nonzero()[0].tolist()) & self.older.keys()
+            else:
+                olds = list(self.older) if cand is None else set(cand.tolist()) & self.older.keys()
+            for slot in olds:
                 self._commit_older(slot, int(self.length[slot]))
             due &= (self.pend_b if cand is None else self.pend_b[cand]).astype(bool)
         i = due.nonzero()[0]
@@ -458,11 +492,28 @@ class Sharing:
         if int(self.swa_lo[slot]) != lo + T or (int(self.length[slot]) - (self.window - 1)) // self.Ps >= lo + T:
             return
         pages = np.asarray(pages, np.int64)
-        if not np.array_equal(self.swa_table[slot, (lo + np.arange(T)) % self.ring], pages):
+        if self.swa_table[slot].take(self._tail_cols[:, 0] + lo, mode="wrap").tolist() != pages.tolist():
             return
         self.swa_lo[slot] = lo
         self.swa_refs[pages] += 1
         self._windowed_cached += T
+
+    def keep_own_tails(self, slots, boundaries, pages) -> None:
+        """keep_own_tail for distinct slots at once (pages: [tail, m], as captured)."""
+        T = len(self._tail_cols)
+        if not T or not self._tails_distinct or not len(slots):
+            return
+        lo = div(boundaries, self.Ps) - T
+        ok = (self.swa_lo.take(slots) == lo + T) & (div(self.length.take(slots) - (self.window - 1), self.Ps) < lo + T)
+        now = self.swa_table.ravel().take(mod(self._tail_cols + lo, self.ring) + slots * self.ring)
+        ok &= (now == pages).all(axis=0)
+        if not ok[ok.argmax()]:
+            return
+        if not ok.all():
+            slots, lo, pages = slots[ok], lo[ok], pages[:, ok]
+        self.swa_lo[slots] = lo
+        self.swa_refs[pages.ravel()] += 1
+        self._windowed_cached += pages.size
 
     def unpin_checkpoint(self, pages) -> None:
         """A capture the cache keeps: drop its pin; pages read by no request become evictable."""
@@ -733,6 +784,11 @@ class Sharing:
                            f"{self._windowed_cached} counted")
         if self.ckpt is not None:
             out += self.ckpt.check("checkpoints")
+            free = np.ones(len(self.pend_b), bool)
+            free[list(live)] = False
+            if (self.pend_b[free].any() or self.pend_u[free].any() or np.any(self.row_base[free] != NO_ROW)
+                    or not self.older.keys() <= set(live)):
+                out.append("checkpoints: a free request slot has a pending resume point")
         return out
 
 
