@@ -478,38 +478,33 @@ def test_a_free_slot_with_a_pending_point_is_found():
     c.check_integrity()
 
 
-def test_tails_kept_at_once_rejoin_their_windows_as_one_by_one_would():
-    """Captures the policy keeps at once (every page here) put their tails back in their
-    requests' windows in one vector call (keep_own_tails). The same steady batch run with
-    keep_own_tail called slot by slot ends every step with the same windows, references and
-    count of cache-held pages in windows; some tails did rejoin."""
-    runs = []
-    for vector in (True, False):
-        c = allocate(plan("tiny-v4", "256MiB", max_model_len=2048, max_running_requests=6, prefix_checkpoints=64,
-                          chunked_prefill_tokens=1024), backend="none", prefix_policy="every-page")
-        a = c.allocator
-        rejoined = []
-        if vector:
-            many = a.keep_own_tails
 
-            def watched(slots, boundaries, pages):
-                before = a._windowed_cached
-                many(slots, boundaries, pages)
-                rejoined.append(a._windowed_cached - before)
-            a.keep_own_tails = watched
-        else:
-            a.keep_own_tails = lambda slots, boundaries, pages: [
-                a.keep_own_tail(int(s), int(b), pages[:, j]) for j, (s, b) in enumerate(zip(slots, boundaries))]
-        for i, n in enumerate((200, 230, 250, 300, 420, 510)):
-            start(c, f"r{i}", n, seed=i)
-        batch = [f"r{i}" for i in range(6)]
-        seen = []
-        for _ in range(600):
-            c.step(batch)
-            seen.append((a.swa_lo.tolist(), a.swa_refs.tolist(), a._windowed_cached, a.ckpt.free))
-            c.check_integrity()
-        runs.append((seen, rejoined))
-    (on, rejoined), (off, _) = runs
-    assert len(rejoined) >= 5 and sum(rejoined) > 0
-    for step, (x, y) in enumerate(zip(on, off)):
-        assert x == y, f"step {step}"
+def test_a_tail_kept_at_once_rejoins_its_window_only_with_its_own_pages():
+    """Captures the policy keeps at once (every page here) put their tails back in their
+    requests' windows with a reference each (keep_own_tail); a tail whose pages are not what the
+    window's columns hold (here: the same call with one page changed) is left alone."""
+    c = allocate(plan("tiny-v4", "256MiB", max_model_len=2048, max_running_requests=6, prefix_checkpoints=64,
+                      chunked_prefill_tokens=1024), backend="none", prefix_policy="every-page")
+    a = c.allocator
+    one, calls = a.keep_own_tail, []
+
+    def watched(slot, boundary, pages):
+        state = (a.swa_lo.copy(), a.swa_refs.copy(), a._windowed_cached)
+        wrong = np.array(pages).copy()
+        wrong[-1] += 1
+        one(slot, boundary, wrong)   # not its pages: nothing changes
+        assert a._windowed_cached == state[2] and np.array_equal(a.swa_lo, state[0])
+        assert np.array_equal(a.swa_refs, state[1])
+        one(slot, boundary, pages)
+        calls.append(a._windowed_cached - state[2])
+        if calls[-1]:   # rejoined: the window starts at the tail again, each page one reference more
+            lo = boundary // a.Ps - len(pages)
+            assert a.swa_lo[slot] == lo and np.array_equal(a.swa_refs[pages], state[1][pages] + 1)
+    a.keep_own_tail = watched
+    for i, n in enumerate((200, 230, 250, 300, 420, 510)):
+        start(c, f"r{i}", n, seed=i)
+    batch = [f"r{i}" for i in range(6)]
+    for _ in range(600):
+        c.step(batch)
+        c.check_integrity()
+    assert len(calls) >= 10 and sum(1 for d in calls if d) >= 5

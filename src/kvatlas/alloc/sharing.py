@@ -498,23 +498,6 @@ class Sharing:
         self.swa_refs[pages] += 1
         self._windowed_cached += T
 
-    def keep_own_tails(self, slots, boundaries, pages) -> None:
-        """keep_own_tail for distinct slots at once (pages: [tail, m], as captured)."""
-        T = len(self._tail_cols)
-        if not T or not self._tails_distinct or not len(slots):
-            return
-        lo = div(boundaries, self.Ps) - T
-        ok = (self.swa_lo.take(slots) == lo + T) & (div(self.length.take(slots) - (self.window - 1), self.Ps) < lo + T)
-        now = self.swa_table.ravel().take(mod(self._tail_cols + lo, self.ring) + slots * self.ring)
-        ok &= (now == pages).all(axis=0)
-        if not ok[ok.argmax()]:
-            return
-        if not ok.all():
-            slots, lo, pages = slots[ok], lo[ok], pages[:, ok]
-        self.swa_lo[slots] = lo
-        self.swa_refs[pages.ravel()] += 1
-        self._windowed_cached += pages.size
-
     def unpin_checkpoint(self, pages) -> None:
         """A capture the cache keeps: drop its pin; pages read by no request become evictable."""
         self.swa_refs[pages] -= 1

@@ -633,11 +633,11 @@ class PrefixCache:
         if self.share_as_written:   # what the policy keeps anyway is kept now: readers may resume there
             now = self.policy.keep(self._tent_div.take(slots), boundaries // self.P)
             if now[now.argmax()]:
-                kept = slots[now]
-                self.alloc.keep_own_tails(kept, boundaries[now], swa_pages[:, now])   # they may still read them
-                for slot in kept.tolist():
-                    self._keep_intermediate(slot, self._tentative(slot))
-                self._tent_u[kept] = 0
+                for slot in slots[now].tolist():
+                    ck = self._tentative(slot)
+                    self.alloc.keep_own_tail(slot, ck.boundary_tokens, ck.swa_pages)   # it may still read it
+                    self._keep_intermediate(slot, ck)
+                self._tent_u[slots[now]] = 0
 
     def _tentative(self, slot: int):
         """The slot's tentative point as a Checkpoint (None if it has none)."""
