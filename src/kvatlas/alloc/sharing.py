@@ -121,8 +121,8 @@ class Sharing:
             sched = self._schedule
             if (sched is not None and sched.batch is batch and sched.writes == self._writes - 1
                     and sched.epoch == self._epoch and sched.t + 1 < sched.horizon):
-                # (_steady_rows and _scheduled_rows inline for a steady batch's every step: their
-                # calls were a third of the step's cost here)
+                # (_steady_rows and the common case of _scheduled_rows, inline: every step of a
+                # steady batch comes here)
                 sched.writes += 1
                 sched.t = t = sched.t + 1
                 lo, hi = sched.lo[t], sched.hi[t]
@@ -333,8 +333,10 @@ class Sharing:
         """Units short: make the due captures (their decisions give units back) and return the
         units taken ahead for tails nobody has written yet. Returns the free units."""
         w = self._written
-        if not (len(w) == 1 and len(w[0]) == len(self.slot_of)):   # (a pass that wrote every running
-            self._commit_captures(passed_only=True)                # request leaves none to commit: free slots pend nothing)
+        # (a pass that wrote every running request leaves no capture to commit outside it: free
+        # slots pend nothing, as the integrity check verifies)
+        if not (len(w) == 1 and len(w[0]) == len(self.slot_of)):
+            self._commit_captures(passed_only=True)
         idle = ((self.pend_b > 0) & (self.length <= self.pend_b - self.resume_tokens)).nonzero()[0]
         idle = idle[[s not in self.older for s in idle.tolist()]] if self.older else idle
         if len(idle):
