@@ -52,8 +52,9 @@ def test_pageless_nodes_take_ids_past_the_pool_and_give_them_back():
     a = t.add(1, None, -1, now=1)
     b = t.add(2, a, -1, now=2)
     assert (a, b) == (0, 1) and t.page_of(a) == -1 and list(t.pages_of([a, b])) == [-1, -1]
-    t.evict_pages(1)   # (no page to free, so it takes every idle leaf: the counted need is never met)
-    assert t.index == {} and alloc.freed == []
+    assert t.evict_pages(1) == 0 and len(t.index) == 2   # no page to free: nothing is taken for it
+    t.prune(b)   # (no reader, no node below, no resume point: b goes, then a)
+    assert t.index == {} and alloc.freed == [] and t._pages == []
     assert sorted([t.add(3, None, -1, now=3), t.add(4, None, -1, now=3)]) == [0, 1]   # their ids again
     assert t.add(5, None, -1, now=3) == 2
 
@@ -132,3 +133,58 @@ def test_the_key_matrix_grows_with_the_longest_keyed_request_and_keeps_what_othe
         assert [int(pc.tree.key[i]) for i in pc.tree.match(np.array(keys, np.uint64))] == keys
     got = c.admit("again", 3900, 4, token_ids=long)
     assert got.cached_tokens == 15 * P   # every full page of "long", written while it ran
+
+
+class _Releases(TreeAlloc):
+    P = P
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.full = None
+        self.released: list = []
+
+    def release_checkpoint(self, unit, pages) -> None:
+        self.released.append(unit)
+
+
+def test_without_full_pages_a_node_stays_only_for_a_reader_a_node_below_or_a_resume_point():
+    """A plan without a full-page pool has no page eviction to take nodes off its tree: it
+    prunes the nodes nothing needs (Tree.prune), from a node up, as readers leave and resume
+    points go."""
+    from kvatlas.prefix.policy import POLICIES
+    t = Tree(_Releases(), POLICIES["every-page"], PrefixStats(), reuse_weight=0.0)
+    a = t.add(1, None, -1, now=1)
+    b = t.add(2, a, -1, now=1)
+    c = t.add(3, b, -1, now=1)
+    d = t.add(4, a, -1, now=1)
+    t.attach(b, Checkpoint(2 * P, 7, np.zeros(0, np.int64)), now=1)
+    t.prune(c)   # c goes; b holds a resume point
+    assert sorted(t.index) == [1, 2, 4]
+    t.prune(d)   # d goes; a has b below it
+    assert sorted(t.index) == [1, 2]
+    t.ref([a, b])
+    assert t.evict_checkpoint() and t.alloc.released == [7]   # the point goes; b has a reader
+    assert sorted(t.index) == [1, 2] and t.checkpoints == 0
+    t.unref([a, b], now=2)   # the reader leaves: b, then a
+    assert t.index == {} and t._pages == [] and t.idle_pages == 0
+    assert t.evicted_keys.keys() >= {1, 2, 3, 4} and t.stats.evicted_pages == 0   # (no page was freed)
+
+
+def test_a_stage_without_compressed_layers_serving_many_requests_keeps_its_tree_bounded():
+    """The last pipeline stage of tiny-v4 at pp=4 has no compressed layer (no full-page pool).
+    Its tree grew by a node a page served, and its heap by an entry: 1,600 of each after 400
+    requests of 4 pages. Now it keeps none once they finish; the books agree after each."""
+    p = plan("tiny-v4", "64MiB", pp=4, pp_rank=3, max_model_len=2048, max_running_requests=4, prefix_checkpoints=8)
+    assert not p.has_compressed
+    c = allocate(p, backend="none")
+    t, rng = c.prefix.tree, np.random.default_rng(0)
+    for i in range(60):
+        ids = rng.integers(0, 1000, 1024)
+        c.admit(i, 1024, 8, token_ids=ids)
+        for _ in range(4):
+            c.extend(i, P)
+        c.step([i])
+        c.finish(i, token_ids=ids)
+        c.check_integrity()
+        assert len(t.index) == 0 and t._pages == [] and t.idle_pages == 0
+    assert t._size == 64   # (the columns never grew)

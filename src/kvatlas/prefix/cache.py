@@ -834,6 +834,8 @@ class PrefixCache:
         if self.publisher is not None:   # before unref: no eviction can take these pages yet
             self.publisher.on_publish(nodes, placed)
         self.tree.unref(req.path, self.clock)
+        if nodes:   # (a plan without full pages keeps only the nodes a resume point needs: Tree.prune)
+            self.tree.prune(nodes[-1])
 
     def _refit(self) -> None:
         """The spacing fitted to what the cache holds: its pages, against the resume points the

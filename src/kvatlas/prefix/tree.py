@@ -250,7 +250,22 @@ class Tree:
         if len(idle):
             self.idle_pages += len(idle)
             for i in idle[self.children[idle] == 0].tolist():
-                self._push_page(i)
+                self._push_page(i) if self.base else self.prune(i)
+
+    def prune(self, i: int) -> None:
+        """A plan without a full-page pool (a pipeline stage with no compressed layer) has no
+        pages to evict, so nothing would ever take a node off its tree: it would grow by a node a
+        page served. There a node stays only while a running request reads it, a node below it
+        stays, or it holds a resume point (what a hit resumes at); from node `i` up, the first
+        nodes that are none of these leave the tree (the miss reason remembers their keys). A
+        plan with full pages evicts by the heap instead (evict_pages): nothing happens here."""
+        if self.base:
+            return
+        refs, children, parent, ckpt = self.refs, self.children, self.parent, self.ckpt
+        while i >= 0 and not (refs[i] or children[i]) and ckpt[i] is None:
+            up = int(parent[i])
+            self._evict(i, [])
+            i = up
 
     def _new_id(self, page: int) -> int:
         if page >= 0:
@@ -359,8 +374,9 @@ class Tree:
         self._push_ckpt(ck)
 
     def _push_page(self, i: int):
-        """Push the node's heap entry if it is an idle leaf; returns the entry (else None)."""
-        if self.refs[i] == 0 and self.children[i] == 0:
+        """Push the node's heap entry if it is an idle leaf; returns the entry (else None). A plan
+        without a full-page pool keeps no heap: nothing asks it for pages (see prune)."""
+        if self.base and self.refs[i] == 0 and self.children[i] == 0:
             self._seq += 1
             stamp = used = int(self.last_used[i])
             if used > self._now:
@@ -382,7 +398,10 @@ class Tree:
     # ---------------------------------------------------------------- eviction
     def evict_pages(self, need: int) -> int:
         """Free up to `need` full pages, leaves first: those no waiting request reads in LRU
-        order, then awaited ones, furthest back in the queue first (module doc); returns how many."""
+        order, then awaited ones, furthest back in the queue first (module doc); returns how many
+        (0 on a plan without a full-page pool: it has none to free)."""
+        if not self.base:
+            return 0
         freed, aside, awaited = [], [], self.awaited
         while len(freed) < need and self._pages:
             entry = heapq.heappop(self._pages)
@@ -437,8 +456,9 @@ class Tree:
         if self.ckpt[i] is not None:
             self.drop_checkpoint(self.ckpt[i])
         key, parent = int(self.key[i]), int(self.parent[i])
-        self._hook(Evicted("page", key, int(self.key[parent]) if parent >= 0 else 0, int(self.depth[i]),
-                           full_page=self.page_of(i)))
+        if i < self.base:   # (a pageless node has no page for a lower tier to take)
+            self._hook(Evicted("page", key, int(self.key[parent]) if parent >= 0 else 0, int(self.depth[i]),
+                               full_page=i))
         del self.index[key]
         self.idle_pages -= 1
         self._remember(key)
@@ -481,7 +501,9 @@ class Tree:
             heapq.heappush(self._ckpts, entry)
         if found is None:
             return False
+        i = found.node
         self.drop_checkpoint(found)
+        self.prune(i)   # (a plan without full pages: the node may have held nothing else)
         return True
 
     def drop_checkpoint(self, ck) -> None:
