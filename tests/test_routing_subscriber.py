@@ -242,3 +242,38 @@ def test_lost_last_batch_found_by_the_idle_probe(wire):
     assert wait_for(lambda: len(got) == 2, 10.0)
     s = sub.stats()
     assert [b.seq for b in got] == [0, 1] and s.replayed_batches == 1 and s.gaps == 1 and not lost
+
+
+def test_a_batch_is_in_the_stats_by_the_time_on_batch_sees_it():
+    """What on_batch changes (the index another thread reads) never runs ahead of stats(): each
+    batch, live or replayed, and the gap an idle probe found, are counted before on_batch runs.
+    (A test read the stats right after its batch arrived and found the probe's gap not yet
+    counted.) A batch on_batch refuses as malformed is taken back out."""
+    from kvatlas.routing.events import MalformedEventError
+    port, replay = free_port(), free_port()
+    pub = FakePublisher(port, replay, buffer_steps=5)
+    seen = []
+    sub = None
+
+    def on_batch(b):
+        s = sub.stats()
+        seen.append((b.ts, s.batches, s.replayed_batches, s.gaps))
+        if b.ts == 2.0:
+            raise MalformedEventError("token_ids", "not a list")
+    sub = Subscriber(f"tcp://127.0.0.1:{port}", replay_endpoint=f"tcp://127.0.0.1:{replay}", on_batch=on_batch,
+                     replica="a", replay_timeout_s=3.0, idle_probe_s=0.3)
+    try:
+        sub.start()
+        assert wait_for(lambda: sub.stats().connected)
+        time.sleep(0.3)
+        pub.publish(batch(0))
+        pub.publish(batch(1), drop=True)          # found by the idle probe: replayed
+        assert wait_for(lambda: len(seen) == 2, 10.0)
+        pub.publish(batch(2))                     # refused as malformed
+        assert wait_for(lambda: sub.stats().malformed == 1, 10.0)
+        s = sub.stats()
+        assert seen == [(0.0, 1, 0, 0), (1.0, 2, 1, 1), (2.0, 3, 1, 1)]
+        assert (s.batches, s.replayed_batches, s.gaps, s.last_batch_ts) == (2, 1, 1, 1.0)
+    finally:
+        sub.stop()
+        pub.close()

@@ -251,22 +251,33 @@ class Subscriber:
             self._reset()
 
     def _apply(self, batch: EventBatch, replayed: bool = False) -> None:
-        try:
-            self.on_batch(batch)
-        except MalformedEventError as exc:      # token ids decoded only when applied: dropped whole
-            with self._lock:
-                self._counts["malformed"] += 1
-                self._last_seq = batch.seq
-            self._lost(f"malformed batch dropped ({exc})")
-            return
+        """Count the batch, then hand it to on_batch: whoever sees what it changed (another
+        thread reading the index) finds it in stats() too. One that on_batch finds malformed, or
+        that raises, is taken back out of the counts."""
         with self._lock:
+            before = (self._last_seq, self._last_event_time, self._last_batch_ts)
+            self._count(batch, replayed, 1)
             self._last_seq = batch.seq
-            self._counts["batches"] += 1
-            self._counts["events"] += len(batch.events)
-            if replayed:
-                self._counts["replayed_batches"] += 1
             self._last_event_time = time.time()
             self._last_batch_ts = batch.ts
+        try:
+            self.on_batch(batch)
+        except BaseException as exc:
+            with self._lock:
+                self._count(batch, replayed, -1)
+                self._last_seq, self._last_event_time, self._last_batch_ts = before
+                if isinstance(exc, MalformedEventError):   # token ids decoded only when applied: dropped whole
+                    self._counts["malformed"] += 1
+                    self._last_seq = batch.seq
+            if not isinstance(exc, MalformedEventError):
+                raise
+            self._lost(f"malformed batch dropped ({exc})")
+
+    def _count(self, batch: EventBatch, replayed: bool, sign: int) -> None:
+        self._counts["batches"] += sign
+        self._counts["events"] += sign * len(batch.events)
+        if replayed:
+            self._counts["replayed_batches"] += sign
 
     def _replay(self, start: int, stop: int) -> None:
         """Apply batches [start, stop) from the replay socket; what it cannot give is lost."""
@@ -284,19 +295,24 @@ class Subscriber:
         """Ask the replay socket for anything past the last batch seen (nothing, usually)."""
         self._check_rejoined()   # (a restarted publisher whose batches were all lost, then quiet)
         start = 0 if self._last_seq is None else self._last_seq + 1
-        got_to = self._ask_replay(start, None)
-        if got_to > start:
-            with self._lock:
-                self._counts["gaps"] += 1
-                self._counts["replays"] += 1
+        self._ask_replay(start, None, found=self._probe_found)
 
-    def _ask_replay(self, start: int, stop: int | None) -> int:
+    def _probe_found(self) -> None:
+        """A probe found batches past the last one seen: a gap, counted before the first of them
+        is applied (as a gap live traffic reveals is)."""
+        with self._lock:
+            self._counts["gaps"] += 1
+            self._counts["replays"] += 1
+
+    def _ask_replay(self, start: int, stop: int | None, found=None) -> int:
         next_seq = start
         for batch in self._replayed(start):
             if batch.seq != next_seq or (stop is not None and batch.seq >= stop):
                 if batch.seq < next_seq:
                     continue
                 break                            # the buffer no longer reaches back, or done
+            if found is not None and next_seq == start:
+                found()
             self._apply(batch, replayed=True)
             next_seq += 1
         return next_seq
