@@ -250,7 +250,10 @@ class Tree:
         if len(idle):
             self.idle_pages += len(idle)
             for i in idle[self.children[idle] == 0].tolist():
-                self._push_page(i) if self.base else self.prune(i)
+                if self.base:
+                    self._push_page(i)
+                else:
+                    self.prune(i)
 
     def prune(self, i: int) -> None:
         """A plan without a full-page pool (a pipeline stage with no compressed layer) has no

@@ -262,16 +262,17 @@ class Subscriber:
             self._last_batch_ts = batch.ts
         try:
             self.on_batch(batch)
-        except BaseException as exc:
+        except MalformedEventError as exc:      # token ids decoded only when applied: dropped whole
+            with self._lock:
+                self._count(batch, replayed, -1)
+                self._counts["malformed"] += 1
+                self._last_event_time, self._last_batch_ts = before[1:]   # (its seq stays the last seen)
+            self._lost(f"malformed batch dropped ({exc})")
+        except BaseException:
             with self._lock:
                 self._count(batch, replayed, -1)
                 self._last_seq, self._last_event_time, self._last_batch_ts = before
-                if isinstance(exc, MalformedEventError):   # token ids decoded only when applied: dropped whole
-                    self._counts["malformed"] += 1
-                    self._last_seq = batch.seq
-            if not isinstance(exc, MalformedEventError):
-                raise
-            self._lost(f"malformed batch dropped ({exc})")
+            raise
 
     def _count(self, batch: EventBatch, replayed: bool, sign: int) -> None:
         self._counts["batches"] += sign
