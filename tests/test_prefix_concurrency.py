@@ -27,12 +27,13 @@ the same pass counted it evictable twice: this machine found it in a few dozen s
 import os
 
 import numpy as np
-from hypothesis import HealthCheck, settings, target
+from hypothesis import HealthCheck, reject, settings, target
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvatlas import allocate, plan
+from kvatlas import PoolExhaustedError, allocate, plan
 from kvatlas.tiers import attach_host_tier
+from kvatlas.vmm import StandInDriver, VmmBackend
 from prefix_model import Model, assert_same_reads, prefix_hashes
 
 SLOW = os.environ.get("KVATLAS_SLOW_TESTS") == "1"
@@ -64,7 +65,7 @@ class Concurrency(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
         # 48 full pages for 6 requests of up to 8: running requests and the cache compete
-        self.hot = allocate(plan("tiny-v4", "32MiB", prefix_checkpoints=8, **OPTIONS))
+        self.hot = self._hot_cache(plan("tiny-v4", "32MiB", prefix_checkpoints=8, **OPTIONS))
         self.cold = allocate(plan("tiny-v4", "32MiB", **OPTIONS))   # never hits: the reference
         self.mh, self.mc = Model(self.hot), Model(self.cold)
         self.link = self._tiers()
@@ -80,6 +81,9 @@ class Concurrency(RuleBasedStateMachine):
         self.steps = 0   # rules run so far: the rare rules (flush, cut short, evict all) key on it
         for i, system in enumerate(self.WARM):   # a warm cache: the second of each pair marks the
             self._alone(f"system{system}", 40 + i, 3, seed=i)   # divergence point, kept for the rest
+
+    def _hot_cache(self, p):
+        return allocate(p)
 
     def _tiers(self):
         """The tiers under the hot cache (a host or shared link, or None)."""
@@ -355,9 +359,67 @@ class HostConcurrency(Concurrency):
     HOST = "8MiB"
 
 
+class CappedConcurrency(Concurrency):
+    """The hot cache on the vmm backend (the stand-in driver, 64 KiB chunks: it poisons a chunk
+    as it is mapped and as it is unmapped, so a live unit left without its chunk reads poison)
+    with max_physical_bytes well below the plan, so what the cache keeps beside the running
+    requests passes it. Before the fix, cached pages held every chunk the cap allowed and
+    admissions and writes were refused with the cache full of pages nobody read; now the cache
+    evicts for physical memory (`_need_physical`), which this machine counts and steers toward.
+    A refusal for physical memory is allowed only with nothing left to evict (the running
+    requests alone pass the cap: an engine preempts one); the example ends there."""
+
+    CAP_BELOW_PLAN = 7 << 20
+
+    def _hot_cache(self, p):
+        backend = VmmBackend(StandInDriver(granularity=64 << 10), chunk_bytes=64 << 10, keep_empty_chunks=2,
+                             max_physical_bytes=p.total_bytes - self.CAP_BELOW_PLAN)
+        cache = allocate(p, backend=backend)
+        self.physical_evictions = 0
+        evict = cache.allocator.on_need_physical
+
+        def counted(tries):
+            self.physical_evictions += 1
+            return evict(tries)
+
+        cache.allocator.on_need_physical = counted
+        for name in ("admit", "extend", "step"):
+            setattr(cache, name, self._refused_only_when_full(getattr(cache, name)))
+        return cache
+
+    def _refused_only_when_full(self, call):
+        def checked(*args, **kwargs):
+            try:
+                return call(*args, **kwargs)
+            except PoolExhaustedError as exc:
+                if exc.pool != "physical":
+                    raise
+                prefix, keep = self.hot.prefix, None
+                if call.__name__ == "admit":   # the point it would resume at is not evicted for it
+                    m = prefix._match(args[1], kwargs["token_ids"], None)
+                    hit = m.path[:m.resume_pages]
+                    keep = prefix.tree.ckpt[hit[-1]] if hit and m.writer is None else None
+                assert not prefix.tree.idle_pages and not prefix._need_physical(0, keep), \
+                    "refused for physical memory while the cache held units it could evict"
+                self.hot.check_integrity()
+                reject()
+        return checked
+
+    @invariant()
+    def under_the_cap(self):
+        chunks = self.hot.arena.backend.chunks
+        assert chunks.physical_bytes <= chunks.max_chunks << chunks.shift
+
+    def teardown(self):
+        super().teardown()
+        target(float(self.physical_evictions), label="evictions for physical memory")
+
+
 _settings = settings(max_examples=40 if SLOW else 4, stateful_step_count=80 if SLOW else 40, deadline=None,
                      suppress_health_check=list(HealthCheck))
 TestConcurrency = Concurrency.TestCase
 TestConcurrency.settings = _settings
 TestHostConcurrency = HostConcurrency.TestCase
 TestHostConcurrency.settings = _settings
+TestCappedConcurrency = CappedConcurrency.TestCase
+TestCappedConcurrency.settings = _settings

@@ -252,3 +252,34 @@ def test_dense_placement_lets_chunks_empty_out():
     a = cache.allocator
     assert a.full_table[a.slot_of["x"], :2].tolist() == [1, 2]     # lowest ids again
     check_backing(cache)
+
+
+def test_prefix_cache_evicts_for_physical_memory():
+    """Under max_physical_bytes the prefix cache's pages compete for chunks with what running
+    requests write. A refusal for physical memory makes the cache evict (pages in its order, then
+    resume points) and the units are asked for again. Before, the cache evicted only when a free
+    list ran short, which a plan larger than the cap never does: here the 40th 1,024-token
+    request was refused a prefill chunk with the cache full of pages nobody read, and every one
+    after it. Each second request is the next turn of the one before (its prompt and 100
+    tokens more): it resumes at the end of the pages it hits, the newest, which stay."""
+    p = kvatlas.plan("tiny-v4", "256MiB", max_model_len=2048, max_running_requests=32, prefix_checkpoints=8,
+                     chunked_prefill_tokens=256)
+    cap = 40 << 20
+    assert p.total_bytes > 2 * cap
+    backend = VmmBackend(StandInDriver(granularity=G), keep_empty_chunks=2, max_physical_bytes=cap, chunk_bytes=G)
+    cache = kvatlas.allocate(p, backend=backend)
+    cm = chunkmap(cache)
+    rng = np.random.default_rng(5)
+    prompt = None
+    for i in range(120):
+        prompt = rng.integers(0, 1 << 30, 1024) if i % 2 == 0 else np.concatenate((prompt, rng.integers(0, 1 << 30, 100)))
+        n = len(prompt)
+        assert cache.can_admit(n, 8, token_ids=prompt)
+        adm = cache.admit(i, n, 8, token_ids=prompt)
+        assert adm.cached_tokens == (0 if i % 2 == 0 else 1024), i
+        for at in range(adm.cached_tokens, n, 256):
+            cache.extend(i, min(256, n - at))
+        cache.finish(i, token_ids=prompt)
+        assert cm.physical_bytes <= cap
+    assert cache.prefix.stats.evicted_pages >= 40   # (65: the cap holds about 40 requests' pages)
+    check_backing(cache)

@@ -380,13 +380,23 @@ class Allocator(Release, Sharing):
 
     def _back(self, requests, admission: bool = False) -> None:
         """Have the backing map the chunks of the units about to be handed out; it refuses
-        (PoolExhaustedError "physical") before anything changes."""
-        try:
-            self.backing.acquire(requests)
-        except PoolExhaustedError:
-            if admission and self.ledger is not None:
-                self.ledger.admission_refusals += 1
-            raise
+        (PoolExhaustedError "physical") before anything changes. requests: (group, ids) pairs, or
+        a callable making them from the free lists' peeks. When the backing is out of physical
+        memory and a prefix cache holds units, the cache evicts some (`on_need_physical`, more each
+        try) and the units are asked for again: pages it gives back free ids in mapped chunks,
+        which lowest-first placement hands out next, and chunks they empty are given up for room."""
+        tries = 0
+        while True:
+            try:
+                self.backing.acquire(requests() if callable(requests) else requests)
+                return
+            except PoolExhaustedError as exc:
+                if exc.pool == "physical" and self.on_need_physical is not None and self.on_need_physical(tries):
+                    tries += 1
+                    continue
+                if admission and self.ledger is not None:
+                    self.ledger.admission_refusals += 1
+                raise
 
     def _page_requests(self, full, swa) -> list:
         """The page ids the coming _take_full/_take_swa will pop, by index space."""
@@ -429,7 +439,7 @@ class Allocator(Release, Sharing):
         L1 = L0 + counts
         full, swa = self._check_write(slots, L1)
         if self.backing is not None:
-            self._back(self._page_requests(full, swa))
+            self._back(lambda: self._page_requests(full, swa))
         if self.full is not None:
             self._take_full(*full)
         if self.swa is not None:

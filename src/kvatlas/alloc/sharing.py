@@ -100,6 +100,7 @@ class Sharing:
         self._no_eviction = None      # (pass, epoch) in which the cache had no resume point to evict
         self.on_capture = None        # prefix cache: (slots, boundaries, units, swa_pages[tail, m])
         self.on_need_checkpoint = None  # prefix cache: free one unit by eviction, or False
+        self.on_need_physical = None    # prefix cache: evict for physical memory (vmm cap), or False
         self.on_slot_end = None       # prefix cache: a request it may know of leaves its slot
         self.on_pass_over = None      # prefix cache: a pass is over, its pages committed (None: nothing to share)
 
@@ -312,8 +313,8 @@ class Sharing:
                 self.ledger.checkpoints_skipped += 1
             return 0
         if self.backing is not None:
-            try:
-                self.backing.acquire(((CHECKPOINTS, self.ckpt.peek(1)),))
+            try:   # (out of physical memory, the cache evicts for it as for any unit: _back)
+                self._back(lambda: ((CHECKPOINTS, self.ckpt.peek(1)),))
             except PoolExhaustedError:
                 return 0
         unit = int(self.ckpt.pop(1, CACHE_OWNER - 1)[0])
@@ -696,7 +697,7 @@ class Sharing:
         if n > free:
             raise PoolExhaustedError("full_pages", n, free, "pages", "restore cached pages")
         if self.backing is not None and n:
-            self.backing.acquire(((FULL_PAGES, self.full.peek(n)),))
+            self._back(lambda: ((FULL_PAGES, self.full.peek(n)),))
         pages = self.full.pop(n, 0)
         self.full.owner[pages] = CACHE_OWNER
         if self.ledger is not None:
@@ -713,8 +714,7 @@ class Sharing:
         if self.ckpt.free < 1 or (tail and self.swa.free < tail):
             raise PoolExhaustedError("checkpoints", 1, self.ckpt.free, "units", "restore a resume point")
         if self.backing is not None:
-            want = [(CHECKPOINTS, self.ckpt.peek(1))] + ([(SWA_PAGES, self.swa.peek(tail))] if tail else [])
-            self.backing.acquire(tuple(want))
+            self._back(lambda: ((CHECKPOINTS, self.ckpt.peek(1)),) + (((SWA_PAGES, self.swa.peek(tail)),) if tail else ()))
         unit = int(self.ckpt.pop(1, 0)[0])
         self.ckpt.owner[unit] = CACHE_OWNER
         pages = EMPTY

@@ -134,6 +134,7 @@ class PrefixCache:
         self._recorder: Recorder | None = None   # what it served, for a refit (record())
         allocator.on_capture = self._on_capture
         allocator.on_need_checkpoint = self._need_checkpoint
+        allocator.on_need_physical = self._need_physical
         allocator.on_slot_end = self._slot_end
 
     @property
@@ -267,6 +268,8 @@ class PrefixCache:
         short = self.alloc._admission_shortfall(total, m.resume_pages)
         if short is None:
             return True
+        if short.pool == "physical":   # (vmm under max_physical_bytes) pages or points to evict
+            return self._evictable_units()
         return short.pool == "full_pages" and need <= room
 
     # ---------------------------------------------------------------- the waiting queue
@@ -359,6 +362,11 @@ class PrefixCache:
             short = self.alloc._admission_shortfall(total, j)
             if short is not None and short.pool == "full_pages" and need <= room:
                 self.tree.evict_pages(need - self.alloc.free_full_pages())
+                short = self.alloc._admission_shortfall(total, j)
+            tries, keep = 0, (self._tree.ckpt[hit[-1]] if hit and m.writer is None else None)
+            while short is not None and short.pool == "physical" and self._need_physical(tries, keep):
+                tries += 1
+                short = self.alloc._admission_shortfall(total, j)
             adm = self.alloc.admit(request_id, prompt_tokens, max_new_tokens, shared=self._shared(hit, m.writer))
         except (KvatlasError, PoolExhaustedError):
             self.tree.unref(hit, self.clock)
@@ -679,13 +687,13 @@ class PrefixCache:
                 self._drop(ck)
             self.tree.unref(req.path, self.clock)
 
-    def _need_checkpoint(self) -> bool:
+    def _need_checkpoint(self, keep=None) -> bool:
         """A capture finds no free unit: evict a cached resume point, or else drop an intermediate
         one a running request kept (never its end or a divergence point), so that the points the
         policy values most still find room. The pages passes noted stay noted: no placed point
         waits for them (a point kept on such a page is shared at its pass's end, `_unplaced`), so
         which point goes, and what it frees, is what sharing them first would leave."""
-        if self._tree.evict_checkpoint():
+        if self._tree.evict_checkpoint(keep):
             return True
         while self._intermediate:   # oldest first; entries of finished requests are stale
             req, ck = self._intermediate.popleft()
@@ -694,6 +702,23 @@ class PrefixCache:
                 self._drop(ck)
                 return True
         return False
+
+    def _need_physical(self, tries: int, keep=None) -> bool:
+        """The backing is out of physical memory (vmm under max_physical_bytes): evict what no
+        running request reads, 1, 2, 4, … pages a try in eviction order (the caller asks again
+        after each; a page given back frees an id in a mapped chunk, and a chunk it empties is
+        given up for room), then resume points one a try, never `keep` (the point an admission
+        in progress resumes at). False when nothing is left to evict. Without it, cached pages
+        held every chunk the cap allows and nothing was ever admitted again."""
+        if self._tree.evict_pages(1 << min(tries, 30)):
+            return True
+        return self._need_checkpoint(keep)
+
+    def _evictable_units(self) -> bool:
+        """Whether the cache holds anything eviction could give back (pages no running request
+        reads, resume points): whether an admission short of physical memory may find room."""
+        tree = self.tree
+        return bool(tree.idle_pages or tree.checkpoints or self._intermediate)
 
     def _drop(self, ck) -> None:
         self._drop_many(np.array([ck.unit], np.int64), np.asarray(ck.swa_pages, np.int64))
@@ -940,7 +965,11 @@ class PrefixCache:
             self.alloc.spare_checkpoint_units()
         while (self.alloc.ckpt.free < 1 or (tail and self.alloc.swa.free < tail)) and self.tree.evict_checkpoint():
             pass
-        unit, pages = self.alloc.take_cached_checkpoint()
+        tree.ref([node], read=False)   # (held through an eviction for physical memory, not read)
+        try:
+            unit, pages = self.alloc.take_cached_checkpoint()
+        finally:
+            tree.unref([node], self.clock)
         self.clock += 1
         self.tree.attach(node, Checkpoint(boundary_tokens, unit, pages), self.clock)
         return unit, pages

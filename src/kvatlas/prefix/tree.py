@@ -480,16 +480,20 @@ class Tree:
         self.children[parent] -= 1
         return self._push_page(parent)
 
-    def evict_checkpoint(self) -> bool:
+    def evict_checkpoint(self, keep=None) -> bool:
         """Free one checkpoint unit (the allocator asks when a capture finds none free): the first
         in eviction order that no waiting request would resume at, else of those, the one whose
-        first waiting reader is furthest back in the queue (module doc)."""
-        aside, awaited, found = [], self.awaited, None
+        first waiting reader is furthest back in the queue (module doc). keep: a point never
+        taken (the one an admission in progress resumes at)."""
+        aside, awaited, found, kept = [], self.awaited, None, None
         while self._ckpts:
             entry = heapq.heappop(self._ckpts)
             ck = entry[3]
             i = ck.node
             if i is None or self.ckpt[i] is not ck or entry[1] != ck.last_used:
+                continue
+            if ck is keep:
+                kept = entry
                 continue
             if awaited and int(self.key[i]) in awaited:
                 aside.append(entry)
@@ -502,6 +506,8 @@ class Tree:
             found = far[3]
         for entry in aside:
             heapq.heappush(self._ckpts, entry)
+        if kept is not None:
+            heapq.heappush(self._ckpts, kept)
         if found is None:
             return False
         i = found.node
