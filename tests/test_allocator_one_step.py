@@ -90,11 +90,10 @@ def test_scalar_one_token_step_is_the_general_step(model, prefix, seed):
             _both(caches, lambda c: c.extend(rid, k))
         elif op == "one":   # one request, one token: most of them cross no page
             rid = list(running)[int(rng.integers(len(running)))]
-            for _ in range(int(rng.integers(1, 80))):
-                ones += 1
+            for _ in range(int(rng.integers(1, 80))):   # (every call's indices compared; the
+                ones += 1                                     # state after the run of steps, below)
                 if not _both(caches, lambda c: c.step([rid], 1)):
                     break
-                assert _state(caches[0]) == _state(caches[1])
         elif op == "batch":
             batch = list(running)[: int(rng.integers(1, len(running) + 1))]
             k = int(rng.integers(1, 4))
