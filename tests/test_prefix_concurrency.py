@@ -394,14 +394,16 @@ class CappedConcurrency(Concurrency):
             except PoolExhaustedError as exc:
                 if exc.pool != "physical":
                     raise
-                prefix, keep = self.hot.prefix, None
+                prefix, keep, hit = self.hot.prefix, None, []
                 if call.__name__ == "admit":   # its hit's pages and point are not evicted for it
                     m = prefix._match(args[1], kwargs["token_ids"], None)
                     hit = m.path[:m.resume_pages]
                     keep = prefix.tree.ckpt[hit[-1]] if hit and m.writer is None else None
-                    prefix.tree.ref(hit, read=False)
-                assert not prefix.tree.idle_pages and not prefix._need_physical(0, keep), \
-                    "refused for physical memory while the cache held units it could evict"
+                tree = prefix.tree
+                tree.ref(hit, read=False)   # (held as the admission held them)
+                left = tree.idle_pages or prefix._need_physical(0, keep)
+                tree.unref(hit, prefix.clock)
+                assert not left, "refused for physical memory while the cache held units it could evict"
                 self.hot.check_integrity()
                 reject()
         return checked
