@@ -85,24 +85,16 @@ def test_prefix_cache_under_the_cap_evicts_and_physical_stays_exact():
     (before, prefills were refused once its pages filled the cap); every turn hits its whole
     prompt's pages; the drop of free GPU memory equals the ledger's physical bytes, within the cap."""
     pytest.importorskip("cuda.bindings")
-    import numpy as np
+    from lifecycle import serve_turns
     torch.zeros(1, device="cuda")
     base = _free_bytes()
     p = kvatlas.budget_for("deepseek-v4-flash", 16, 8192, chunked_prefill_tokens=2048, prefix_checkpoints=64)
     cap = p.total_bytes // 4
     cache = kvatlas.allocate(p, device="cuda", backend="vmm", max_physical_bytes=cap, keep_empty_chunks=2)
-    rng = np.random.default_rng(3)
-    prompt = None
-    for i in range(40):
-        prompt = rng.integers(0, 1 << 30, 4096) if i % 2 == 0 else np.concatenate((prompt, rng.integers(0, 1 << 30, 300)))
-        n = len(prompt)
-        assert cache.can_admit(n, 16, token_ids=prompt)
-        adm = cache.admit(i, n, 16, token_ids=prompt)
-        assert adm.cached_tokens == (0 if i % 2 == 0 else 4096), i
-        for at in range(adm.cached_tokens, n, 2048):
-            cache.extend(i, min(2048, n - at))
-        cache.finish(i, token_ids=prompt)
-        snap = cache.check_integrity()
-        assert base - _free_bytes() == snap.physical_bytes <= cap
+
+    def exact_within_the_cap(cache):
+        assert base - _free_bytes() == cache.check_integrity().physical_bytes <= cap
+
+    serve_turns(cache, 40, 4096, 300, 2048, seed=3, after=exact_within_the_cap)
     assert cache.prefix.stats.evicted_pages > 0
     cache.close()

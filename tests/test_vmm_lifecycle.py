@@ -17,7 +17,7 @@ import kvatlas  # noqa: E402
 from kvatlas import KvatlasError, PoolExhaustedError  # noqa: E402
 from kvatlas.planning.buffers import FULL_PAGES, REQUEST_SLOTS, SWA_PAGES  # noqa: E402
 from kvatlas.vmm import StandInDriver, VmmBackend  # noqa: E402
-from lifecycle import apply_op  # noqa: E402
+from lifecycle import apply_op, serve_turns  # noqa: E402
 
 G = 64 << 10
 OPTS = dict(chunked_prefill_tokens=300, draft_tokens=3)
@@ -269,17 +269,10 @@ def test_prefix_cache_evicts_for_physical_memory():
     backend = VmmBackend(StandInDriver(granularity=G), keep_empty_chunks=2, max_physical_bytes=cap, chunk_bytes=G)
     cache = kvatlas.allocate(p, backend=backend)
     cm = chunkmap(cache)
-    rng = np.random.default_rng(5)
-    prompt = None
-    for i in range(120):
-        prompt = rng.integers(0, 1 << 30, 1024) if i % 2 == 0 else np.concatenate((prompt, rng.integers(0, 1 << 30, 100)))
-        n = len(prompt)
-        assert cache.can_admit(n, 8, token_ids=prompt)
-        adm = cache.admit(i, n, 8, token_ids=prompt)
-        assert adm.cached_tokens == (0 if i % 2 == 0 else 1024), i
-        for at in range(adm.cached_tokens, n, 256):
-            cache.extend(i, min(256, n - at))
-        cache.finish(i, token_ids=prompt)
+
+    def within_the_cap(_):
         assert cm.physical_bytes <= cap
+
+    serve_turns(cache, 120, 1024, 100, 256, seed=5, after=within_the_cap)
     assert cache.prefix.stats.evicted_pages >= 40   # (65: the cap holds about 40 requests' pages)
     check_backing(cache)
