@@ -528,6 +528,7 @@ class Tree:
         if self.ledger is not None:
             self.ledger.add_evictable("checkpoints", -1)
         self.alloc.release_checkpoint(ck.unit, ck.swa_pages)
+        ck.unit = -1   # (it holds no unit now: a stale reference to it, a finished request's kept list, must not free it again)
         self.stats.evicted_checkpoints += 1
 
     def _hook(self, entry) -> None:
