@@ -24,6 +24,7 @@ after every rule like the rest.
 Before the issue 23 fix, two requests resumed from one point that retired a shared SWA page in
 the same pass counted it evictable twice: this machine found it in a few dozen steps."""
 
+import copy
 import os
 
 import numpy as np
@@ -121,6 +122,9 @@ class Concurrency(RuleBasedStateMachine):
             w = fn(cache)
             model.write(w, self._hashes(cache, w, drafts_from))
 
+    def _not_admitted(self, P, out, prompt):
+        """can_admit said no (CappedConcurrency judges why)."""
+
     # ---------------------------------------------------------------- rules
     @precondition(lambda self: len(self.running) < REQUESTS)
     @rule(kind=st.sampled_from(["system0", "system0", "system1", "system1", "turn", "fresh"]), extra=st.integers(1, 500),
@@ -145,6 +149,7 @@ class Concurrency(RuleBasedStateMachine):
                 ready.wait()
         ok = self.hot.can_admit(P, out, token_ids=prompt)
         if not ok:
+            self._not_admitted(P, out, prompt)
             return
         shared = self._shared_as_written()
         adm = self.hot.admit(rid, P, out, token_ids=prompt)
@@ -366,8 +371,12 @@ class CappedConcurrency(Concurrency):
     requests passes it. Before the fix, cached pages held every chunk the cap allowed and
     admissions and writes were refused with the cache full of pages nobody read; now the cache
     evicts for physical memory (`_need_physical`), which this machine counts and steers toward.
-    A refusal for physical memory is allowed only with nothing left to evict (the running
-    requests alone pass the cap: an engine preempts one); the example ends there."""
+    Judged against brute force on a copy of the cache (every evictable unit evicted, then the
+    call made again): `can_admit` says no exactly when no eviction makes room, an admission it
+    said yes to is never refused, and a write is refused for physical memory only when eviction
+    cannot make room (the running requests alone pass the cap: an engine preempts one), with
+    nothing evicted for it (the cache used to be emptied first, for nothing); the example ends
+    there."""
 
     CAP_BELOW_PLAN = 7 << 20
 
@@ -375,35 +384,70 @@ class CappedConcurrency(Concurrency):
         backend = VmmBackend(StandInDriver(granularity=64 << 10), chunk_bytes=64 << 10, keep_empty_chunks=2,
                              max_physical_bytes=p.total_bytes - self.CAP_BELOW_PLAN)
         cache = allocate(p, backend=backend)
-        self.physical_evictions = 0
+        self.physical_evictions = self.refusals_judged = 0
         evict = cache.allocator.on_need_physical
 
-        def counted(tries):
+        def counted(tries, short=None):
             self.physical_evictions += 1
-            return evict(tries)
+            return evict(tries, short)
 
         cache.allocator.on_need_physical = counted
         for name in ("admit", "extend", "step"):
             setattr(cache, name, self._refused_only_when_full(getattr(cache, name)))
         return cache
 
+    def _evicted(self):
+        s = self.hot.prefix.stats
+        return s.evicted_pages, s.evicted_checkpoints, s.checkpoints_dropped
+
+    def _still_refused(self, name, *args, **kwargs) -> bool:
+        """On a copy of the hot cache: evict every unit eviction may take (for an admission, not
+        its hit's pages nor the point it resumes at), then make the call again: whether it is
+        refused for physical memory still."""
+        twin = copy.deepcopy(self.hot)
+        for attr in ("admit", "extend", "step"):   # the copy's own calls, not this machine's wrappers
+            del twin.__dict__[attr]
+        prefix, keep, hit = twin.prefix, None, []
+        twin.allocator.on_need_physical = prefix._need_physical
+        if name == "admit":
+            m = prefix._match(args[1], kwargs["token_ids"], None)
+            hit = m.path[:m.resume_pages]
+            keep = prefix.tree.ckpt[hit[-1]] if hit and m.writer is None else None
+        tree = prefix.tree
+        tree.ref(hit, read=False)   # (held as the admission holds them)
+        tries = 0
+        while prefix._need_physical(tries, keep=keep):
+            tries += 1
+        tree.unref(hit, prefix.clock)
+        try:
+            getattr(twin, name)(*args, **kwargs)
+        except PoolExhaustedError as exc:
+            return exc.pool == "physical"
+        return False
+
+    def _not_admitted(self, P, out, prompt):
+        """can_admit said no: if for physical memory, no eviction would have made room."""
+        a = self.hot.allocator
+        m = self.hot.prefix._match(P, prompt, None)
+        short = a._admission_shortfall(a._validate_lengths(P, out), m.resume_pages)
+        if short is not None and short.pool == "physical":
+            self.refusals_judged += 1
+            assert self._still_refused("admit", "probe", P, out, token_ids=prompt), \
+                "can_admit said no where evicting would have made room"
+
     def _refused_only_when_full(self, call):
         def checked(*args, **kwargs):
+            before = self._evicted()
             try:
                 return call(*args, **kwargs)
             except PoolExhaustedError as exc:
                 if exc.pool != "physical":
                     raise
-                prefix, keep, hit = self.hot.prefix, None, []
-                if call.__name__ == "admit":   # its hit's pages and point are not evicted for it
-                    m = prefix._match(args[1], kwargs["token_ids"], None)
-                    hit = m.path[:m.resume_pages]
-                    keep = prefix.tree.ckpt[hit[-1]] if hit and m.writer is None else None
-                tree = prefix.tree
-                tree.ref(hit, read=False)   # (held as the admission held them)
-                left = tree.idle_pages or prefix._need_physical(0, keep)
-                tree.unref(hit, prefix.clock)
-                assert not left, "refused for physical memory while the cache held units it could evict"
+                assert call.__name__ != "admit", "an admission can_admit said yes to was refused"
+                assert self._evicted() == before, "a refusal for physical memory evicted units for nothing"
+                self.refusals_judged += 1
+                assert self._still_refused(call.__name__, *args, **kwargs), \
+                    "refused for physical memory where evicting would have made room"
                 self.hot.check_integrity()
                 reject()
         return checked
@@ -416,6 +460,7 @@ class CappedConcurrency(Concurrency):
     def teardown(self):
         super().teardown()
         target(float(self.physical_evictions), label="evictions for physical memory")
+        target(float(self.refusals_judged), label="refusals for physical memory judged")
 
 
 _settings = settings(max_examples=40 if SLOW else 4, stateful_step_count=80 if SLOW else 40, deadline=None,

@@ -276,3 +276,71 @@ def test_prefix_cache_evicts_for_physical_memory():
     serve_turns(cache, 120, 1024, 100, 256, seed=5, after=within_the_cap)
     assert cache.prefix.stats.evicted_pages >= 40   # (65: the cap holds about 40 requests' pages)
     check_backing(cache)
+
+
+def test_prefix_cache_refusals_under_the_cap_evict_nothing():
+    """Under a cap the running requests alone may pass, eviction cannot always make room: the
+    cached pages may share every chunk with pages running requests write. Such a refusal must
+    leave the cache as it was, and `can_admit` must foresee it. Before, the cache evicted what
+    it held first and was refused anyway, and `can_admit` said yes while anything was evictable
+    (this run on the old code: 131 admissions refused after a yes, 122 refused admissions and 49
+    refused writes that had evicted units). Now nothing is evicted unless evicting everything
+    evictable would make room (the chunks that empties, and the ids it frees in mapped chunks,
+    which lowest-first placement hands out next: ChunkMap.fits_after). The books are recounted
+    every 100 steps: they found a resume point evicted after its request finished freed twice
+    (Tree.drop_checkpoint). Requests share six 512-token system prompts; a write refused for
+    physical memory ends its request (an engine would preempt it)."""
+    p = kvatlas.plan("tiny-v4", "256MiB", max_model_len=2048, max_running_requests=32, prefix_checkpoints=8,
+                     chunked_prefill_tokens=256)
+    cap = 16 << 20
+    backend = VmmBackend(StandInDriver(granularity=G), keep_empty_chunks=2, max_physical_bytes=cap, chunk_bytes=G)
+    cache = kvatlas.allocate(p, backend=backend)
+    cm, pc = chunkmap(cache), cache.prefix
+    rng = np.random.default_rng(0)
+    systems = [rng.integers(0, 1000, 512) for _ in range(6)]
+    running, refused, admitted, write_refusals = {}, 0, 0, 0
+
+    def evicted():
+        s = pc.stats
+        return s.evicted_pages, s.evicted_checkpoints, s.checkpoints_dropped, cache.prefix.tree.idle_pages
+
+    for step in range(1200):
+        if len(running) < 12 and rng.random() < 0.5:
+            ids = np.concatenate([systems[rng.integers(6)], rng.integers(0, 1000, int(rng.integers(64, 1100)))])
+            rid, yes, before = f"r{step}", cache.can_admit(len(ids), 64, token_ids=ids), evicted()
+            try:
+                adm = cache.admit(rid, len(ids), 64, token_ids=ids)
+            except PoolExhaustedError as exc:
+                assert exc.pool == "physical" and not yes, f"{rid}: can_admit said yes, then the admission was refused"
+                assert evicted() == before, f"{rid}: a refused admission evicted units"
+                refused += 1
+            else:
+                assert yes, f"{rid}: admitted where can_admit said no"
+                admitted += 1
+                running[rid] = [ids, adm.cached_tokens, len(ids) + int(rng.integers(1, 60))]
+        for rid in list(running):
+            ids, done, end = running[rid]
+            before = evicted()
+            try:
+                if done < len(ids):
+                    n = min(256, len(ids) - done)
+                    cache.extend(rid, n)
+                else:
+                    n = 1
+                    cache.step([rid])
+            except PoolExhaustedError as exc:
+                assert exc.pool == "physical" and evicted() == before, f"{rid}: a refused write evicted units"
+                write_refusals += 1
+                cache.finish(rid)
+                del running[rid]
+                continue
+            running[rid][1] = done + n
+            if done + n >= end:
+                cache.finish(rid, token_ids=np.concatenate([ids, rng.integers(0, 1000, end - len(ids))]))
+                del running[rid]
+        assert cm.physical_bytes <= cap
+        if step % 100 == 0:
+            check_backing(cache)
+    check_backing(cache)
+    assert admitted > 300 and refused > 50 and write_refusals > 20   # (the run is tight: all three happen)
+    assert pc.stats.hit_tokens > 0 and pc.stats.evicted_pages > 0

@@ -25,7 +25,7 @@ import contextlib
 
 import numpy as np
 
-from ..planning.buffers import FULL_PAGES, REQUEST_SLOTS, SWA_PAGES
+from ..planning.buffers import CHECKPOINTS, FULL_PAGES, REQUEST_SLOTS, SWA_PAGES
 from ..checks import request_id as check_request_id, whole
 from ..errors import ConfigError, KvatlasError, PoolExhaustedError, RequestStateError
 from ..planning.model import LayerKind
@@ -384,19 +384,27 @@ class Allocator(Release, Sharing):
         a callable making them from the free lists' peeks. When the backing is out of physical
         memory and a prefix cache holds units, the cache evicts some (`on_need_physical`, more each
         try) and the units are asked for again: pages it gives back free ids in mapped chunks,
-        which lowest-first placement hands out next, and chunks they empty are given up for room."""
+        which lowest-first placement hands out next, and chunks they empty are given up for room.
+        The cache first checks that evicting can make room (the backing's `refused` units, its
+        `fits_after`): if not, it evicts nothing and the refusal stands."""
         tries = 0
         while True:
             try:
                 self.backing.acquire(requests() if callable(requests) else requests)
                 return
             except PoolExhaustedError as exc:
-                if exc.pool == "physical" and self.on_need_physical is not None and self.on_need_physical(tries):
+                if exc.pool == "physical" and self.on_need_physical is not None and self.on_need_physical(tries, exc):
                     tries += 1
                     continue
                 if admission and self.ledger is not None:
                     self.ledger.admission_refusals += 1
                 raise
+
+    def lowest_free(self, group: str, n: int) -> np.ndarray:
+        """The n lowest free ids of an index space handed out lowest-first (a lazily backed
+        arena's): the ids its next units get."""
+        return {FULL_PAGES: self.full, SWA_PAGES: self.swa, CHECKPOINTS: self.ckpt,
+                REQUEST_SLOTS: self.slots}[group].peek(n)
 
     def _page_requests(self, full, swa) -> list:
         """The page ids the coming _take_full/_take_swa will pop, by index space."""

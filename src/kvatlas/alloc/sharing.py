@@ -100,7 +100,7 @@ class Sharing:
         self._no_eviction = None      # (pass, epoch) in which the cache had no resume point to evict
         self.on_capture = None        # prefix cache: (slots, boundaries, units, swa_pages[tail, m])
         self.on_need_checkpoint = None  # prefix cache: free one unit by eviction, or False
-        self.on_need_physical = None    # prefix cache: evict for physical memory (vmm cap), or False
+        self.on_need_physical = None    # prefix cache: (tries, refusal) → evicted for physical memory (vmm cap), or False
         self.on_slot_end = None       # prefix cache: a request it may know of leaves its slot
         self.on_pass_over = None      # prefix cache: a pass is over, its pages committed (None: nothing to share)
 

@@ -268,8 +268,10 @@ class PrefixCache:
         short = self.alloc._admission_shortfall(total, m.resume_pages)
         if short is None:
             return True
-        if short.pool == "physical":   # (vmm under max_physical_bytes) pages or points to evict
-            return self._evictable_units()
+        if short.pool == "physical":   # (vmm under max_physical_bytes) what eviction would free
+            hit = m.path[:m.resume_pages]
+            keep = self._tree.ckpt[hit[-1]] if hit and m.writer is None else None
+            return self._makes_room(keep, hit)
         return short.pool == "full_pages" and need <= room
 
     # ---------------------------------------------------------------- the waiting queue
@@ -364,7 +366,7 @@ class PrefixCache:
                 self.tree.evict_pages(need - self.alloc.free_full_pages())
                 short = self.alloc._admission_shortfall(total, j)
             tries, keep = 0, (self._tree.ckpt[hit[-1]] if hit and m.writer is None else None)
-            while short is not None and short.pool == "physical" and self._need_physical(tries, keep):
+            while short is not None and short.pool == "physical" and self._need_physical(tries, short, keep):
                 tries += 1
                 short = self.alloc._admission_shortfall(total, j)
             adm = self.alloc.admit(request_id, prompt_tokens, max_new_tokens, shared=self._shared(hit, m.writer))
@@ -703,16 +705,66 @@ class PrefixCache:
                 return True
         return False
 
-    def _need_physical(self, tries: int, keep=None) -> bool:
+    def _need_physical(self, tries: int, short=None, keep=None) -> bool:
         """The backing is out of physical memory (vmm under max_physical_bytes): evict what no
         running request reads, 1, 2, 4, … pages a try in eviction order (the caller asks again
         after each; a page given back frees an id in a mapped chunk, and a chunk it empties is
         given up for room), then resume points one a try, never `keep` (the point an admission
         in progress resumes at). False when nothing is left to evict. Without it, cached pages
-        held every chunk the cap allows and nothing was ever admitted again."""
+        held every chunk the cap allows and nothing was ever admitted again. `short` (the
+        refusal, at the first try): nothing is evicted unless evicting everything evictable
+        would free the chunks it misses (`_makes_room`), so a refusal eviction cannot mend
+        leaves the cache as it was (it used to empty the cache first, for nothing)."""
+        if tries == 0 and short is not None and not self._makes_room(keep):
+            return False
         if self._tree.evict_pages(1 << min(tries, 30)):
             return True
         return self._need_checkpoint(keep)
+
+    def _makes_room(self, keep=None, held=()) -> bool:
+        """Whether evicting every unit eviction may take (`_evictable`: not `keep`, nor the pages
+        `held`, an admission's hit) would let the units just refused for physical memory fit.
+        Exact on the vmm backend under its cap (`ChunkMap.fits_after`: the chunks that eviction
+        empties, and the ids it frees, which lowest-first placement hands out next); otherwise
+        (the device out of memory), whether anything is evictable."""
+        backing = self.alloc.backing
+        refused = getattr(backing, "refused", None)
+        if refused is None:
+            return self._evictable_units()
+        return backing.fits_after(refused, self._evictable(keep, held), self.alloc.lowest_free)
+
+    def _evictable(self, keep=None, held=()) -> list:
+        """(index space, unit ids) of what evicting everything evictable now would give back:
+        the full pages no running request reads (not `held`), the units of every resume point on
+        the tree and of the intermediate ones running requests kept (not `keep`), and the SWA
+        pages of those points nobody else holds (no window reads them, no other capture pins
+        them, `keep` does not share them)."""
+        t = self.tree
+        n = min(t.base, len(t.refs))
+        pages = np.flatnonzero((t.depth[:n] > 0) & (t.refs[:n] == 0))
+        if len(held) and len(pages):
+            pages = pages[~np.isin(pages, np.asarray(held, np.int64))]
+        points = [ck for ck in t.ckpt if ck is not None and ck is not keep]
+        seen, inter, live = set(), [], deque()
+        for req, ck in self._intermediate:   # stale entries (placed, dropped, evicted) go now
+            if ck.node is None and ck.unit > 0 and id(ck) not in seen and ck in req.kept:
+                seen.add(id(ck))
+                live.append((req, ck))
+                if ck is not keep:
+                    inter.append(ck)
+        self._intermediate = live
+        out = [(FULL_PAGES, pages), (CHECKPOINTS, np.array([ck.unit for ck in points + inter], np.int64))]
+        a = self.alloc
+        if a.swa is not None and (points or inter):
+            cand = np.unique(np.concatenate([np.asarray(ck.swa_pages, np.int64).ravel() for ck in points + inter]))
+            pins = np.zeros(len(a.swa_refs), np.int64)   # an intermediate point holds a pin on each page
+            for ck in inter:
+                np.add.at(pins, np.asarray(ck.swa_pages, np.int64).ravel(), 1)
+            cand = cand[(cand > 0) & (a.swa_refs[cand] == pins[cand])]
+            if keep is not None and len(cand):
+                cand = cand[~np.isin(cand, np.asarray(keep.swa_pages, np.int64).ravel())]
+            out.append((SWA_PAGES, cand))
+        return out
 
     def _evictable_units(self) -> bool:
         """Whether the cache holds anything eviction could give back (pages no running request

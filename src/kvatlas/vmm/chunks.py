@@ -81,6 +81,7 @@ class ChunkMap:
         self._adds: list = []    # (group, ids) acquired since the last settle: not yet in refs
         self._subs: list = []    # (group, ids) released since the last settle: not yet in refs
         self._pending = 0        # units in _adds and _subs
+        self.refused = None      # (group, ids) of the last units refused for the cap (fits_after)
 
     # ---------------------------------------------------------------- exact views
     @property
@@ -128,7 +129,43 @@ class ChunkMap:
         if self.max_chunks is None:
             return None
         self.settle()   # the cap counts live chunks exactly
-        return self._cap_shortfall(self._chunks(requests))
+        short = self._cap_shortfall(self._chunks(requests))
+        if short is not None:
+            self.refused = list(requests)
+        return short
+
+    def fits_after(self, requests, freed, lowest) -> bool:
+        """Whether units `requests` ((group, ids) pairs: the last refused, `refused`) would fit
+        under max_physical_bytes once every unit of `freed` (pairs, each id once) were let go:
+        the chunks those leave with nothing live are given up, and a group whose ids go out
+        lowest-first (`lowest(group, n)`: its n lowest free ids now) hands out the lowest of its
+        free and freed ids instead, which may lie in chunks mapped now. What eviction could
+        mend, asked before anything is evicted (the prefix cache under the cap). Changes
+        nothing (a settle may run: no one can tell)."""
+        if self.max_chunks is None:
+            return True
+        self.settle()
+        refs, n = self._refs, len(self._refs)
+        gone = np.zeros(n, bool)
+        lost = 0
+        freed_by = {}
+        for group, ids in freed:
+            if len(ids):
+                freed_by.setdefault(group, []).append(np.asarray(ids, np.int64))
+        chunks = self._chunks([(g, np.concatenate(f)) for g, f in freed_by.items()])
+        if len(chunks):
+            gone = (np.bincount(chunks, minlength=n) == refs) & (refs > 0)
+            gone[-1] = False   # (the sentinel)
+            lost = int(np.count_nonzero(gone))
+        parts = []
+        for group, ids in requests:
+            f = freed_by.get(group)
+            if f is not None and len(ids):
+                ids = np.sort(np.concatenate([lowest(group, len(ids))] + f))[:len(ids)]
+            parts.append((group, ids))
+        want = self._chunks(parts)
+        need = len(_distinct(want[~self._live[want] | gone[want]])) if len(want) else 0
+        return self._num_live - lost + need <= self.max_chunks
 
     def _revive(self, chunks: np.ndarray) -> list:
         """The chunks among these that are not live now (retained or unmapped), once each, ascending."""
@@ -184,6 +221,7 @@ class ChunkMap:
         chunks = self._chunks(requests)
         short = self._cap_shortfall(chunks)
         if short is not None:
+            self.refused = list(requests)
             raise short
         revive = self._revive(chunks)
         mapped = self._mapped
@@ -232,6 +270,7 @@ class ChunkMap:
                 raise self._oom(new, second) from None
 
     def _oom(self, new: list, err) -> PoolExhaustedError:
+        self.refused = None   # (the device's memory, not the cap: what eviction frees is not known here)
         return PoolExhaustedError("physical", len(new) << self.shift, 0, "bytes",
                                   f"the device is out of memory ({err}); nothing was mapped")
 
