@@ -739,7 +739,7 @@ class PrefixCache:
         the tree and of the intermediate ones running requests kept (not `keep`), and the SWA
         pages of those points nobody else holds (no window reads them, no other capture pins
         them, `keep` does not share them)."""
-        t = self.tree
+        t = self._tree   # (not `tree`: sharing what passes wrote is not this question's to do)
         n = min(t.base, len(t.refs))
         pages = np.flatnonzero((t.depth[:n] > 0) & (t.refs[:n] == 0))
         if len(held) and len(pages):
