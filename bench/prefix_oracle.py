@@ -1,0 +1,180 @@
+"""kvatlas's eviction against an oracle's on the shared trace, concurrent, one budget: how far
+below what eviction could reach with the future known the cache hits.
+
+Every run is `bench/prefix_vllm.py`'s concurrent kvatlas run (the trace's arrivals, prefix-first
+admission over `--window` waiting requests, V4-Flash, resume points a `--share` of the budget,
+`--max-running` slots); only the eviction order differs (`--evictions`, each one run):
+- kvatlas: as shipped (LRU with reuse credit, leaves first, queue-aware: pages and points a
+  waiting request would read go last);
+- oracle: Belady's rule over the trace's future: the idle leaf page, and the resume point, whose
+  next reader (the earliest request not yet admitted whose prompt holds its key) comes latest go
+  first, never-read-again ones before all. Each entry is ranked as it is pushed (when its node
+  becomes an idle leaf or is read); a request admitted without reading a page it holds does not
+  re-rank it, so this is an approximation of Belady's, not a proof of a bound: it shows what a
+  rule that knew the future would gain here;
+- oracle-pages / oracle-points: the oracle's order for pages only (points as shipped) / for
+  resume points only;
+- read-first: pages never read since written go before every page read at least once (LRU
+  within each), a rule that needs no future.
+
+    cd bench && python prefix_oracle.py --trace ../shared/traces/mooncake_synthetic.jsonl [--budget 16] \
+        [--evictions kvatlas,oracle,oracle-pages,oracle-points,read-first]
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+import kvatlas
+from kvatlas.driving.sim import Simulator
+from kvatlas.prefix.tree import Tree
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import prefix_hit  # noqa: E402
+import prefix_vllm  # noqa: E402
+
+NEVER = 1 << 40
+
+
+class Future:
+    """Each page key's readers in arrival order, and which have been admitted."""
+
+    def __init__(self, cache, requests) -> None:
+        uses: dict[int, list] = {}
+        self.index = {r.id: i for i, r in enumerate(requests)}
+        for i, r in enumerate(requests):
+            ids = r.token_ids()
+            if ids is None:
+                continue
+            for k in cache.prefix.prompt_keys(ids, r.prompt_tokens).keys.tolist():
+                uses.setdefault(k, []).append(i)
+        self.uses = uses
+        self.cursor = dict.fromkeys(uses, 0)
+        self.admitted = np.zeros(len(requests), bool)
+
+    def next_use(self, key: int) -> int:
+        readers = self.uses.get(key)
+        if readers is None:
+            return NEVER
+        c, admitted = self.cursor[key], self.admitted
+        while c < len(readers) and admitted[readers[c]]:
+            c += 1
+        self.cursor[key] = c
+        return readers[c] if c < len(readers) else NEVER
+
+
+def oracle_tree(future: Future):
+    """Tree._push_page / _push_ckpt ranking by next use instead of last use (the entries keep
+    their shapes, so the tree's own staleness checks hold)."""
+
+    def push_page(self, i: int):
+        if self.base and self.refs[i] == 0 and self.children[i] == 0:
+            self._seq += 1
+            stamp = int(self.last_used[i])
+            used = -future.next_use(int(self.key[i]))   # furthest next use pops first
+            self.due[i] = used
+            entry = (used, self._seq, stamp, i, int(self.gen[i]))
+            heapq.heappush(self._pages, entry)
+            return entry
+        return None
+
+    def push_ckpt(self, ck) -> None:
+        self._seq += 1
+        heapq.heappush(self._ckpts, (-future.next_use(int(self.key[ck.node])), ck.last_used, self._seq, ck))
+
+    return push_page, push_ckpt
+
+
+def read_first(self, i: int):
+    """Tree._push_page where a page read at least once ranks after every page never read."""
+    if self.base and self.refs[i] == 0 and self.children[i] == 0:
+        self._seq += 1
+        stamp = used = int(self.last_used[i])
+        if used > self._now:
+            self._now = used
+        if int(self.reads[i]):
+            used += NEVER
+        self.due[i] = used
+        entry = (used, self._seq, stamp, i, int(self.gen[i]))
+        heapq.heappush(self._pages, entry)
+        return entry
+    return None
+
+
+EVICTIONS = ("kvatlas", "oracle", "oracle-pages", "oracle-points", "read-first")
+
+
+def run(p, requests, window: int, eviction: str) -> dict:
+    cache = kvatlas.allocate(p, backend="none")
+    future = Future(cache, requests) if eviction.startswith("oracle") else None
+    saved = Tree._push_page, Tree._push_ckpt
+    hits = np.zeros(len(requests), np.int64)
+    admit = cache.admit
+    index = {r.id: i for i, r in enumerate(requests)}
+
+    def admit_recorded(rid, *args, **kwargs):
+        if future is not None:
+            future.admitted[index[rid]] = True
+        adm = admit(rid, *args, **kwargs)
+        hits[index[rid]] = adm.cached_tokens
+        return adm
+
+    cache.admit = admit_recorded
+    try:
+        if future is not None:
+            pages, points = oracle_tree(future)
+            if eviction != "oracle-points":
+                Tree._push_page = pages
+            if eviction != "oracle-pages":
+                Tree._push_ckpt = points
+        elif eviction == "read-first":
+            Tree._push_page = read_first
+        sim = Simulator(cache, requests, record=False, time_model=prefix_vllm.default_time_model(),
+                        admission_window=window, queue_aware_eviction=future is None)
+        t0 = time.perf_counter()
+        sim.run_offline()
+        cache.check_integrity()
+    finally:
+        Tree._push_page, Tree._push_ckpt = saved
+    prompt = sum(r.prompt_tokens for r in requests)
+    return {"hit": int(hits.sum()) / prompt, "passes": sim.stats.steps, "peak_running": sim.stats.peak_running,
+            "ttft": sim.latency.summary()["all"]["ttft_s"]["mean"], "evicted": cache.prefix.stats.evicted_pages,
+            "seconds": time.perf_counter() - t0}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--trace", type=Path, required=True)
+    ap.add_argument("--budget", type=int, default=16, help="GiB (default 16)")
+    ap.add_argument("--share", type=float, default=0.15, help="resume points' share of the budget (default 0.15)")
+    ap.add_argument("--max-running", type=int, default=256)
+    ap.add_argument("--window", type=int, default=4096, help="prefix-first admission window (default 4,096)")
+    ap.add_argument("--evictions", default="kvatlas,oracle", help=f"runs, of {', '.join(EVICTIONS)} "
+                    "(default kvatlas,oracle)")
+    args = ap.parse_args()
+    evictions = args.evictions.split(",")
+    for e in evictions:
+        if e not in EVICTIONS:
+            ap.error(f"--evictions: {e!r} is not one of {', '.join(EVICTIONS)}")
+    p = prefix_hit.make_plan(args.budget, args.share, max_running_requests=args.max_running)
+    _, requests = prefix_vllm.load(args.trace, 0)
+    rows = [(name, run(p, requests, args.window, name)) for name in evictions]
+    print(f"{args.budget} GiB, {args.max_running} running at most, window {args.window}, share {args.share} "
+          f"({p.options.prefix_checkpoints} resume points)")
+    print("| eviction | hit (prompt tokens) | passes | TTFT mean s | peak running | pages evicted |")
+    print("|---|---|---|---|---|---|")
+    for name, r in rows:
+        print(f"| {name} | {r['hit']:.2%} | {r['passes']:,} | {r['ttft']:.2f} | {r['peak_running']} | {r['evicted']:,} |")
+    got = dict(rows)
+    if "kvatlas" in got and "oracle" in got:
+        print(f"kvatlas / oracle: {got['kvatlas']['hit'] / got['oracle']['hit']:.4f}")
+
+
+if __name__ == "__main__":
+    main()
