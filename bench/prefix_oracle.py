@@ -15,10 +15,12 @@ admission over `--window` waiting requests, V4-Flash, resume points a `--share` 
 - oracle-pages / oracle-points: the oracle's order for pages only (points as shipped) / for
   resume points only;
 - read-first: pages never read since written go before every page read at least once (LRU
-  within each), a rule that needs no future.
+  within each), a rule that needs no future;
+- kvatlas-wW (`--reuse-weights`): kvatlas's own order with reuse credit weight W (the shipped
+  0.5: `allocate(..., prefix_reuse_weight=W)`; 0 is plain LRU, leaves first).
 
     cd bench && python prefix_oracle.py --trace ../shared/traces/mooncake_synthetic.jsonl [--budget 16] \
-        [--evictions kvatlas,oracle,oracle-pages,oracle-points,read-first]
+        [--evictions kvatlas,oracle,oracle-pages,oracle-points,read-first] [--reuse-weights 0,1,2]
 """
 
 from __future__ import annotations
@@ -111,7 +113,8 @@ EVICTIONS = ("kvatlas", "oracle", "oracle-pages", "oracle-points", "read-first")
 
 
 def run(p, requests, window: int, eviction: str) -> dict:
-    cache = kvatlas.allocate(p, backend="none")
+    weight = float(eviction[len("kvatlas-w"):]) if eviction.startswith("kvatlas-w") else None
+    cache = kvatlas.allocate(p, backend="none", **({} if weight is None else {"prefix_reuse_weight": weight}))
     future = Future(cache, requests) if eviction.startswith("oracle") else None
     saved = Tree._push_page, Tree._push_ckpt
     hits = np.zeros(len(requests), np.int64)
@@ -157,10 +160,12 @@ def main() -> None:
     ap.add_argument("--window", type=int, default=4096, help="prefix-first admission window (default 4,096)")
     ap.add_argument("--evictions", default="kvatlas,oracle", help=f"runs, of {', '.join(EVICTIONS)} "
                     "(default kvatlas,oracle)")
+    ap.add_argument("--reuse-weights", default="", help="also kvatlas's order at these reuse-credit weights, "
+                    "e.g. 0,1,2 (the shipped weight is 0.5)")
     args = ap.parse_args()
-    evictions = args.evictions.split(",")
+    evictions = args.evictions.split(",") + [f"kvatlas-w{w}" for w in args.reuse_weights.split(",") if w]
     for e in evictions:
-        if e not in EVICTIONS:
+        if e not in EVICTIONS and not e.startswith("kvatlas-w"):
             ap.error(f"--evictions: {e!r} is not one of {', '.join(EVICTIONS)}")
     p = prefix_hit.make_plan(args.budget, args.share, max_running_requests=args.max_running)
     _, requests = prefix_vllm.load(args.trace, 0)
