@@ -1,10 +1,11 @@
 """The prefix cache under a physical cap (vmm `max_physical_bytes`), against the same cache with
 no cap, on one scripted workload: what the cap costs in hits, and how refusals behave.
 
-The workload (one seed, the same for every cap): up to 12 running tiny-v4 requests, each a
-512-token system prompt out of six and 64-1,100 tokens of its own, 1-59 tokens generated; a
-prefill in 256-token chunks, then one token a step. A write refused for physical memory ends its
-request (an engine would preempt it). The backing is the CPU stand-in driver (64 KiB chunks): a
+The workload (one seed, the same for every cap; tests/lifecycle.py's serve_shared_prompts, which
+a vmm test runs too): up to 12 running tiny-v4 requests, each a 512-token system prompt out of
+six and 64-1,099 tokens of its own, 1-59 tokens generated; a prefill in 256-token chunks, then
+one token a step. A write refused for physical memory ends its request (an engine would preempt
+it). The backing is the CPU stand-in driver (64 KiB chunks): a
 plan of 256 MiB, capped below it.
 
 Per cap: admissions, admissions refused (and of those, refused after `can_admit` said yes, and
@@ -18,14 +19,16 @@ and hits against the uncapped run. Before the change that checks eviction can ma
 from __future__ import annotations
 
 import argparse
+import sys
 import time
-
-import numpy as np
+from pathlib import Path
 
 import kvatlas
-from kvatlas import PoolExhaustedError
 from kvatlas.errors import IntegrityError
 from kvatlas.vmm import StandInDriver, VmmBackend
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from lifecycle import serve_shared_prompts  # noqa: E402  (the same workload as the vmm test's)
 
 CHUNK = 64 << 10
 
@@ -37,50 +40,27 @@ def run(cap_mib: int | None, steps: int, seed: int) -> dict:
                          max_physical_bytes=None if cap_mib is None else cap_mib << 20)
     cache = kvatlas.allocate(p, backend=backend)
     pc = cache.prefix
-    rng = np.random.default_rng(seed)
-    systems = [rng.integers(0, 1000, 512) for _ in range(6)]
     out = dict.fromkeys(("admitted", "refused", "refused_after_yes", "refused_evicting", "write_refused",
                          "write_refused_evicting"), 0)
-    running: dict = {}
 
     def evicted():
         s = pc.stats
         return s.evicted_pages, s.evicted_checkpoints, s.checkpoints_dropped
 
+    def admission(rid, yes, refusal, changed):
+        if refusal is None:
+            out["admitted"] += 1
+        else:
+            out["refused"] += 1
+            out["refused_after_yes"] += yes
+            out["refused_evicting"] += changed
+
+    def write_refused(rid, refusal, changed):
+        out["write_refused"] += 1
+        out["write_refused_evicting"] += changed
+
     t0 = time.perf_counter()
-    for step in range(steps):
-        if len(running) < 12 and rng.random() < 0.5:
-            ids = np.concatenate([systems[rng.integers(6)], rng.integers(0, 1000, int(rng.integers(64, 1100)))])
-            rid, yes, before = f"r{step}", cache.can_admit(len(ids), 64, token_ids=ids), evicted()
-            try:
-                adm = cache.admit(rid, len(ids), 64, token_ids=ids)
-            except PoolExhaustedError:
-                out["refused"] += 1
-                out["refused_after_yes"] += yes
-                out["refused_evicting"] += evicted() != before
-            else:
-                out["admitted"] += 1
-                running[rid] = [ids, adm.cached_tokens, len(ids) + int(rng.integers(1, 60))]
-        for rid in list(running):
-            ids, done, end = running[rid]
-            before = evicted()
-            try:
-                if done < len(ids):
-                    n = min(256, len(ids) - done)
-                    cache.extend(rid, n)
-                else:
-                    n = 1
-                    cache.step([rid])
-            except PoolExhaustedError:
-                out["write_refused"] += 1
-                out["write_refused_evicting"] += evicted() != before
-                cache.finish(rid)
-                del running[rid]
-                continue
-            running[rid][1] = done + n
-            if done + n >= end:
-                cache.finish(rid, token_ids=np.concatenate([ids, rng.integers(0, 1000, end - len(ids))]))
-                del running[rid]
+    serve_shared_prompts(cache, steps, seed, evicted, admission, write_refused)
     try:
         cache.check_integrity()
         out["books"] = "exact"

@@ -1,7 +1,8 @@
 """One lifecycle call on a running request, chosen by (op, x): shared by the property tests of
 the allocator and of the vmm backend, so both drive the cache the same way. And a run of
 conversation turns one at a time (serve_turns), shared by the vmm tests on the stand-in and on
-the GPU."""
+the GPU; and concurrent requests over shared system prompts (serve_shared_prompts), shared by a
+vmm test and bench/prefix_cap.py."""
 
 import numpy as np
 
@@ -45,3 +46,50 @@ def serve_turns(cache, requests: int, first: int, more: int, chunk: int, seed: i
             cache.extend(i, min(chunk, n - at))
         cache.finish(i, token_ids=prompt)
         after(cache)
+
+
+def serve_shared_prompts(cache, steps: int, seed: int, state, on_admission, on_write_refused, after_step=None) -> None:
+    """Up to 12 running requests, each a 512-token system prompt out of six and 64-1,099 tokens of
+    its own, 1-59 tokens generated: half the steps try an admission (`can_admit` first, then
+    `admit` whatever it said), then every running request writes a 256-token prefill chunk or a
+    token. A write refused (PoolExhaustedError) ends its request, as an engine would preempt it.
+    state(): a snapshot compared before and after each call. on_admission(rid, yes, refusal or
+    None, changed): after each admission tried; on_write_refused(rid, refusal, changed); and
+    after_step(step), if given."""
+    from kvatlas import PoolExhaustedError
+
+    rng = np.random.default_rng(seed)
+    systems = [rng.integers(0, 1000, 512) for _ in range(6)]
+    running: dict = {}
+    for step in range(steps):
+        if len(running) < 12 and rng.random() < 0.5:
+            ids = np.concatenate([systems[rng.integers(6)], rng.integers(0, 1000, int(rng.integers(64, 1100)))])
+            rid, yes, before = f"r{step}", cache.can_admit(len(ids), 64, token_ids=ids), state()
+            try:
+                adm = cache.admit(rid, len(ids), 64, token_ids=ids)
+            except PoolExhaustedError as exc:
+                on_admission(rid, yes, exc, state() != before)
+            else:
+                on_admission(rid, yes, None, state() != before)
+                running[rid] = [ids, adm.cached_tokens, len(ids) + int(rng.integers(1, 60))]
+        for rid in list(running):
+            ids, done, end = running[rid]
+            before = state()
+            try:
+                if done < len(ids):
+                    n = min(256, len(ids) - done)
+                    cache.extend(rid, n)
+                else:
+                    n = 1
+                    cache.step([rid])
+            except PoolExhaustedError as exc:
+                on_write_refused(rid, exc, state() != before)
+                cache.finish(rid)
+                del running[rid]
+                continue
+            running[rid][1] = done + n
+            if done + n >= end:
+                cache.finish(rid, token_ids=np.concatenate([ids, rng.integers(0, 1000, end - len(ids))]))
+                del running[rid]
+        if after_step is not None:
+            after_step(step)

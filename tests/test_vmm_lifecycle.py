@@ -17,7 +17,7 @@ import kvatlas  # noqa: E402
 from kvatlas import KvatlasError, PoolExhaustedError  # noqa: E402
 from kvatlas.planning.buffers import FULL_PAGES, REQUEST_SLOTS, SWA_PAGES  # noqa: E402
 from kvatlas.vmm import StandInDriver, VmmBackend  # noqa: E402
-from lifecycle import apply_op, serve_turns  # noqa: E402
+from lifecycle import apply_op, serve_shared_prompts, serve_turns  # noqa: E402
 
 G = 64 << 10
 OPTS = dict(chunked_prefill_tokens=300, draft_tokens=3)
@@ -296,51 +296,31 @@ def test_prefix_cache_refusals_under_the_cap_evict_nothing():
     backend = VmmBackend(StandInDriver(granularity=G), keep_empty_chunks=2, max_physical_bytes=cap, chunk_bytes=G)
     cache = kvatlas.allocate(p, backend=backend)
     cm, pc = chunkmap(cache), cache.prefix
-    rng = np.random.default_rng(0)
-    systems = [rng.integers(0, 1000, 512) for _ in range(6)]
-    running, refused, admitted, write_refusals = {}, 0, 0, 0
+    n = dict(admitted=0, refused=0, write_refusals=0)
 
     def evicted():
         s = pc.stats
         return s.evicted_pages, s.evicted_checkpoints, s.checkpoints_dropped, cache.prefix.tree.idle_pages
 
-    for step in range(1200):
-        if len(running) < 12 and rng.random() < 0.5:
-            ids = np.concatenate([systems[rng.integers(6)], rng.integers(0, 1000, int(rng.integers(64, 1100)))])
-            rid, yes, before = f"r{step}", cache.can_admit(len(ids), 64, token_ids=ids), evicted()
-            try:
-                adm = cache.admit(rid, len(ids), 64, token_ids=ids)
-            except PoolExhaustedError as exc:
-                assert exc.pool == "physical" and not yes, f"{rid}: can_admit said yes, then the admission was refused"
-                assert evicted() == before, f"{rid}: a refused admission evicted units"
-                refused += 1
-            else:
-                assert yes, f"{rid}: admitted where can_admit said no"
-                admitted += 1
-                running[rid] = [ids, adm.cached_tokens, len(ids) + int(rng.integers(1, 60))]
-        for rid in list(running):
-            ids, done, end = running[rid]
-            before = evicted()
-            try:
-                if done < len(ids):
-                    n = min(256, len(ids) - done)
-                    cache.extend(rid, n)
-                else:
-                    n = 1
-                    cache.step([rid])
-            except PoolExhaustedError as exc:
-                assert exc.pool == "physical" and evicted() == before, f"{rid}: a refused write evicted units"
-                write_refusals += 1
-                cache.finish(rid)
-                del running[rid]
-                continue
-            running[rid][1] = done + n
-            if done + n >= end:
-                cache.finish(rid, token_ids=np.concatenate([ids, rng.integers(0, 1000, end - len(ids))]))
-                del running[rid]
+    def admission(rid, yes, refusal, changed):
+        if refusal is not None:
+            assert refusal.pool == "physical" and not yes, f"{rid}: can_admit said yes, then the admission was refused"
+            assert not changed, f"{rid}: a refused admission evicted units"
+            n["refused"] += 1
+        else:
+            assert yes, f"{rid}: admitted where can_admit said no"
+            n["admitted"] += 1
+
+    def write_refused(rid, refusal, changed):
+        assert refusal.pool == "physical" and not changed, f"{rid}: a refused write evicted units"
+        n["write_refusals"] += 1
+
+    def after_step(step):
         assert cm.physical_bytes <= cap
         if step % 100 == 0:
             check_backing(cache)
+
+    serve_shared_prompts(cache, 1200, 0, evicted, admission, write_refused, after_step)
     check_backing(cache)
-    assert admitted > 300 and refused > 50 and write_refusals > 20   # (the run is tight: all three happen)
+    assert n["admitted"] > 300 and n["refused"] > 50 and n["write_refusals"] > 20   # (tight: all three happen)
     assert pc.stats.hit_tokens > 0 and pc.stats.evicted_pages > 0
