@@ -28,13 +28,11 @@ from __future__ import annotations
 import argparse
 import heapq
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 
 import kvatlas
-from kvatlas.driving.sim import Simulator
 from kvatlas.prefix.tree import Tree
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -117,18 +115,14 @@ def run(p, requests, window: int, eviction: str) -> dict:
     cache = kvatlas.allocate(p, backend="none", **({} if weight is None else {"prefix_reuse_weight": weight}))
     future = Future(cache, requests) if eviction.startswith("oracle") else None
     saved = Tree._push_page, Tree._push_ckpt
-    hits = np.zeros(len(requests), np.int64)
-    admit = cache.admit
-    index = {r.id: i for i, r in enumerate(requests)}
+    if future is not None:   # (marked before the admission: it reads the pages, not their next use)
+        admit, index = cache.admit, future.index
 
-    def admit_recorded(rid, *args, **kwargs):
-        if future is not None:
+        def admit_marked(rid, *args, **kwargs):
             future.admitted[index[rid]] = True
-        adm = admit(rid, *args, **kwargs)
-        hits[index[rid]] = adm.cached_tokens
-        return adm
+            return admit(rid, *args, **kwargs)
 
-    cache.admit = admit_recorded
+        cache.admit = admit_marked
     try:
         if future is not None:
             pages, points = oracle_tree(future)
@@ -138,17 +132,13 @@ def run(p, requests, window: int, eviction: str) -> dict:
                 Tree._push_ckpt = points
         elif eviction == "read-first":
             Tree._push_page = read_first
-        sim = Simulator(cache, requests, record=False, time_model=prefix_vllm.default_time_model(),
-                        admission_window=window, queue_aware_eviction=future is None)
-        t0 = time.perf_counter()
-        sim.run_offline()
-        cache.check_integrity()
+        r = prefix_vllm.kvatlas_concurrent(p, requests, prefix_vllm.default_time_model(), window=window,
+                                           queue_aware=future is None, cache=cache)
     finally:
         Tree._push_page, Tree._push_ckpt = saved
-    prompt = sum(r.prompt_tokens for r in requests)
-    return {"hit": int(hits.sum()) / prompt, "passes": sim.stats.steps, "peak_running": sim.stats.peak_running,
-            "ttft": sim.latency.summary()["all"]["ttft_s"]["mean"], "evicted": cache.prefix.stats.evicted_pages,
-            "seconds": time.perf_counter() - t0}
+    return {"hit": int(r["hits"].sum()) / sum(x.prompt_tokens for x in requests), "passes": r["passes"],
+            "peak_running": r["peak_running"], "ttft": r["ttft_s"]["mean"],
+            "evicted": cache.prefix.stats.evicted_pages}
 
 
 def main() -> None:

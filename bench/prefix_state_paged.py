@@ -18,11 +18,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import kvatlas
-from kvatlas.driving.sim import Simulator
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import prefix_hit  # noqa: E402
@@ -49,23 +47,11 @@ def run(p, requests, state_pages: int) -> dict:
     extra = state_pages * p.page_tokens   # reserved as if generated: pages held until the request ends
     can_admit, admit = cache.can_admit, cache.admit
     cache.can_admit = lambda prompt, new=0, **kw: can_admit(prompt, new + extra, **kw)
-    hits = []
-
-    def admit_reserving(rid, prompt, new=0, **kw):
-        adm = admit(rid, prompt, new + extra, **kw)
-        hits.append(adm.cached_tokens)
-        return adm
-
-    cache.admit = admit_reserving
-    sim = Simulator(cache, requests, record=False, time_model=prefix_vllm.default_time_model(),
-                    admission_window=WINDOW, queue_aware_eviction=True)
-    t0 = time.perf_counter()
-    sim.run_offline()
-    cache.check_integrity()
-    prompt = sum(r.prompt_tokens for r in requests)
-    return {"pages": p.num_full_pages, "hit": sum(hits) / prompt, "passes": sim.stats.steps,
-            "ttft": sim.latency.summary()["all"]["ttft_s"]["mean"], "peak_running": sim.stats.peak_running,
-            "evicted_awaited": cache.prefix.stats.evicted_awaited_pages, "seconds": time.perf_counter() - t0}
+    cache.admit = lambda rid, prompt, new=0, **kw: admit(rid, prompt, new + extra, **kw)
+    r = prefix_vllm.kvatlas_concurrent(p, requests, prefix_vllm.default_time_model(), window=WINDOW, cache=cache)
+    return {"pages": p.num_full_pages, "hit": int(r["hits"].sum()) / sum(x.prompt_tokens for x in requests),
+            "passes": r["passes"], "ttft": r["ttft_s"]["mean"], "peak_running": r["peak_running"],
+            "evicted_awaited": r["evicted_awaited_pages"]}
 
 
 def main() -> None:

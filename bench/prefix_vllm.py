@@ -96,8 +96,12 @@ def kvatlas_sequential(p, trace, reuse: float | None = None) -> dict:
 
 
 def kvatlas_concurrent(p, requests, tm: TimeModel, share: str = "written", hold: int | None = None,
-                       window: int | None = None, reuse: float | None = None, queue_aware: bool = True) -> dict:
-    cache = kvatlas.allocate(p, backend="none", **({} if reuse is None else {"prefix_reuse_weight": reuse}))
+                       window: int | None = None, reuse: float | None = None, queue_aware: bool = True,
+                       cache=None) -> dict:
+    """cache: one the caller allocated (backend "none"; its calls may be wrapped: the other
+    prefix benches change what eviction or admission does), else one of plan p."""
+    if cache is None:
+        cache = kvatlas.allocate(p, backend="none", **({} if reuse is None else {"prefix_reuse_weight": reuse}))
     cache.prefix.share_as_written = share == "written"
     index = {r.id: i for i, r in enumerate(requests)}
     hits = np.zeros(len(requests), np.int64)
