@@ -17,10 +17,17 @@ admission over `--window` waiting requests, V4-Flash, resume points a `--share` 
 - read-first: pages never read since written go before every page read at least once (LRU
   within each), a rule that needs no future;
 - kvatlas-wW (`--reuse-weights`): kvatlas's own order with reuse credit weight W (the shipped
-  0.5: `allocate(..., prefix_reuse_weight=W)`; 0 is plain LRU, leaves first).
+  0.5: `allocate(..., prefix_reuse_weight=W)`; 0 is plain LRU, leaves first);
+- kvatlas-cC-wW (`--reuse-caps C:W,...`): the same with reads counted up to C (the shipped 4):
+  C=1 with a large W tends to read-first, except that the credit is in lifetimes;
+- floor-F (`--idle-floors`): kvatlas's order, and an admission past 8 running requests waits
+  while it would leave fewer than F of the full pages idle in the cache (a floor the running
+  requests may not take): fewer running requests when the cache is under pressure, the plan's
+  slots unchanged.
 
     cd bench && python prefix_oracle.py --trace ../shared/traces/mooncake_synthetic.jsonl [--budget 16] \
-        [--evictions kvatlas,oracle,oracle-pages,oracle-points,read-first] [--reuse-weights 0,1,2]
+        [--evictions kvatlas,oracle,oracle-pages,oracle-points,read-first] [--reuse-weights 0,1,2] \
+        [--reuse-caps 1:1,1:8] [--idle-floors 0.2,0.5,0.8]
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ from pathlib import Path
 import numpy as np
 
 import kvatlas
+import kvatlas.prefix.tree as tree_module
 from kvatlas.prefix.tree import Tree
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -108,13 +116,43 @@ def read_first(self, i: int):
 
 
 EVICTIONS = ("kvatlas", "oracle", "oracle-pages", "oracle-points", "read-first")
+FLOOR_FROM = 8   # floor-F: running requests admitted whatever the floor
+
+
+def idle_floor(cache, floor: float) -> None:
+    """cache.can_admit, and past FLOOR_FROM running requests also no while the admission would
+    leave fewer than `floor` of the full pages idle in the cache (floor-F in the module doc)."""
+    can, pc, alloc = cache.can_admit, cache.prefix, cache.allocator
+    least = floor * cache.plan.num_full_pages
+
+    def floored(prompt_tokens, max_new_tokens=0, **kwargs):
+        if not can(prompt_tokens, max_new_tokens, **kwargs):
+            return False
+        if len(alloc.slot_of) < FLOOR_FROM:
+            return True
+        m = pc._match(prompt_tokens, kwargs.get("token_ids"), kwargs.get("page_keys"))
+        need, _ = pc._room(m, prompt_tokens + max_new_tokens)
+        evicted = max(0, need - (alloc.full.free - alloc.outstanding))
+        return pc._tree.idle_pages - evicted >= least
+
+    cache.can_admit = floored
 
 
 def run(p, requests, window: int, eviction: str) -> dict:
-    weight = float(eviction[len("kvatlas-w"):]) if eviction.startswith("kvatlas-w") else None
+    cap, weight, floor = tree_module.REUSE_CAP, None, None
+    if eviction.startswith("kvatlas-c"):
+        c, w = eviction[len("kvatlas-c"):].split("-w")
+        cap, weight = int(c), float(w)
+    elif eviction.startswith("kvatlas-w"):
+        weight = float(eviction[len("kvatlas-w"):])
+    elif eviction.startswith("floor-"):
+        floor = float(eviction[len("floor-"):])
     cache = kvatlas.allocate(p, backend="none", **({} if weight is None else {"prefix_reuse_weight": weight}))
+    if floor is not None:
+        idle_floor(cache, floor)
     future = Future(cache, requests) if eviction.startswith("oracle") else None
-    saved = Tree._push_page, Tree._push_ckpt
+    saved = Tree._push_page, Tree._push_ckpt, tree_module.REUSE_CAP
+    tree_module.REUSE_CAP = cap
     if future is not None:   # (marked before the admission: it reads the pages, not their next use)
         admit, index = cache.admit, future.index
 
@@ -135,7 +173,7 @@ def run(p, requests, window: int, eviction: str) -> dict:
         r = prefix_vllm.kvatlas_concurrent(p, requests, prefix_vllm.default_time_model(), window=window,
                                            queue_aware=future is None, cache=cache)
     finally:
-        Tree._push_page, Tree._push_ckpt = saved
+        Tree._push_page, Tree._push_ckpt, tree_module.REUSE_CAP = saved
     return {"hit": int(r["hits"].sum()) / sum(x.prompt_tokens for x in requests), "passes": r["passes"],
             "peak_running": r["peak_running"], "ttft": r["ttft_s"]["mean"],
             "evicted": cache.prefix.stats.evicted_pages}
@@ -152,10 +190,16 @@ def main() -> None:
                     "(default kvatlas,oracle)")
     ap.add_argument("--reuse-weights", default="", help="also kvatlas's order at these reuse-credit weights, "
                     "e.g. 0,1,2 (the shipped weight is 0.5)")
+    ap.add_argument("--reuse-caps", default="", help="also kvatlas's order with reads counted up to C at weight W, "
+                    "C:W pairs, e.g. 1:1,1:8 (shipped: 4:0.5)")
+    ap.add_argument("--idle-floors", default="", help="also kvatlas's order with admission keeping this share of "
+                    "the full pages idle past 8 running, e.g. 0.2,0.5,0.8")
     args = ap.parse_args()
     evictions = args.evictions.split(",") + [f"kvatlas-w{w}" for w in args.reuse_weights.split(",") if w]
+    evictions += [f"kvatlas-c{c.split(':')[0]}-w{c.split(':')[1]}" for c in args.reuse_caps.split(",") if c]
+    evictions += [f"floor-{f}" for f in args.idle_floors.split(",") if f]
     for e in evictions:
-        if e not in EVICTIONS and not e.startswith("kvatlas-w"):
+        if e not in EVICTIONS and not e.startswith(("kvatlas-w", "kvatlas-c", "floor-")):
             ap.error(f"--evictions: {e!r} is not one of {', '.join(EVICTIONS)}")
     p = prefix_hit.make_plan(args.budget, args.share, max_running_requests=args.max_running)
     _, requests = prefix_vllm.load(args.trace, 0)
