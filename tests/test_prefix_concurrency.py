@@ -430,6 +430,8 @@ class CappedConcurrency(Concurrency):
         a = self.hot.allocator
         m = self.hot.prefix._match(P, prompt, None)
         short = a._admission_shortfall(a._validate_lengths(P, out), m.resume_pages)
+        if short is not None and short.pool == "full_pages":   # (and its slot's rows, asked before evicting)
+            short = a._slot_rows_shortfall()
         if short is not None and short.pool == "physical":
             self.refusals_judged += 1
             assert self._still_refused("admit", "probe", P, out, token_ids=prompt), \

@@ -324,3 +324,55 @@ def test_prefix_cache_refusals_under_the_cap_evict_nothing():
     check_backing(cache)
     assert n["admitted"] > 300 and n["refused"] > 50 and n["write_refusals"] > 20   # (tight: all three happen)
     assert pc.stats.hit_tokens > 0 and pc.stats.evicted_pages > 0
+
+
+def test_prefix_cache_short_of_pages_and_physical_memory_evicts_nothing():
+    """A plan near its cap: an admission can be short of full pages (which eviction frees) and
+    of physical memory for its slot's state rows (which eviction may not make) at once. It used
+    to evict the pages first, then be refused for physical memory, after `can_admit` had said
+    yes (this run on the old code: 11 such admissions). Now the slot's rows are asked first
+    (`PrefixCache._slot_fits`): if no eviction would map them, nothing is evicted and the
+    admission is refused; `can_admit` says no."""
+    p = kvatlas.plan("tiny-v4", "92MiB", max_model_len=2048, max_running_requests=32, prefix_checkpoints=8,
+                     chunked_prefill_tokens=256)
+    assert p.num_full_pages == 48
+    cap = 26 << 20
+    backend = VmmBackend(StandInDriver(granularity=G), keep_empty_chunks=2, max_physical_bytes=cap, chunk_bytes=G)
+    cache = kvatlas.allocate(p, backend=backend)
+    cm, pc, a = chunkmap(cache), cache.prefix, cache.allocator
+    n = dict(admitted=0, short_pages=0, short_both=0, short_physical=0)
+    seen = []   # the snapshots, before and after each call
+
+    def evicted():
+        s = pc.stats
+        seen.append((s.evicted_pages, s.evicted_checkpoints, s.checkpoints_dropped, cache.prefix.tree.idle_pages))
+        return seen[-1]
+
+    def admission(rid, yes, refusal, changed):
+        if refusal is None:
+            assert yes, f"{rid}: admitted where can_admit said no"
+            n["admitted"] += 1
+            return
+        assert not yes, f"{rid}: can_admit said yes, then the admission was refused ({refusal.pool})"
+        assert not changed, f"{rid}: a refused admission evicted units"
+        if refusal.pool == "full_pages":
+            slot = a._slot_rows_shortfall()
+            n["short_both" if slot is not None and slot.pool == "physical" else "short_pages"] += 1
+        else:
+            assert refusal.pool == "physical"
+            n["short_physical"] += 1
+
+    def write_refused(rid, refusal, changed):
+        # (a refused write may still change the tree's idle count, or drop a resume point: the
+        # pass's upkeep commits captures at its first write, whatever the write's fate; no page
+        # goes for a physical need eviction cannot meet)
+        assert refusal.pool == "physical" and seen[-1][0] == seen[-2][0], f"{rid}: a refused write evicted pages"
+
+    def after_step(step):
+        assert cm.physical_bytes <= cap
+        if step % 100 == 0:
+            check_backing(cache)
+
+    serve_shared_prompts(cache, 1200, 1, evicted, admission, write_refused, after_step)
+    check_backing(cache)
+    assert n["admitted"] > 100 and n["short_both"] > 5 and n["short_pages"] > 20 and n["short_physical"] > 20, n

@@ -121,9 +121,14 @@ class Allocator(Release, Sharing):
             free = self.full.free - self.outstanding
             if pages > free:
                 return PoolExhaustedError("full_pages", pages, free, "pages", "admission")
-        if self.backing is not None:   # the new slot's state rows must be mapped to be cleared
-            return self.backing.shortfall(((REQUEST_SLOTS, self.slots.peek(1)),))
-        return None
+        return self._slot_rows_shortfall()
+
+    def _slot_rows_shortfall(self):
+        """The backing's refusal to map the next slot's state rows (they are cleared at
+        admission), else None (also without a lazy backing)."""
+        if self.backing is None:
+            return None
+        return self.backing.shortfall(((REQUEST_SLOTS, self.slots.peek(1)),))
 
     def can_admit(self, prompt_tokens: int, max_new_tokens: int = 0) -> bool:
         return self._admission_shortfall(self._validate_lengths(prompt_tokens, max_new_tokens)) is None

@@ -266,13 +266,17 @@ class PrefixCache:
         m = self._match(prompt_tokens, token_ids, page_keys)
         need, room = self._room(m, total)
         short = self.alloc._admission_shortfall(total, m.resume_pages)
+        if short is not None and short.pool == "full_pages":
+            if need > room:
+                return False
+            short = self.alloc._slot_rows_shortfall()   # (admit asks it before evicting pages)
         if short is None:
             return True
         if short.pool == "physical":   # (vmm under max_physical_bytes) what eviction would free
             hit = m.path[:m.resume_pages]
             keep = self._tree.ckpt[hit[-1]] if hit and m.writer is None else None
             return self._makes_room(keep, hit)
-        return short.pool == "full_pages" and need <= room
+        return False
 
     # ---------------------------------------------------------------- the waiting queue
     def enqueue(self, request_id, prompt_tokens, *, token_ids=None, page_keys=None) -> None:
@@ -362,10 +366,11 @@ class PrefixCache:
         try:
             need, room = self._room(m, total)
             short = self.alloc._admission_shortfall(total, j)
-            if short is not None and short.pool == "full_pages" and need <= room:
+            keep = self._tree.ckpt[hit[-1]] if hit and m.writer is None else None
+            if short is not None and short.pool == "full_pages" and need <= room and self._slot_fits(keep):
                 self.tree.evict_pages(need - self.alloc.free_full_pages())
                 short = self.alloc._admission_shortfall(total, j)
-            tries, keep = 0, (self._tree.ckpt[hit[-1]] if hit and m.writer is None else None)
+            tries = 0
             while short is not None and short.pool == "physical" and self._need_physical(tries, short, keep):
                 tries += 1
                 short = self.alloc._admission_shortfall(total, j)
@@ -401,6 +406,15 @@ class PrefixCache:
         if self._recorder is not None:
             self._recorder.admitted(request_id, prompt_tokens, m.keys)
         return adm
+
+    def _slot_fits(self, keep) -> bool:
+        """An admission short of full pages, which eviction can free: whether its slot's state
+        rows are mapped too, or evicting every evictable unit (not `keep`; its hit is held) would
+        make room for them. If not, no page is evicted and the admission is refused as it stands
+        (before, it evicted the pages, then was refused for physical memory after a
+        `can_admit` yes)."""
+        short = self.alloc._slot_rows_shortfall()
+        return short is None or short.pool != "physical" or self._makes_room(keep)
 
     def _count_tiers(self, hit) -> None:
         s, P, origin = self.stats, self.P, self._tree.origin
