@@ -6,6 +6,8 @@ mapped over) reads poison instead of the bytes written into it. Small chunks (64
 tiny plan span many of them.
 """
 
+from collections import deque
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -23,8 +25,8 @@ G = 64 << 10
 OPTS = dict(chunked_prefill_tokens=300, draft_tokens=3)
 
 
-def make_cache(model="tiny-v4", keep=2, cap=None, chunk=G, **driver):
-    p = kvatlas.budget_for(model, 4, 2048, **OPTS)
+def make_cache(model="tiny-v4", keep=2, cap=None, chunk=G, plan=None, **driver):
+    p = kvatlas.budget_for(model, 4, 2048, **OPTS) if plan is None else plan
     backend = VmmBackend(StandInDriver(granularity=G, **driver), keep_empty_chunks=keep, max_physical_bytes=cap,
                          chunk_bytes=chunk)
     return kvatlas.allocate(p, backend=backend)
@@ -266,8 +268,7 @@ def test_prefix_cache_evicts_for_physical_memory():
                      chunked_prefill_tokens=256)
     cap = 40 << 20
     assert p.total_bytes > 2 * cap
-    backend = VmmBackend(StandInDriver(granularity=G), keep_empty_chunks=2, max_physical_bytes=cap, chunk_bytes=G)
-    cache = kvatlas.allocate(p, backend=backend)
+    cache = make_cache(cap=cap, plan=p)
     cm = chunkmap(cache)
 
     def within_the_cap(_):
@@ -275,6 +276,28 @@ def test_prefix_cache_evicts_for_physical_memory():
 
     serve_turns(cache, 120, 1024, 100, 256, seed=5, after=within_the_cap)
     assert cache.prefix.stats.evicted_pages >= 40   # (65: the cap holds about 40 requests' pages)
+    check_backing(cache)
+
+
+def serve_capped(cache, cap, seed, on_admission, on_write_refused, seen=None) -> None:
+    """serve_shared_prompts (1,200 steps) on a capped cache: the snapshot compared around each
+    call is the prefix cache's eviction counters and idle pages (each appended to `seen`, if
+    given); physical bytes within the cap after every step; the books recounted every 100 steps
+    and at the end."""
+    cm, pc = chunkmap(cache), cache.prefix
+    seen = deque(maxlen=2) if seen is None else seen
+
+    def evicted():
+        s = pc.stats
+        seen.append((s.evicted_pages, s.evicted_checkpoints, s.checkpoints_dropped, pc.tree.idle_pages))
+        return seen[-1]
+
+    def after_step(step):
+        assert cm.physical_bytes <= cap
+        if step % 100 == 0:
+            check_backing(cache)
+
+    serve_shared_prompts(cache, 1200, seed, evicted, on_admission, on_write_refused, after_step)
     check_backing(cache)
 
 
@@ -293,14 +316,9 @@ def test_prefix_cache_refusals_under_the_cap_evict_nothing():
     p = kvatlas.plan("tiny-v4", "256MiB", max_model_len=2048, max_running_requests=32, prefix_checkpoints=8,
                      chunked_prefill_tokens=256)
     cap = 16 << 20
-    backend = VmmBackend(StandInDriver(granularity=G), keep_empty_chunks=2, max_physical_bytes=cap, chunk_bytes=G)
-    cache = kvatlas.allocate(p, backend=backend)
-    cm, pc = chunkmap(cache), cache.prefix
+    cache = make_cache(cap=cap, plan=p)
+    pc = cache.prefix
     n = dict(admitted=0, refused=0, write_refusals=0)
-
-    def evicted():
-        s = pc.stats
-        return s.evicted_pages, s.evicted_checkpoints, s.checkpoints_dropped, cache.prefix.tree.idle_pages
 
     def admission(rid, yes, refusal, changed):
         if refusal is not None:
@@ -315,13 +333,7 @@ def test_prefix_cache_refusals_under_the_cap_evict_nothing():
         assert refusal.pool == "physical" and not changed, f"{rid}: a refused write evicted units"
         n["write_refusals"] += 1
 
-    def after_step(step):
-        assert cm.physical_bytes <= cap
-        if step % 100 == 0:
-            check_backing(cache)
-
-    serve_shared_prompts(cache, 1200, 0, evicted, admission, write_refused, after_step)
-    check_backing(cache)
+    serve_capped(cache, cap, 0, admission, write_refused)
     assert n["admitted"] > 300 and n["refused"] > 50 and n["write_refusals"] > 20   # (tight: all three happen)
     assert pc.stats.hit_tokens > 0 and pc.stats.evicted_pages > 0
 
@@ -337,16 +349,10 @@ def test_prefix_cache_short_of_pages_and_physical_memory_evicts_nothing():
                      chunked_prefill_tokens=256)
     assert p.num_full_pages == 48
     cap = 26 << 20
-    backend = VmmBackend(StandInDriver(granularity=G), keep_empty_chunks=2, max_physical_bytes=cap, chunk_bytes=G)
-    cache = kvatlas.allocate(p, backend=backend)
-    cm, pc, a = chunkmap(cache), cache.prefix, cache.allocator
+    cache = make_cache(cap=cap, plan=p)
+    a = cache.allocator
     n = dict(admitted=0, short_pages=0, short_both=0, short_physical=0)
-    seen = []   # the snapshots, before and after each call
-
-    def evicted():
-        s = pc.stats
-        seen.append((s.evicted_pages, s.evicted_checkpoints, s.checkpoints_dropped, cache.prefix.tree.idle_pages))
-        return seen[-1]
+    seen = deque(maxlen=2)   # the snapshots before and after the last call
 
     def admission(rid, yes, refusal, changed):
         if refusal is None:
@@ -368,11 +374,5 @@ def test_prefix_cache_short_of_pages_and_physical_memory_evicts_nothing():
         # goes for a physical need eviction cannot meet)
         assert refusal.pool == "physical" and seen[-1][0] == seen[-2][0], f"{rid}: a refused write evicted pages"
 
-    def after_step(step):
-        assert cm.physical_bytes <= cap
-        if step % 100 == 0:
-            check_backing(cache)
-
-    serve_shared_prompts(cache, 1200, 1, evicted, admission, write_refused, after_step)
-    check_backing(cache)
+    serve_capped(cache, cap, 1, admission, write_refused, seen)
     assert n["admitted"] > 100 and n["short_both"] > 5 and n["short_pages"] > 20 and n["short_physical"] > 20, n
