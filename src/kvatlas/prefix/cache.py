@@ -266,15 +266,13 @@ class PrefixCache:
         m = self._match(prompt_tokens, token_ids, page_keys)
         need, room = self._room(m, total)
         short = self.alloc._admission_shortfall(total, m.resume_pages)
-        if short is not None and short.pool == "full_pages":
-            if need > room:
-                return False
-            short = self.alloc._slot_rows_shortfall()   # (admit asks it before evicting pages)
         if short is None:
             return True
+        hit = m.path[:m.resume_pages]
+        keep = self._tree.ckpt[hit[-1]] if hit and m.writer is None else None
+        if short.pool == "full_pages":   # (as admit decides whether to evict pages for them)
+            return need <= room and self._slot_fits(keep, hit)
         if short.pool == "physical":   # (vmm under max_physical_bytes) what eviction would free
-            hit = m.path[:m.resume_pages]
-            keep = self._tree.ckpt[hit[-1]] if hit and m.writer is None else None
             return self._makes_room(keep, hit)
         return False
 
@@ -407,14 +405,14 @@ class PrefixCache:
             self._recorder.admitted(request_id, prompt_tokens, m.keys)
         return adm
 
-    def _slot_fits(self, keep) -> bool:
+    def _slot_fits(self, keep, held=()) -> bool:
         """An admission short of full pages, which eviction can free: whether its slot's state
-        rows are mapped too, or evicting every evictable unit (not `keep`; its hit is held) would
-        make room for them. If not, no page is evicted and the admission is refused as it stands
-        (before, it evicted the pages, then was refused for physical memory after a
-        `can_admit` yes)."""
+        rows are mapped too, or evicting every evictable unit (not `keep`, nor its hit: `held`,
+        or referenced once admit holds it) would make room for them. If not, admit evicts no
+        page and is refused as it stands, and can_admit says no (before, it evicted the pages,
+        then was refused for physical memory after a `can_admit` yes)."""
         short = self.alloc._slot_rows_shortfall()
-        return short is None or short.pool != "physical" or self._makes_room(keep)
+        return short is None or short.pool != "physical" or self._makes_room(keep, held)
 
     def _count_tiers(self, hit) -> None:
         s, P, origin = self.stats, self.P, self._tree.origin
